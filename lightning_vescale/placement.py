@@ -13,8 +13,10 @@ e.g. by distributed Muon); ``dims=()`` means ``P = 1``, so the only legal units 
 
 The local tensor of a ``RaggedShard`` DTensor is the rank's range *flattened to 1-D*, so that it
 can be a view into a flat communication buffer (see ``dbuffer.py``). Everything in this module is
-pure (no process group): the ranges, validation and the decomposition of a flat range into
-rectangles for distributed-checkpoint metadata.
+pure (no process group): the ranges, validation, the decomposition of a flat range into
+rectangles for distributed-checkpoint metadata, and the split sizes of the all-to-alls that
+redistribute a ragged layout (``overlap_splits``, ``chunk_bounds``, ``slab_pieces``). The one
+exception is :func:`ragged_from_local`, the checked way to build a ``RaggedShard`` DTensor.
 
 How DTensor learns to redistribute and compute on this placement lives in one place:
 ``lightning_vescale._ragged_dtensor`` (see design notes there).
@@ -25,12 +27,19 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from torch.distributed.tensor import Placement
+import torch
+from torch.distributed.tensor import DTensor, Placement
 
 __all__ = [
     "RaggedShard",
     "ragged_ranges",
     "flat_range_to_boxes",
+    "ragged_from_local",
+    "overlap_matrix",
+    "overlap_splits",
+    "chunk_bounds",
+    "slab_pieces",
+    "box_numel",
 ]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of a rectangle
@@ -210,3 +219,145 @@ def _boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
     if c1 > 0:  # partial tail slice
         out += prefixed(r1, _boxes(shape[1:], 0, c1))
     return out
+
+
+# -- pure helpers for redistribution (used by ``_ragged_dtensor``) --------------------------------
+def box_numel(box: Box) -> int:
+    """Number of elements in an ``(offsets, sizes)`` box."""
+    return math.prod(box[1])
+
+
+def overlap_matrix(
+    src_ranges: Sequence[tuple[int, int]], dst_ranges: Sequence[tuple[int, int]]
+) -> list[list[int]]:
+    """``m[r][q] = |src_ranges[r] & dst_ranges[q]|``: elements rank ``r`` sends to rank ``q``.
+
+    With both layouts flat ranges in rank order (RaggedShard, or a ``Shard`` whose rows are
+    contiguous in memory), rank ``r``'s local buffer *is* its all-to-all send buffer with split
+    sizes ``m[r]``, and rank ``q``'s receive buffer *is* its new local buffer with split sizes
+    ``[m[r][q] for r]``: one ``all_to_all_single`` and no packing copies.
+    """
+    return [
+        [max(0, min(se, de) - max(ss, ds)) for ds, de in dst_ranges] for ss, se in src_ranges
+    ]
+
+
+def overlap_splits(
+    src_ranges: Sequence[tuple[int, int]],
+    dst_ranges: Sequence[tuple[int, int]],
+    rank: int,
+) -> tuple[list[int], list[int]]:
+    """``rank``'s row and column of :func:`overlap_matrix` in ``O(P)``: its all-to-all
+    ``(input_split_sizes, output_split_sizes)``."""
+    s, e = src_ranges[rank]
+    ds, de = dst_ranges[rank]
+    send = [max(0, min(e, qe) - max(s, qs)) for qs, qe in dst_ranges]
+    recv = [max(0, min(re, de) - max(rs, ds)) for rs, re in src_ranges]
+    return send, recv
+
+
+def chunk_bounds(size: int, num_chunks: int) -> list[tuple[int, int]]:
+    """Per-rank ``[lo, hi)`` of ``torch.chunk`` on a dim of ``size`` (what ``Shard(d)`` uses).
+
+    Chunks have ``ceil(size / num_chunks)`` rows except at the end; trailing ranks may be empty.
+    """
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
+    full = -(-size // num_chunks) if size else 0
+    return [(min(r * full, size), min((r + 1) * full, size)) for r in range(num_chunks)]
+
+
+def slab_pieces(
+    shape: Sequence[int], start: int, end: int, dim: int, lo: int, hi: int
+) -> list[Box]:
+    """The part of the flat range ``[start, end)`` that lies in the slab ``lo <= x[dim] < hi``.
+
+    Returned as boxes in flat (row-major) order, so that walking them in order and each
+    row-major visits exactly the range's elements of the slab in global flat order. This is the
+    packing order of a ``RaggedShard <-> Shard(dim)`` all-to-all message.
+    """
+    out: list[Box] = []
+    for offsets, sizes in flat_range_to_boxes(shape, start, end):
+        a = max(offsets[dim], lo)
+        b = min(offsets[dim] + sizes[dim], hi)
+        if a < b:
+            out.append((
+                offsets[:dim] + (a,) + offsets[dim + 1:],
+                sizes[:dim] + (b - a,) + sizes[dim + 1:],
+            ))
+    return out
+
+
+def ragged_from_local(
+    local: torch.Tensor,
+    mesh,
+    placement: RaggedShard | Sequence[RaggedShard],
+    shape: Sequence[int],
+    stride: Sequence[int] | None = None,
+) -> DTensor:
+    """``DTensor.from_local`` for a ``RaggedShard``, with the checks torch does not do.
+
+    Args:
+        local: this rank's flat 1-D slice (``numel == placement.local_numel(shape, rank)``);
+            it is wrapped without a copy, so it may be a view into a flat buffer.
+        mesh: a 1-D ``DeviceMesh``.
+        placement: the ``RaggedShard`` (or a one-element sequence holding it).
+        shape: the global shape. ``stride``: the global stride (default: contiguous).
+
+    Raises:
+        ValueError: bad placement for ``shape``/mesh, or a local tensor of the wrong size/rank.
+        NotImplementedError: a mesh with more than one dimension.
+    """
+    if not isinstance(placement, RaggedShard):
+        placements = tuple(placement)
+        if len(placements) != 1 or not isinstance(placements[0], RaggedShard):
+            raise TypeError(
+                f"ragged_from_local: placement must be a RaggedShard, got {placement!r}"
+            )
+        placement = placements[0]
+    if mesh.ndim != 1:
+        raise NotImplementedError(
+            f"RaggedShard supports 1-D device meshes only (the FSDP case); got a "
+            f"{mesh.ndim}-D mesh {tuple(mesh.shape)}. Flatten the mesh or use a 1-D sub-mesh."
+        )
+    shape = tuple(int(s) for s in shape)
+    placement.validate(shape, mesh.size(0))
+    if not isinstance(local, torch.Tensor):
+        raise TypeError(f"ragged_from_local: local must be a torch.Tensor, got {type(local)}")
+    rank = mesh.get_local_rank(0)
+    expected = placement.local_numel(shape, rank)
+    if local.dim() != 1 or local.numel() != expected:
+        raise ValueError(
+            f"ragged_from_local: rank {rank} of {placement!r} on shape {shape} expects a flat "
+            f"1-D local tensor of {expected} elements, got shape {tuple(local.shape)} "
+            f"({local.numel()} elements); pass this rank's flat slice "
+            f"(full.reshape(-1)[start:end] with (start, end) = "
+            f"placement.local_range(shape, rank))."
+        )
+    if stride is None:
+        stride = _contiguous_stride(shape)
+    if len(shape) == 0:
+        # torch's from_local treats shape=() as "not given" (it is falsy) and then asks a C++
+        # helper that rejects RaggedShard; 0-d tensors take an equivalent path instead.
+        from lightning_vescale._ragged_dtensor import from_local_0d
+
+        return from_local_0d(local, mesh, placement)
+    return DTensor.from_local(
+        local, mesh, (placement,), run_check=False, shape=torch.Size(shape),
+        stride=tuple(int(s) for s in stride),
+    )
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride = []
+    acc = 1
+    for s in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(stride))
+
+
+# Teach DTensor to redistribute / checkpoint RaggedShard tensors (idempotent; see that module).
+import lightning_vescale._ragged_dtensor  # noqa: E402,F401  (installs on import)
+# Teach DTensor operators (pointwise, _foreach_*, norms, reductions) about RaggedShard (idempotent).
+import lightning_vescale._ragged_ops  # noqa: E402,F401  (installs on import)
