@@ -1,0 +1,578 @@
+"""``MemoryProfiler``: where every byte of a (sharded) training run goes, per rank and per phase.
+
+Why it exists
+-------------
+"Why did rank 3 run out of memory, and what did sharding save me?" needs three things the
+Trainer does not give: peaks *per phase* (forward, backward, optimizer step, checkpoint save),
+per *rank*, and a breakdown of the bytes into parameters (sharded / unsharded), gradients,
+optimizer states and communication buffers, with the rest shown as activations/other rather than
+hidden. This callback works with any strategy (``vescale_fsdp``, Lightning's DDP/FSDP/
+ModelParallel, a single device), so strategies can be compared with the same yardstick.
+
+How it measures
+---------------
+* Device figures come from :class:`~lightning_vescale.callbacks._memory_device.DeviceMemory`: the
+  caching allocator on an accelerator (``memory_allocated`` / ``max_memory_allocated``, peaks reset
+  with ``reset_peak_memory_stats`` at each phase boundary), the process RSS and its high-water mark
+  on CPU (``VmRSS`` / ``VmHWM``, reset through ``/proc/self/clear_refs``).
+* The breakdown comes from :func:`~lightning_vescale.callbacks._memory_accounting.account`: live
+  tensors reachable from the module, the optimizers and the live ``DBuffer``s (by role, see
+  :func:`engine_tensors`), each storage byte counted once. ``activations/other`` = current
+  device figure − named bytes (on CPU that includes the ~220 MB torch runtime and the pages the
+  C allocator keeps after frees).
+* Phases are delimited by the Trainer hooks: ``on_train_batch_start`` → forward →
+  ``on_before_backward`` → backward → ``on_after_backward`` → other → ``on_before_optimizer_step``
+  → optimizer step → ``on_train_batch_end``; ``checkpoint_save`` covers ``trainer.save_checkpoint``
+  (state-dict gathering and the write). Everything else (data loading, validation, the training
+  batches that are not profiled) is the ``other`` phase, so the run's overall peak is never lost.
+
+Cost
+----
+Only every ``every_n_steps``-th training batch (default: the Trainer's ``log_every_n_steps``) is
+profiled: five peak reads/resets (microseconds each), five tensor walks (about a millisecond for
+a few hundred parameters) and, when the Trainer has loggers, one ``all_gather`` of ~20 floats.
+All other hooks return after one integer comparison. The measured overhead is in
+``benchmarks/RESULTS_memory.md``. Allocator history recording (snapshots) is off by default: it
+costs real time on every allocation and is only for debugging.
+
+Outputs
+-------
+* Logged metrics (rank zero, through every Trainer logger; MiB; ``max`` and ``mean`` over ranks),
+  once per profiled batch: ``memory_mib/{name}_{max|mean}`` for ``peak`` and ``peak_{phase}``
+  (the phases that ended since the previous log; ``peak_other`` includes the unprofiled batches),
+  and for ``current``, each breakdown category, ``activations_other`` and ``off_device`` (bytes
+  of the run's tensors on another device, e.g. CPU offload; not part of ``current``), each the
+  largest value at the batch's phase boundaries.
+* A summary table at the end of ``fit`` on rank zero (``rank_zero_info``, also with
+  ``logger=False``), kept in :attr:`MemoryProfiler.table`.
+* With ``plot_dir``: ``memory_timeline_rank{r}.png`` per rank (needs ``matplotlib``:
+  ``pip install 'lightning-vescale[plot]'``).
+* On CUDA with ``snapshot_dir``: allocator snapshots (``oom_rank{r}.pickle`` on out-of-memory,
+  ``batch{n}_rank{r}.pickle`` at ``snapshot_at_step``) for https://pytorch.org/memory_viz.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_vescale.callbacks._memory_accounting import (
+    CATEGORIES,
+    MemoryBreakdown,
+    account,
+    collect_training_tensors,
+)
+from lightning_vescale.callbacks._memory_device import DeviceMemory
+
+__all__ = ["MemoryProfiler", "MemorySample", "PHASES", "engine_tensors", "format_table"]
+
+#: Phases in table order. ``other`` is everything outside the first four on profiled batches,
+#: plus every batch that is not profiled (so the overall peak is always covered).
+PHASES: tuple[str, ...] = ("forward", "backward", "optimizer_step", "checkpoint_save", "other")
+
+_MIB = float(1 << 20)
+#: breakdown figures, logged and tabulated as their largest value over the phase boundaries.
+_FIGURES: tuple[str, ...] = CATEGORIES + ("activations_other", "off_device")
+_PLOT_HINT = (
+    "MemoryProfiler(plot_dir=...) needs matplotlib; install it with "
+    "`pip install 'lightning-vescale[plot]'` (or `pip install matplotlib`), or set plot_dir=None."
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemorySample:
+    """One observation at a phase boundary on one rank.
+
+    ``phase`` is the phase that just *ended* at this boundary and ``phase_peak`` its high-water
+    mark (bytes; ``None`` where the source cannot reset peaks). ``current`` is the device figure
+    at the boundary and ``breakdown`` the named bytes at that moment.
+    """
+
+    seq: int
+    batch: int
+    time_s: float
+    phase: str
+    phase_peak: int | None
+    current: int | None
+    breakdown: MemoryBreakdown | None
+
+    @property
+    def activations_other(self) -> int | None:
+        """``current`` minus the named bytes: activations, temporaries, runtime, cache."""
+        if self.current is None or self.breakdown is None:
+            return None
+        return self.current - self.breakdown.total
+
+
+def engine_tensors() -> tuple[dict[str, list[torch.Tensor]], int]:
+    """Storage of the live ``DBuffer``s of :mod:`lightning_vescale.dbuffer`, by role.
+
+    Returns ``({category: tensors}, extra_comm_bytes)``. A ``DBuffer``'s owned ``shard`` is sharded
+    parameter memory, its ``full`` buffer (the all-gather output that unsharded parameters view)
+    unsharded parameter memory, ``grad_full``/``grad_shard`` gradient memory (padding included:
+    it is what the layout costs), and the temporaries of in-flight collectives
+    (``memory_bytes()["comm"]``) communication buffers. Freed storages count as zero. Empty when
+    the engine is not in use.
+    """
+    found: dict[str, list[torch.Tensor]] = {
+        "params_sharded": [], "params_unsharded": [], "grads": [], "comm_buffers": []}
+    try:
+        from lightning_vescale import dbuffer as _dbuffer
+    except ImportError:
+        return found, 0
+    live = getattr(_dbuffer, "live_dbuffers", None)
+    if not callable(live):
+        return found, 0
+    extra = 0
+    roles = (("shard", "params_sharded"), ("full", "params_unsharded"),
+             ("grad_full", "grads"), ("grad_shard", "grads"))
+    for buf in live():
+        for attr, cat in roles:
+            t = getattr(buf, attr, None)
+            if isinstance(t, torch.Tensor):
+                found[cat].append(t)
+        mb = getattr(buf, "memory_bytes", None)
+        if callable(mb):
+            try:
+                extra += int(mb().get("comm", 0))
+            except Exception:  # noqa: BLE001 - accounting must never break training
+                pass
+    return found, extra
+
+
+def _mib(x: int | float | None) -> float:
+    return float("nan") if x is None else float(x) / _MIB
+
+
+class MemoryProfiler(Callback):
+    """Per-rank device memory with a per-phase peak and a breakdown (see the module docstring).
+
+    Args:
+        every_n_steps: profile one training batch in this many (the first batch, then every
+            n-th). ``None`` uses the Trainer's ``log_every_n_steps``. ``1`` profiles every batch.
+        plot_dir: directory for ``memory_timeline_rank{r}.png`` (one per rank, written at the end
+            of ``fit``). ``None``: no plot. Needs ``matplotlib`` (the ``plot`` extra).
+        print_table: log the summary table on rank zero at the end of ``fit``.
+        track_checkpoint: time ``trainer.save_checkpoint`` as the ``checkpoint_save`` phase (the
+            callback wraps that method for the duration of ``fit``).
+        breakdown: compute the tensor breakdown at each boundary of profiled batches. ``False``
+            keeps only device figures (cheapest).
+        max_samples: cap on the stored timeline (samples per rank); later samples still update
+            the metrics and the table but are not plotted.
+        snapshot_dir: CUDA only: directory for allocator snapshots. ``None``: none.
+        snapshot_on_oom: CUDA only: record allocator history and dump ``oom_rank{r}.pickle`` when
+            a CUDA out-of-memory error happens. Recording costs time on every allocation.
+        snapshot_at_step: CUDA only: dump ``batch{n}_rank{r}.pickle`` at the end of training
+            batch ``n`` (0-based count of training batches in this ``fit``).
+        snapshot_max_entries: allocator history length kept for snapshots.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        plot_dir: str | None = None,
+        print_table: bool = True,
+        track_checkpoint: bool = True,
+        breakdown: bool = True,
+        max_samples: int = 10_000,
+        snapshot_dir: str | None = None,
+        snapshot_on_oom: bool = False,
+        snapshot_at_step: int | None = None,
+        snapshot_max_entries: int = 100_000,
+    ) -> None:
+        super().__init__()
+        if every_n_steps is not None and (not isinstance(every_n_steps, int) or every_n_steps < 1):
+            raise ValueError(
+                f"MemoryProfiler(every_n_steps={every_n_steps!r}): expected a positive int or None "
+                "(None follows the Trainer's log_every_n_steps)."
+            )
+        if not isinstance(max_samples, int) or max_samples < 0:
+            raise ValueError(f"MemoryProfiler(max_samples={max_samples!r}): expected an int >= 0.")
+        if snapshot_at_step is not None and (not isinstance(snapshot_at_step, int)
+                                             or snapshot_at_step < 0):
+            raise ValueError(
+                f"MemoryProfiler(snapshot_at_step={snapshot_at_step!r}): expected an int >= 0 "
+                "or None."
+            )
+        if (snapshot_on_oom or snapshot_at_step is not None) and snapshot_dir is None:
+            raise ValueError(
+                "MemoryProfiler: snapshot_on_oom/snapshot_at_step need snapshot_dir=<directory>."
+            )
+        if not isinstance(snapshot_max_entries, int) or snapshot_max_entries < 1:
+            raise ValueError(
+                f"MemoryProfiler(snapshot_max_entries={snapshot_max_entries!r}): expected an "
+                "int >= 1."
+            )
+        self.every_n_steps = every_n_steps
+        self.plot_dir = plot_dir
+        self.print_table = print_table
+        self.track_checkpoint = track_checkpoint
+        self.breakdown = breakdown
+        self.max_samples = max_samples
+        self.snapshot_dir = snapshot_dir
+        self.snapshot_on_oom = snapshot_on_oom
+        self.snapshot_at_step = snapshot_at_step
+        self.snapshot_max_entries = snapshot_max_entries
+        #: the summary table of the last ``fit`` (rank zero; ``None`` before the end of ``fit``).
+        self.table: str | None = None
+        #: this rank's timeline of the last ``fit`` (see :class:`MemorySample`).
+        self.samples: list[MemorySample] = []
+        #: this rank's highest peak per phase over the last ``fit`` (bytes).
+        self.phase_peaks: dict[str, int] = {}
+        #: paths written by this rank (plot, snapshots).
+        self.written: list[str] = []
+        #: legend labels of the phase panel of this rank's last plot (which phases it marks).
+        self.plot_labels: list[str] = []
+        self._reset_state()
+
+    # ---------------------------------------------------------------------------------------
+    # state
+    # ---------------------------------------------------------------------------------------
+    def _reset_state(self) -> None:
+        self._mem: DeviceMemory | None = None
+        self._n = 1
+        self._batches = 0
+        self._batch = -1
+        self._active = False
+        self._phase: str | None = None
+        self._seq = 0
+        self._t0 = time.perf_counter()
+        self._pending: dict[str, int] = {}
+        # largest value of each figure over the boundaries since the last log / over the run
+        self._step_max: dict[str, int] = {}
+        self._run_max: dict[str, int] = {}
+        self._trainer: Trainer | None = None
+        self._module: LightningModule | None = None
+        self._wrapped_save = False
+        self._recording = False
+        self._oom_dumped = False
+        self._warned_cap = False
+
+    @property
+    def _rank(self) -> int:
+        return self._trainer.global_rank if self._trainer is not None else 0
+
+    # ---------------------------------------------------------------------------------------
+    # measuring
+    # ---------------------------------------------------------------------------------------
+    def _measure_breakdown(self) -> MemoryBreakdown | None:
+        if not self.breakdown or self._mem is None:
+            return None
+        trainer, module = self._trainer, self._module
+        modules = [module] if module is not None else []
+        optimizers = list(trainer.optimizers) if trainer is not None else []
+        found = collect_training_tensors(modules, optimizers)
+        engine, extra = engine_tensors()
+        for cat, tensors in engine.items():
+            found.setdefault(cat, []).extend(tensors)
+        return account(device=self._mem.device, extra_comm_bytes=extra, **found)
+
+    def _enter(self, phase: str) -> None:
+        """Close the current phase (record a sample) and start ``phase`` with a fresh peak."""
+        mem = self._mem
+        if mem is None:
+            return
+        ended = self._phase
+        if ended is not None:
+            current, peak = mem.current_and_peak()
+            if not mem.can_reset_peak:
+                peak = None  # a high-water mark since process start is no phase peak
+            sample = MemorySample(
+                seq=self._seq,
+                batch=self._batch,
+                time_s=time.perf_counter() - self._t0,
+                phase=ended,
+                phase_peak=peak,
+                current=current,
+                breakdown=self._measure_breakdown(),
+            )
+            self._seq += 1
+            if peak is not None:
+                self._pending[ended] = max(self._pending.get(ended, 0), peak)
+                self.phase_peaks[ended] = max(self.phase_peaks.get(ended, 0), peak)
+            if len(self.samples) < self.max_samples:
+                self.samples.append(sample)
+            elif not self._warned_cap:
+                self._warned_cap = True
+                rank_zero_warn(
+                    f"MemoryProfiler: timeline capped at max_samples={self.max_samples}; later "
+                    "samples update metrics and the table but are not plotted."
+                )
+            figures: dict[str, int | None] = {"current": sample.current,
+                                              "activations_other": sample.activations_other}
+            if sample.breakdown is not None:
+                figures.update(sample.breakdown.as_dict())
+                figures["off_device"] = sample.breakdown.off_device
+            for key, val in figures.items():
+                if val is not None:
+                    for acc in (self._step_max, self._run_max):
+                        acc[key] = max(acc.get(key, val), val)
+        self._phase = phase
+        mem.reset_peak()
+
+    # ---------------------------------------------------------------------------------------
+    # Lightning hooks
+    # ---------------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.plot_dir is not None:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError as err:
+                raise ModuleNotFoundError(_PLOT_HINT) from err
+        self._reset_state()
+        self.samples = []
+        self.phase_peaks = {}
+        self.written = []
+        self.plot_labels = []
+        self.table = None
+        self._trainer = trainer
+        self._module = pl_module
+        self._n = self.every_n_steps or max(1, int(trainer.log_every_n_steps or 1))
+        self._mem = DeviceMemory(trainer.strategy.root_device)
+        if self.track_checkpoint and "save_checkpoint" not in vars(trainer):
+            original = trainer.save_checkpoint
+
+            def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+                resume = self._phase or "other"
+                self._enter("checkpoint_save")
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    self._enter(resume)
+
+            trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+            self._wrapped_save = True
+        self._start_snapshots()
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._module = pl_module  # the strategy may have wrapped/replaced modules since setup
+        self._t0 = time.perf_counter()
+        self._enter("other")
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._batch = self._batches
+        self._active = self._batches % self._n == 0
+        self._batches += 1
+        if self._active:
+            self._enter("forward")
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule,
+                           loss: torch.Tensor) -> None:
+        if self._active:
+            self._enter("backward")
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._active:
+            self._enter("other")
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
+                                 optimizer: Any) -> None:
+        if self._active:
+            self._enter("optimizer_step")
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        if self._active:
+            self._enter("other")
+            self._log(trainer)
+            self._active = False
+        if self.snapshot_at_step is not None and self._batch == self.snapshot_at_step:
+            self._dump_snapshot(f"batch{self._batch}_rank{self._rank}.pickle")
+            if not self.snapshot_on_oom:
+                self._stop_snapshots()
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._enter("other")  # close the trailing phase so its peak is counted
+        rows = self._gather(self._summary_vector(), trainer)
+        table = format_table(rows, source=self._mem.source if self._mem else "n/a")
+        if trainer.is_global_zero:
+            self.table = table
+            if self.print_table:
+                rank_zero_info(table)
+        if self.plot_dir is not None:
+            from lightning_vescale.callbacks._memory_plot import plot_timeline
+
+            os.makedirs(self.plot_dir, exist_ok=True)
+            path = os.path.join(self.plot_dir, f"memory_timeline_rank{self._rank}.png")
+            self.plot_labels = plot_timeline(self.samples, path, rank=self._rank,
+                                             source=self._mem.source if self._mem else "")
+            self.written.append(path)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule,
+                     exception: BaseException) -> None:
+        if self._recording and self.snapshot_on_oom and not self._oom_dumped and _is_oom(exception):
+            self._dump_snapshot(f"oom_rank{self._rank}.pickle")
+            self._oom_dumped = True
+        self._restore(trainer)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._restore(trainer)
+
+    def _restore(self, trainer: Trainer) -> None:
+        if self._wrapped_save:
+            vars(trainer).pop("save_checkpoint", None)
+            self._wrapped_save = False
+        self._stop_snapshots()
+
+    # ---------------------------------------------------------------------------------------
+    # logging
+    # ---------------------------------------------------------------------------------------
+    def _step_vector(self) -> tuple[list[str], list[float]]:
+        peaks = [self._pending.get(p) for p in PHASES]
+        known = [p for p in peaks if p is not None]
+        names = ["current", "peak"] + [f"peak_{p}" for p in PHASES]
+        values = [_mib(self._step_max.get("current")), _mib(max(known) if known else None)]
+        values += [_mib(p) for p in peaks]
+        names += list(_FIGURES)
+        values += [_mib(self._step_max.get(c)) for c in _FIGURES]
+        return names, values
+
+    def _gather(self, values: Sequence[float], trainer: Trainer) -> torch.Tensor:
+        """``(world, k)`` float64 tensor of every rank's ``values`` (collective on every rank)."""
+        device = trainer.strategy.root_device
+        t = torch.tensor(list(values), dtype=torch.float64, device=device)
+        if trainer.world_size > 1:
+            t = trainer.strategy.all_gather(t)
+        if t.dim() == 1:
+            t = t.unsqueeze(0)
+        return t.cpu()
+
+    def _log(self, trainer: Trainer) -> None:
+        loggers = trainer.loggers
+        if loggers:  # same on every rank, so the collective is entered by all or none
+            names, values = self._step_vector()
+            table = self._gather(values, trainer)
+            if trainer.is_global_zero:
+                metrics: dict[str, float] = {}
+                for j, name in enumerate(names):
+                    col = table[:, j]
+                    ok = col[~torch.isnan(col)]
+                    if ok.numel() == 0:
+                        continue
+                    metrics[f"memory_mib/{name}_max"] = float(ok.max())
+                    metrics[f"memory_mib/{name}_mean"] = float(ok.mean())
+                step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped",
+                               trainer.global_step)
+                for logger in loggers:
+                    logger.log_metrics(metrics, step=step)
+        self._pending = {}
+        self._step_max = {}
+
+    def _summary_vector(self) -> list[float]:
+        values = [_mib(self.phase_peaks.get(p)) for p in PHASES]
+        values += [_mib(self._run_max.get(c)) for c in _FIGURES]
+        values += [_mib(self._run_max.get("current"))]
+        return values
+
+    def summary(self) -> str | None:
+        """The summary table of the last ``fit`` (rank zero), or ``None``."""
+        return self.table
+
+    # ---------------------------------------------------------------------------------------
+    # CUDA allocator snapshots
+    # ---------------------------------------------------------------------------------------
+    def _start_snapshots(self) -> None:
+        wanted = self.snapshot_on_oom or self.snapshot_at_step is not None
+        if not wanted or self._mem is None:
+            return
+        if self._mem.device.type != "cuda":
+            rank_zero_warn(
+                "MemoryProfiler: allocator snapshots (snapshot_on_oom/snapshot_at_step) need a "
+                f"CUDA device; training runs on {self._mem.device}, so none will be written."
+            )
+            return
+        os.makedirs(self.snapshot_dir, exist_ok=True)  # type: ignore[arg-type]
+        torch.cuda.memory._record_memory_history(max_entries=self.snapshot_max_entries)
+        self._recording = True
+        attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+        if self.snapshot_on_oom and callable(attach):
+            def observer(device: int, alloc: int, device_alloc: int, device_free: int) -> None:
+                if self._recording and not self._oom_dumped:
+                    self._oom_dumped = True
+                    self._dump_snapshot(f"oom_rank{self._rank}.pickle")
+
+            attach(observer)
+
+    def _dump_snapshot(self, name: str) -> None:
+        if not self._recording or self.snapshot_dir is None:
+            return
+        path = os.path.join(self.snapshot_dir, name)
+        try:
+            torch.cuda.memory._dump_snapshot(path)
+            self.written.append(path)
+        except Exception as err:  # noqa: BLE001 - a failed dump must not end training
+            rank_zero_warn(f"MemoryProfiler: could not write allocator snapshot {path}: {err}")
+
+    def _stop_snapshots(self) -> None:
+        if self._recording:
+            self._recording = False
+            try:
+                torch.cuda.memory._record_memory_history(enabled=None)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _is_oom(exc: BaseException) -> bool:
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    return (oom is not None and isinstance(exc, oom)) or "out of memory" in str(exc).lower()
+
+
+_ROW_LABELS = (
+    [(f"peak: {p}", True) for p in PHASES]
+    + [
+        ("params (sharded)", False),
+        ("params (unsharded)", False),
+        ("gradients", False),
+        ("optimizer states", False),
+        ("communication buffers", False),
+        ("activations/other", False),
+        ("off-device tensors", False),
+        ("current (total)", False),
+    ]
+)
+
+
+def _fmt(mib: float) -> str:
+    a = abs(mib)
+    return f"{mib:.1f}" if a >= 100 else f"{mib:.2f}" if a >= 1 or a == 0 else f"{mib:.4f}"
+
+
+def format_table(rows: torch.Tensor, *, source: str) -> str:
+    """Summary table from ``(world, k)`` per-rank summary vectors (MiB).
+
+    The first block is each phase's peak over the run; the second is the breakdown, each line
+    being that figure's largest value at any phase boundary of the run (so the lines need not add
+    up to ``current (total)``, the largest device figure at a boundary).
+    """
+    world = rows.shape[0]
+    head = f"{'':<24}{'max MiB':>12}{'mean MiB':>12}{'max rank':>10}"
+    lines = [
+        f"MemoryProfiler summary: {world} rank(s), {source}",
+        head,
+        "-" * len(head),
+    ]
+    for j, (label, _is_peak) in enumerate(_ROW_LABELS):
+        if j == len(PHASES):
+            lines.append("breakdown (largest at any phase boundary):")
+        col = rows[:, j]
+        ok = ~torch.isnan(col)
+        if not bool(ok.any()):
+            lines.append(f"{label:<24}{'n/a':>12}{'n/a':>12}{'':>10}")
+            continue
+        vals = torch.where(ok, col, torch.full_like(col, -math.inf))
+        mx, arg = float(vals.max()), int(vals.argmax())
+        mean = float(col[ok].mean())
+        lines.append(f"{label:<24}{_fmt(mx):>12}{_fmt(mean):>12}{arg:>10d}")
+    return "\n".join(lines)

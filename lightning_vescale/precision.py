@@ -1,0 +1,412 @@
+"""Layer 5: ``VeScalePrecision`` — Lightning's precision flags mapped onto ``fully_shard``.
+
+Design note [precision]
+-----------------------
+With a sharding engine, mixed precision is not an ``autocast`` affair alone: the engine keeps the
+fp32 shards (the "master weights"), all-gathers them in ``param_dtype`` and reduce-scatters
+gradients in ``reduce_dtype``. So a precision flag maps onto a
+:class:`~lightning_vescale.fsdp.MixedPrecisionPolicy` that the strategy hands to ``fully_shard``:
+
+=============  ==========================  =========================  =====================
+flag           stored shards               policy (param / reduce)    forward context
+=============  ==========================  =========================  =====================
+``32-true``    fp32                        none                       none
+``bf16-mixed`` fp32                        bf16 / fp32                ``autocast(bf16)``
+``16-mixed``   fp32                        fp16 / fp32                ``autocast(fp16)`` + scaler
+``bf16-true``  bf16 (module cast)          none                       default dtype bf16
+=============  ==========================  =========================  =====================
+
+``autocast`` runs on the strategy's device type (never hard-coded ``"cuda"``); it keeps numerically
+sensitive ops (softmax, cross-entropy, norms) in fp32 on top of the bf16/fp16 parameters.
+
+Gradients of sharded parameters are ``DTensor`` shards, so the generic tools are wrong or
+unsupported on them: a norm computed per rank is a partial norm, a grad scaler's found-inf flag
+differs between ranks (one rank skipping ``step`` while another steps desynchronises the model).
+This module therefore owns the sharding-aware versions:
+
+* :func:`clip_grad_norm_` sums ``|g|^p`` over each rank's *owned* elements, all-reduces once and
+  scales every local shard by the same coefficient — the exact global norm of the full gradient.
+  Replicated gradients (plain tensors / ``Replicate``) are counted once, not once per rank.
+* :func:`clip_grad_value_` clamps local shards (element-wise, so it needs no communication).
+* :class:`ShardedGradScaler` unscales local shards and all-reduces (MAX) the found-inf flag, so
+  every rank takes the same skip/step decision and the same scale update.
+
+Both the Trainer plugin (:class:`VeScalePrecision`) and the Fabric plugin
+(:class:`VeScaleFabricPrecision`) share :class:`_VeScalePrecisionMixin`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.precision.precision import Precision as FabricPrecision
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.pytorch.plugins.precision.precision import Precision
+from lightning_utilities import apply_to_collection
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import get_args, override
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning_vescale.fsdp import MixedPrecisionPolicy
+
+__all__ = [
+    "VeScalePrecision",
+    "VeScaleFabricPrecision",
+    "ShardedGradScaler",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "PrecisionFlag",
+]
+
+PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"]
+_SUPPORTED: tuple[str, ...] = get_args(PrecisionFlag)
+_ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed"}
+
+
+# ------------------------------------------------------------------------------------------------
+# Sharding-aware gradient utilities
+# ------------------------------------------------------------------------------------------------
+def _local_and_kind(grad: Tensor) -> tuple[Tensor, bool, Any]:
+    """``(local tensor, is_sharded, process group or None)`` of a (possibly DTensor) gradient."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(grad, DTensor):
+        mesh = grad.device_mesh
+        sharded = any(not isinstance(p, Replicate) for p in grad.placements)
+        group = mesh.get_group() if mesh.ndim == 1 else None
+        return grad.to_local(), sharded, group
+    return grad, False, None
+
+
+def _grads(parameters: Union[Tensor, Iterable[Tensor]]) -> list[Tensor]:
+    if isinstance(parameters, Tensor):
+        parameters = [parameters]
+    return [p.grad for p in parameters if p.grad is not None]
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Union[Tensor, Iterable[Tensor]],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> Tensor:
+    """Clip gradients by their *global* norm, correct for sharded (``DTensor``) gradients.
+
+    Same contract as :func:`torch.nn.utils.clip_grad_norm_`: returns the total norm (before
+    clipping) as a 0-dim fp32 tensor, identical on every rank, and scales all gradients in place by
+    ``min(1, max_norm / (total + 1e-6))``. Sharded gradients contribute their owned elements on
+    each rank (one all-reduce over their group); replicated ones are counted once.
+    """
+    max_norm, norm_type = float(max_norm), float(norm_type)
+    grads = _grads(parameters)
+    locals_: list[Tensor] = []
+    group = None
+    device = None
+    sharded_acc = replicated_acc = None
+    inf = math.isinf(norm_type)
+    for g in grads:
+        local, sharded, g_group = _local_and_kind(g)
+        locals_.append(local)
+        device = device or local.device
+        if sharded and g_group is not None:
+            group = g_group
+        if local.numel() == 0:
+            part = torch.zeros((), dtype=torch.float32, device=local.device)
+        elif inf:
+            part = local.detach().abs().max().float()
+        else:
+            part = local.detach().float().abs().pow(norm_type).sum()
+        if sharded:
+            sharded_acc = part if sharded_acc is None else (
+                torch.maximum(sharded_acc, part) if inf else sharded_acc + part)
+        else:
+            replicated_acc = part if replicated_acc is None else (
+                torch.maximum(replicated_acc, part) if inf else replicated_acc + part)
+    if device is None:
+        return torch.zeros(())
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    sharded_acc = zero if sharded_acc is None else sharded_acc
+    replicated_acc = zero if replicated_acc is None else replicated_acc
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(sharded_acc, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
+                        group=group)
+    if inf:
+        total = torch.maximum(sharded_acc, replicated_acc)
+    else:
+        total = (sharded_acc + replicated_acc).pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be "
+            "clipped. Set `error_if_nonfinite=False` to skip this check."
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for local in locals_:
+        local.mul_(coef.to(device=local.device, dtype=local.dtype))
+    return total
+
+
+@torch.no_grad()
+def clip_grad_value_(parameters: Union[Tensor, Iterable[Tensor]], clip_value: float) -> None:
+    """Clamp every gradient element to ``[-clip_value, clip_value]`` (local shards, no comms)."""
+    clip_value = float(clip_value)
+    for g in _grads(parameters):
+        local, _, _ = _local_and_kind(g)
+        local.clamp_(min=-clip_value, max=clip_value)
+
+
+class ShardedGradScaler(torch.amp.GradScaler):
+    """A ``GradScaler`` for sharded gradients: unscales local shards, agrees on found-inf.
+
+    Every rank only sees its own gradient shard, so an overflow may be visible on one rank only.
+    The found-inf flag is all-reduced with MAX over the default process group (the data-parallel
+    world of ``fully_shard``), so all ranks skip or take the step together and update the scale
+    identically.
+    """
+
+    def __init__(self, device: str = "cuda", init_scale: float = 2.0**16,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True,
+                 process_group: Any = None) -> None:
+        super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
+                         backoff_factor=backoff_factor, growth_interval=growth_interval,
+                         enabled=enabled)
+        self.process_group = process_group
+
+    @override
+    def _unscale_grads_(self, optimizer: Optimizer, inv_scale: Tensor, found_inf: Tensor,
+                        allow_fp16: bool) -> dict[torch.device, Tensor]:
+        per_device: dict[torch.device, dict[torch.dtype, list[Tensor]]] = defaultdict(
+            lambda: defaultdict(list))
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is None:
+                        continue
+                    if not allow_fp16 and param.grad.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    local, _, _ = _local_and_kind(param.grad)
+                    per_device[local.device][local.dtype].append(local)
+            found: dict[torch.device, Tensor] = {}
+            for device, per_dtype in per_device.items():
+                f = found_inf.to(device)
+                s = inv_scale.to(device)
+                for grads in per_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, f, s)
+                found[device] = f
+            if not found:  # this rank holds no gradient at all: still take part in the agreement
+                found[found_inf.device] = found_inf
+        if dist.is_available() and dist.is_initialized():
+            for f in found.values():
+                dist.all_reduce(f, op=dist.ReduceOp.MAX, group=self.process_group)
+        return found
+
+
+# ------------------------------------------------------------------------------------------------
+# Precision plugins
+# ------------------------------------------------------------------------------------------------
+class _VeScalePrecisionMixin:
+    """The flag -> (policy, dtypes, contexts) mapping shared by the Trainer and Fabric plugins."""
+
+    precision: str
+    scaler: Optional[ShardedGradScaler]
+    _device_type: Optional[str]
+
+    def _init_precision(self, precision: Any, scaler: Optional[ShardedGradScaler],
+                        device: Optional[str]) -> None:
+        precision = _ALIASES.get(precision, precision)
+        if precision not in _SUPPORTED:
+            raise ValueError(
+                f"{type(self).__name__}(precision={precision!r}) is not supported; choose one of "
+                f"{', '.join(repr(p) for p in _SUPPORTED)} (e.g. precision='bf16-mixed')."
+            )
+        if scaler is not None and precision != "16-mixed":
+            raise ValueError(
+                f"precision={precision!r} does not use a grad scaler, found scaler={scaler!r}; "
+                "pass a scaler only with precision='16-mixed'."
+            )
+        self.precision = precision
+        self._device_type = device
+        if precision == "16-mixed" and scaler is None:
+            scaler = ShardedGradScaler(device or _default_device_type())
+        self.scaler = scaler
+
+    def _set_device_type(self, device_type: str) -> None:
+        """Called by the strategy once the root device is known (autocast + scaler device)."""
+        self._device_type = device_type
+        if self.scaler is not None and getattr(self.scaler, "_device", device_type) != device_type:
+            # the scaler was made before the device was known; nothing is accumulated in it yet
+            self.scaler = ShardedGradScaler(device_type)
+
+    # -- dtypes ----------------------------------------------------------------------------------
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """dtype of the stored (sharded) parameters."""
+        return torch.bfloat16 if self.precision == "bf16-true" else torch.float32
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return {"32-true": torch.float32, "bf16-mixed": torch.bfloat16,
+                "bf16-true": torch.bfloat16, "16-mixed": torch.float16}[self.precision]
+
+    @property
+    def mixed_precision_policy(self) -> Optional["MixedPrecisionPolicy"]:
+        """The ``MixedPrecisionPolicy`` for ``fully_shard`` (``None`` = no casting)."""
+        if self.precision not in ("bf16-mixed", "16-mixed"):
+            return None
+        from lightning_vescale.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+
+    # -- module / tensors ------------------------------------------------------------------------
+    def convert_module(self, module: Module) -> Module:
+        if self.precision == "bf16-true":
+            return module.to(dtype=torch.bfloat16)
+        return module
+
+    def tensor_init_context(self) -> AbstractContextManager:
+        return _DtypeContextManager(self.param_dtype)
+
+    def module_init_context(self) -> AbstractContextManager:
+        return _DtypeContextManager(self.param_dtype)
+
+    def forward_context(self) -> AbstractContextManager:
+        if self.precision in ("bf16-mixed", "16-mixed"):
+            device_type = self._device_type or _default_device_type()
+            return torch.autocast(device_type, dtype=self.compute_dtype, cache_enabled=False)
+        if self.precision == "bf16-true":
+            return _DtypeContextManager(torch.bfloat16)
+        return nullcontext()
+
+    def convert_input(self, data: Any) -> Any:
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor,
+                                   dst_type=self.param_dtype)
+
+    def convert_output(self, data: Any) -> Any:
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor,
+                                   dst_type=torch.get_default_dtype())
+
+    # -- clipping --------------------------------------------------------------------------------
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        clip_grad_norm_(self.main_params(optimizer), clip_val)  # type: ignore[attr-defined]
+
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        clip_grad_value_(self.main_params(optimizer), clip_val)  # type: ignore[attr-defined]
+
+    # -- scaler state ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(precision={self.precision!r})"
+
+
+def _default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class VeScalePrecision(_VeScalePrecisionMixin, Precision):
+    """Precision plugin for :class:`~lightning_vescale.strategy.VeScaleFSDPStrategy` (Trainer).
+
+    Args:
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"``. See design
+            note [precision] in this module for what each means for the sharded engine.
+        scaler: only with ``"16-mixed"``: a :class:`ShardedGradScaler` (one is created otherwise).
+        device: device type for ``autocast``/the scaler; the strategy sets it from its root device.
+    """
+
+    def __init__(self, precision: PrecisionFlag = "32-true",
+                 scaler: Optional[ShardedGradScaler] = None, device: Optional[str] = None) -> None:
+        self._init_precision(precision, scaler, device)
+
+    @override
+    def pre_backward(self, tensor: Tensor,  # type: ignore[override]
+                     module: "pl.LightningModule") -> Tensor:
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Any, model: "pl.LightningModule", closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        skip_unscaling = closure_result is None and model.automatic_optimization
+        if not skip_unscaling:
+            # unscale before clipping (`_after_closure` runs on_before_optimizer_step + clipping)
+            self.scaler.unscale_(optimizer)
+        self._after_closure(model, optimizer)
+        if not skip_unscaling:
+            out = self.scaler.step(optimizer, **kwargs)  # skipped on every rank if any found inf
+            self.scaler.update()
+            return out
+        return closure_result
+
+
+class VeScaleFabricPrecision(_VeScalePrecisionMixin, FabricPrecision):
+    """The same mapping for Lightning Fabric (``VeScaleFabricStrategy``)."""
+
+    def __init__(self, precision: PrecisionFlag = "32-true",
+                 scaler: Optional[ShardedGradScaler] = None, device: Optional[str] = None) -> None:
+        self._init_precision(precision, scaler, device)
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: Optional[Module]) -> Any:
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return tensor
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        if self.scaler is None:
+            return optimizer.step(**kwargs)
+        out = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return out
+
+    @override
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+
+def to_vescale_precision(plugin: Any, *, fabric: bool = False) -> Any:
+    """Convert a Lightning precision plugin chosen from a ``precision=`` string into ours.
+
+    Lightning builds ``Precision()`` / ``MixedPrecision`` / ``HalfPrecision`` from the flag
+    before it knows our strategy; the strategy's ``precision_plugin`` setter calls this. Unsupported flags
+    (``"64-true"``, ``"16-true"``, transformer-engine, bitsandbytes, ...) raise a ``ValueError``.
+    """
+    target = VeScaleFabricPrecision if fabric else VeScalePrecision
+    if plugin is None or isinstance(plugin, target):
+        return plugin
+    if isinstance(plugin, _VeScalePrecisionMixin):  # the sibling class (Fabric <-> Trainer)
+        return target(plugin.precision, scaler=plugin.scaler, device=plugin._device_type)
+    flag = getattr(plugin, "precision", None)
+    flag = _ALIASES.get(flag, flag)
+    if type(plugin).__name__ in ("Precision",) and flag in (None, "32-true"):
+        return target("32-true")
+    if type(plugin).__name__ in ("MixedPrecision", "HalfPrecision", "FSDPPrecision") and \
+            flag in _SUPPORTED:
+        device = getattr(plugin, "device", None)
+        return target(flag, device=device if device in ("cpu", "cuda") else None)
+    raise ValueError(
+        f"The vescale_fsdp strategy cannot use the precision plugin {type(plugin).__name__}"
+        f"(precision={flag!r}). Use precision= one of {', '.join(repr(p) for p in _SUPPORTED)}, "
+        f"or pass `{target.__name__}(...)` explicitly."
+    )

@@ -1,0 +1,163 @@
+"""No-process tests: strategy resolution, precision pairing, argument checks, sharding units, CLI.
+
+Nothing here trains; Trainer/Fabric objects are only constructed (and LightningCLI only parses).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from torch import nn
+
+from examples.gpt import GPT, MLP, Block, GPTConfig
+from lightning_vescale._registry import register_strategies
+from lightning_vescale.fabric import (
+    VeScaleFabricStrategy,
+    make_granularity,
+    resolve_sharding_units,
+)
+from lightning_vescale.precision import (
+    ShardedGradScaler,
+    VeScaleFabricPrecision,
+    VeScalePrecision,
+)
+from lightning_vescale.strategy import VeScaleFSDPStrategy, _VeScaleMultiProcessingLauncher
+from tests.lightning._lit import trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+register_strategies()
+
+
+# -- resolution by name ----------------------------------------------------------------------------
+def test_strategy_resolves_by_name_and_is_distributed():
+    t = trainer("vescale_fsdp", devices=2)
+    assert isinstance(t.strategy, VeScaleFSDPStrategy)
+    assert t._accelerator_connector.is_distributed  # distributed sampler + sync_dist
+    assert isinstance(t.strategy.launcher, _SubprocessScriptLauncher)
+    assert t.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+    assert t.strategy.state_dict_type == "sharded"
+    fork = trainer("vescale_fsdp_fork", devices=2)
+    assert isinstance(fork.strategy.launcher, _VeScaleMultiProcessingLauncher)
+    register_strategies()  # idempotent
+
+
+def test_fabric_strategy_resolves_by_name():
+    fabric = Fabric(strategy="vescale_fsdp", accelerator="cpu", devices=2, precision="bf16-mixed")
+    assert isinstance(fabric.strategy, VeScaleFabricStrategy)
+    assert isinstance(fabric.strategy.precision, VeScaleFabricPrecision)
+    assert fabric.strategy.precision.precision == "bf16-mixed"
+
+
+# -- precision pairing -----------------------------------------------------------------------------
+@pytest.mark.parametrize("flag", ["32-true", "bf16-mixed", "bf16-true"])
+def test_precision_flag_becomes_vescale_precision(flag):
+    t = trainer("vescale_fsdp", devices=2, precision=flag)
+    plugin = t.strategy.precision_plugin
+    assert isinstance(plugin, VeScalePrecision) and plugin.precision == flag
+    policy = plugin.mixed_precision_policy
+    if flag == "bf16-mixed":
+        assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    else:
+        assert policy is None
+    assert plugin.param_dtype == (torch.bfloat16 if flag == "bf16-true" else torch.float32)
+
+
+def test_16_mixed_has_a_sharded_scaler():
+    t = trainer("vescale_fsdp", devices=2, plugins=[VeScalePrecision("16-mixed")])
+    plugin = t.strategy.precision_plugin
+    assert isinstance(plugin.scaler, ShardedGradScaler)
+    assert plugin.mixed_precision_policy.param_dtype == torch.float16
+
+
+@pytest.mark.parametrize("flag", ["64-true", "16-true"])
+def test_unsupported_precision_is_rejected(flag):
+    with pytest.raises(ValueError, match="vescale_fsdp strategy cannot use the precision"):
+        trainer("vescale_fsdp", devices=2, precision=flag)
+
+
+def test_precision_plugin_argument_checks():
+    with pytest.raises(ValueError, match="is not supported"):
+        VeScalePrecision("8-true")
+    with pytest.raises(ValueError, match="does not use a grad scaler"):
+        VeScalePrecision("bf16-mixed", scaler=ShardedGradScaler("cpu"))
+
+
+# -- arguments -------------------------------------------------------------------------------------
+def test_argument_validation():
+    with pytest.raises(ValueError, match="not a multiple of optimizer_block_size=256"):
+        VeScaleFSDPStrategy(granularity=100)
+    VeScaleFSDPStrategy(granularity=100, optimizer_block_size=None)
+    VeScaleFSDPStrategy(granularity=512)
+    with pytest.raises(TypeError, match="sharding_units entries"):
+        VeScaleFSDPStrategy(sharding_units=[3])
+    with pytest.raises(ValueError, match="state_dict_type"):
+        VeScaleFSDPStrategy(state_dict_type="both")
+    with pytest.raises(ValueError, match="optimizer_block_size"):
+        VeScaleFSDPStrategy(optimizer_block_size=0)
+
+
+def test_granularity_aligns_large_tensors_to_the_optimizer_block():
+    fn = make_granularity(None, 256, 4096)
+    assert fn("w", torch.empty(64, 256)) == 256  # 16384 elements: block-aligned
+    assert fn("b", torch.empty(4095)) == 1  # below the 8-bit threshold: no padding
+    assert make_granularity(None, None, 4096) is None
+    assert make_granularity(1024, 256, 4096)("w", torch.empty(64, 256)) == 1024
+    # "row" granularity of a (64, 96) matrix = 96 elements -> lcm with the block = 768
+    assert make_granularity("row", 256, 4096)("w", torch.empty(64, 96)) == 768
+    assert make_granularity("row", 256, 4096)("w", torch.empty(96)) == "row"
+
+
+def test_sharding_units():
+    model = GPT(GPTConfig(n_layer=3))
+    default = resolve_sharding_units(model, None)
+    assert default == list(model.blocks)
+    assert resolve_sharding_units(model, ["Block"]) == list(model.blocks)
+    assert resolve_sharding_units(model, [Block]) == list(model.blocks)
+    assert resolve_sharding_units(model, ["examples.gpt.Block"]) == list(model.blocks)
+    nested = resolve_sharding_units(model, ["Block", MLP])
+    # post-order: each block's MLP before the block itself
+    assert nested == [m for b in model.blocks for m in (b.mlp, b)]
+    with pytest.raises(ValueError, match="matches no submodule.*Module classes in the model"):
+        resolve_sharding_units(model, ["Nope"])
+    flat = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    assert resolve_sharding_units(flat, None) == []  # no ModuleList: the root is the only group
+
+
+# -- LightningCLI ----------------------------------------------------------------------------------
+def test_cli_yaml_and_command_line_overrides(monkeypatch):
+    from examples.cli import main
+
+    cli = main(args=["--config", str(ROOT / "examples/configs/gpt_vescale.yaml")], run=False)
+    s = cli.trainer.strategy
+    assert isinstance(s, VeScaleFSDPStrategy)
+    assert s._sharding_units == ["Block"] and s._reshard_after_forward is True
+    assert s._optimizer_block_size == 256 and s.state_dict_type == "sharded"
+    assert s._timeout == timedelta(minutes=30)
+    assert cli.trainer.num_devices == 2
+
+    cli = main(args=[
+        "--config", str(ROOT / "examples/configs/gpt_vescale.yaml"),
+        "--trainer.strategy.init_args.reshard_after_forward=false",
+        "--trainer.strategy.init_args.sharding_units=[Block, MLP]",
+        "--trainer.strategy.init_args.granularity=row",
+        "--trainer.strategy.init_args.state_dict_type=full",
+        "--trainer.precision=bf16-mixed",
+    ], run=False)
+    s = cli.trainer.strategy
+    assert s._reshard_after_forward is False and s._sharding_units == ["Block", "MLP"]
+    assert s._granularity == "row" and s.state_dict_type == "full"
+    assert isinstance(s.precision_plugin, VeScalePrecision)
+    assert s.precision_plugin.precision == "bf16-mixed"
+
+
+def test_cli_strategy_by_name():
+    from examples.cli import main
+
+    cli = main(args=["--trainer.strategy=vescale_fsdp", "--trainer.accelerator=cpu",
+                     "--trainer.devices=2", "--trainer.logger=false"], run=False)
+    assert isinstance(cli.trainer.strategy, VeScaleFSDPStrategy)
