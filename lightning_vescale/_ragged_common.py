@@ -1,0 +1,106 @@
+"""Shared helpers of the RaggedShard DTensor operator support (private).
+
+Used by :mod:`lightning_vescale._ragged_ops` (the dispatch hook, element-wise ops) and
+:mod:`lightning_vescale._ragged_reductions` (norms, reductions): recognising ragged operand
+specs, comparing layouts, binding an op's arguments by name, and the one error message that
+lists what RaggedShard DTensors support. Its own module so that the two users import it
+one-way (``_ragged_ops`` -> ``_ragged_reductions`` -> ``_ragged_common``), like FSDP2's
+``_fsdp_common``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+from lightning_vescale.placement import RaggedShard
+
+__all__ = [
+    "SUPPORTED_FAMILIES",
+    "aten",
+    "bind_args",
+    "has_ragged",
+    "is_scalar_like",
+    "same_layout",
+    "spec_str",
+    "unsupported",
+]
+
+aten = torch.ops.aten
+
+#: What RaggedShard DTensors support, quoted by every "not supported" error.
+SUPPORTED_FAMILIES = (
+    "element-wise (pointwise) ops and their _foreach_* forms, whose tensor operands have the "
+    "same global shape, stride and placement or are scalar-like (Python scalars, 0-d/1-element "
+    "plain tensors or Replicate DTensors); copy_ (also from another layout of the same "
+    "tensor), dtype casts, clone/detach and *_like "
+    "factories; full reductions sum/mean/max/min/amax/amin/any/all, linalg.vector_norm, "
+    "_foreach_norm/_foreach_powsum/_foreach_max (results are Replicate); equal/allclose"
+)
+
+
+def has_ragged(spec: object) -> bool:
+    """True when ``spec`` is a ``DTensorSpec`` with a ``RaggedShard`` on some mesh dim."""
+    return isinstance(spec, DTensorSpec) and any(
+        type(p) is RaggedShard for p in spec.placements
+    )
+
+
+def spec_str(spec: object) -> str:
+    """``(placements) shape=...`` of a spec, for error messages."""
+    if isinstance(spec, DTensorSpec):
+        shape = tuple(spec.tensor_meta.shape) if spec.tensor_meta is not None else "?"
+        return f"{tuple(spec.placements)} shape={shape}"
+    return repr(spec)
+
+
+def unsupported(op: object, specs: Sequence[object], why: str = "") -> NotImplementedError:
+    """The error (to raise) for an op RaggedShard DTensors do not define: op, operand layouts,
+    ``why`` (appended to the first sentence), the supported families and the way out."""
+    placements = ", ".join(spec_str(s) for s in specs if isinstance(s, DTensorSpec))
+    return NotImplementedError(
+        f"{op} is not supported on RaggedShard DTensors{why} (operand placements: "
+        f"{placements}). RaggedShard DTensors support only {SUPPORTED_FAMILIES}. For other "
+        "ops, first call .full_tensor() or .redistribute(...) to Replicate/Shard."
+    )
+
+
+def is_scalar_like(spec: DTensorSpec) -> bool:
+    """A replicated 1-element operand with at most one dim broadcasts against a flat slice."""
+    meta = spec.tensor_meta
+    return (
+        meta is not None
+        and len(meta.shape) <= 1
+        and math.prod(meta.shape) == 1
+        and all(p.is_replicate() for p in spec.placements)
+    )
+
+
+def same_layout(a: DTensorSpec, b: DTensorSpec) -> bool:
+    """Same placements, mesh, global shape and stride: the same flat range on every rank."""
+    ma, mb = a.tensor_meta, b.tensor_meta
+    return (
+        a.placements == b.placements
+        and a.mesh == b.mesh
+        and ma is not None
+        and mb is not None
+        and tuple(ma.shape) == tuple(mb.shape)
+        and tuple(ma.stride) == tuple(mb.stride)
+    )
+
+
+def bind_args(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Every argument of ``op``'s schema by name (defaults filled in, missing ones ``None``)."""
+    out: dict[str, Any] = {}
+    for i, a in enumerate(op._schema.arguments):
+        if i < len(args) and not a.kwarg_only:
+            out[a.name] = args[i]
+        elif a.name in kwargs:
+            out[a.name] = kwargs[a.name]
+        else:
+            out[a.name] = a.default_value if a.has_default_value() else None
+    return out

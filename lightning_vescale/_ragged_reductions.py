@@ -1,0 +1,391 @@
+"""Norms and full reductions of ``RaggedShard`` DTensors (private; hooked in by ``_ragged_ops``).
+
+Design note [ragged-reductions]
+-------------------------------
+A ragged rank holds a flat slice of the tensor, so a *full* reduction (``dim=None``, or every
+dim) is a local partial plus one collective over each mesh dimension the tensor is ragged over
+(all other mesh dims must be ``Replicate``). Results are ``Replicate`` DTensors, as torch's own
+sharded reductions return after their collective. Partial-dim reductions would need the
+tensor's rows, which a ragged slice does not respect, so they raise.
+
+* Partials of many tensors are bucketed by (process groups, kind, dtype, device) and combined
+  with one collective per bucket (:func:`_all_reduce_many`): ``_foreach_norm`` costs one
+  all-reduce per *list*, so ``clip_grad_norm_(foreach=True)`` costs one all-reduce per step.
+  Its hot path, same-layout items with ``ord > 0``, runs one ``_foreach_norm`` kernel on the
+  local tensors (:func:`_foreach_norm_batched`); other lists take the per-item path.
+* Half-precision partials are accumulated in fp32, as torch's dense kernels do internally.
+* max/min (and ``inf``-norms, any/all) combine by all-gather + local amax/amin, not a MAX
+  all-reduce, so NaN propagates exactly as in the dense kernel (``clip_grad_norm_`` relies on
+  it). Ranks without elements contribute the neutral element.
+* ``equal``/``allclose`` compare locally, then AND the flags over the ragged ranks.
+
+:data:`REDUCTION_HANDLERS` maps each supported op to its handler; ``_ragged_ops``'s slow path
+calls it with the op's unwrapped ``(op, args, kwargs)`` and returns its result as is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from lightning_vescale._ragged_common import aten, bind_args, has_ragged, same_layout, unsupported
+from lightning_vescale.placement import RaggedShard
+
+__all__ = ["REDUCTION_HANDLERS"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Local partials and their combination across ranks.
+# ---------------------------------------------------------------------------------------------
+def _reduce_groups(op: object, x: DTensor) -> tuple[dist.ProcessGroup, ...]:
+    """Process groups of the mesh dims ``x`` is ragged over; all others must be Replicate."""
+    groups = []
+    for d, p in enumerate(x._spec.placements):
+        if type(p) is RaggedShard:
+            groups.append(x.device_mesh.get_group(d))
+        elif not p.is_replicate():
+            raise unsupported(
+                op, [x._spec], f": a reduction over RaggedShard mixed with {p} is not defined"
+            )
+    return tuple(groups)
+
+
+def _check_full(op: object, x: DTensor, dim: Any) -> None:
+    if dim is None:
+        return
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    ndim = x.ndim
+    if dims and sorted({d % max(ndim, 1) for d in dims}) != list(range(ndim)):
+        raise unsupported(
+            op, [x._spec], f" with dim={dim}: only full reductions (dim=None) are supported"
+        )
+
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class _Reduction:
+    """One tensor's local partial (or a vector of them) and how to combine it across ranks.
+
+    ``kind`` is ``sum`` (all-reduce SUM), ``max`` or ``min``. ``root`` is ``1/p`` for p-norms
+    (applied after the sum), ``mean_of`` divides by the global element count.
+    """
+
+    __slots__ = ("partial", "kind", "groups", "root", "mean_of", "out_dtype", "shape")
+
+    def __init__(self, partial, kind, groups, out_dtype, shape, root=None, mean_of=None):
+        self.partial, self.kind, self.groups = partial, kind, groups
+        self.out_dtype, self.shape, self.root, self.mean_of = out_dtype, shape, root, mean_of
+
+
+def _norm_reduction(op: object, x: DTensor, ord: float, dtype, power_sum: bool = False,
+                    keep_shape: tuple[int, ...] = ()) -> _Reduction:
+    local = x._local_tensor
+    groups = _reduce_groups(op, x)
+    p = float(ord)
+    if dtype is not None:
+        out_dtype = dtype
+    else:
+        out_dtype = local.real.dtype if local.is_complex() else local.dtype
+    if not (out_dtype.is_floating_point or out_dtype.is_complex):
+        raise TypeError(f"{op}: norms need a floating point dtype, got {out_dtype}")
+    # Accumulate half-precision partials in fp32, as torch's dense kernels do internally.
+    acc = torch.float32 if out_dtype in _LOW_PRECISION else out_dtype
+    if power_sum and (math.isinf(p) or p == 0):
+        raise unsupported(op, [x._spec], f" with ord={ord}")
+    if p == math.inf or p == -math.inf:
+        if local.numel() == 0:  # neutral element of max(|x|) is 0, of min(|x|) is +inf
+            partial = torch.full((), 0.0 if p > 0 else math.inf, dtype=acc, device=local.device)
+        else:
+            partial = torch.linalg.vector_norm(local, p, dtype=acc)
+        return _Reduction(partial, "max" if p > 0 else "min", groups, out_dtype, keep_shape)
+    if p == 0 or p == 1:  # count of non-zeros / sum of |x|: no root
+        partial = torch.linalg.vector_norm(local, p, dtype=acc)
+        return _Reduction(partial, "sum", groups, out_dtype, keep_shape)
+    if p > 0:
+        partial = torch.linalg.vector_norm(local, p, dtype=acc).pow(p)
+    else:
+        partial = local.abs().to(acc).pow(p).sum()
+    return _Reduction(partial, "sum", groups, out_dtype, keep_shape,
+                      root=None if power_sum else 1.0 / p)
+
+
+# torch 2.13 deprecates ``all_gather_into_tensor`` in favour of ``all_gather_single``.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_reduce_many(reds: Sequence[_Reduction]) -> list[torch.Tensor]:
+    """Combine many partials with one collective per (groups, kind, dtype) bucket."""
+    buckets: dict[tuple, list[int]] = {}
+    for i, r in enumerate(reds):
+        key = (tuple(id(g) for g in r.groups), r.kind, r.partial.dtype, r.partial.device)
+        buckets.setdefault(key, []).append(i)
+    totals: list[torch.Tensor | None] = [None] * len(reds)
+    for idx in buckets.values():
+        r0 = reds[idx[0]]
+        flat = torch.cat([reds[i].partial.reshape(-1) for i in idx])
+        for g in r0.groups:
+            world = dist.get_world_size(g)
+            if world == 1:
+                continue
+            if r0.kind == "sum":
+                buf = torch.view_as_real(flat) if flat.is_complex() else flat
+                dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=g)
+            else:
+                # max/min via all-gather + local amax/amin: unlike a MAX all-reduce, this
+                # propagates NaN exactly like the dense kernel (clip_grad_norm_ relies on it).
+                gathered = flat.new_empty(world * flat.numel())
+                _all_gather_flat(gathered, flat.reshape(-1), group=g)
+                gathered = gathered.view(world, -1)
+                flat = gathered.amax(0) if r0.kind == "max" else gathered.amin(0)
+        offset = 0
+        for i in idx:
+            n = reds[i].partial.numel()
+            totals[i] = flat[offset:offset + n]
+            offset += n
+    out = []
+    for r, t in zip(reds, totals):
+        assert t is not None
+        if r.root is not None:
+            t = t.pow(r.root)
+        if r.mean_of is not None:
+            t = t / r.mean_of
+        out.append(t.to(r.out_dtype).reshape(r.shape))
+    return out
+
+
+def _replicate(result: torch.Tensor, like: DTensor) -> DTensor:
+    mesh = like.device_mesh
+    spec = DTensorSpec(
+        mesh,
+        (Replicate(),) * mesh.ndim,
+        tensor_meta=TensorMeta(result.shape, result.stride(), result.dtype),
+    )
+    return DTensor(result, spec, requires_grad=False)
+
+
+def _keep_shape(x: DTensor, keepdim: bool) -> tuple[int, ...]:
+    return (1,) * x.ndim if keepdim else ()
+
+
+def _reduce_one(red: _Reduction, like: DTensor) -> DTensor:
+    """Combine one tensor's partial across ranks: the Replicate DTensor result."""
+    return _replicate(_all_reduce_many([red])[0], like)
+
+
+# ---------------------------------------------------------------------------------------------
+# Handlers: (op, args, kwargs) -> the op's result, for REDUCTION_HANDLERS.
+# ---------------------------------------------------------------------------------------------
+def _vector_norm(op, args, kwargs):
+    b = bind_args(op, args, kwargs)
+    x = b["self"]
+    _check_full(op, x, b["dim"])
+    red = _norm_reduction(op, x, b["ord"], b["dtype"], keep_shape=_keep_shape(x, b["keepdim"]))
+    return _reduce_one(red, x)
+
+
+def _foreach_reduction(op, args, kwargs, make):
+    """Reduce each list item; ragged items share collectives, others take DTensor's path."""
+    b = bind_args(op, args, kwargs)
+    tensors = b["self"]
+    reds, where, out = [], [], [None] * len(tensors)
+    for i, t in enumerate(tensors):
+        if isinstance(t, DTensor) and has_ragged(t._spec):
+            reds.append(make(t, b))
+            where.append(i)
+        else:
+            out[i] = _dense_fallback(op, t, b)
+    for i, total in zip(where, _all_reduce_many(reds)):
+        out[i] = _replicate(total, tensors[i])
+    return out
+
+
+def _dense_fallback(op, t, b):
+    # A non-ragged item of a list that also holds ragged ones: DTensor's own path for it.
+    rest = {k: v for k, v in b.items() if k != "self"}
+    return op([t], **rest)[0]
+
+
+def _foreach_norm(op, args, kwargs):
+    fast = _foreach_norm_batched(op, args, kwargs)
+    if fast is not None:
+        return fast
+    return _foreach_reduction(
+        op, args, kwargs, lambda t, b: _norm_reduction(op, t, b["ord"], b["dtype"])
+    )
+
+
+def _foreach_norm_batched(op, args, kwargs):
+    """``_foreach_norm`` over same-layout-family ragged items with ord in (0, inf]: one
+    ``_foreach_norm`` kernel on the local tensors, one collective, one shared output spec.
+
+    This is the path ``clip_grad_norm_(foreach=True)`` takes every step, so per-item Python is
+    kept out of it. Returns ``None`` when the general per-item path must be used instead.
+    """
+    b = bind_args(op, args, kwargs)
+    tensors, p, dtype = b["self"], float(b["ord"]), b["dtype"]
+    if not tensors or not p > 0:
+        return None
+    first = tensors[0]
+    if not isinstance(first, DTensor):
+        return None
+    mesh, placements = first.device_mesh, first._spec.placements
+    local_dtype = first._local_tensor.dtype
+    for t in tensors:
+        if not (
+            isinstance(t, DTensor)
+            and t._spec.placements == placements
+            and t.device_mesh == mesh
+            and t._local_tensor.dtype == local_dtype
+        ):
+            return None
+    if not has_ragged(first._spec) or local_dtype.is_complex:
+        return None
+    out_dtype = dtype if dtype is not None else local_dtype
+    if not out_dtype.is_floating_point:
+        return None
+    acc = torch.float32 if out_dtype in _LOW_PRECISION else out_dtype
+    groups = _reduce_groups(op, first)
+    locals_ = [t._local_tensor for t in tensors]
+    if math.isinf(p):  # the inf-norm kernel rejects empty tensors: their max(|x|) is 0
+        partial = torch.zeros(len(locals_), dtype=acc, device=locals_[0].device)
+        idx = [i for i, x in enumerate(locals_) if x.numel()]
+        if idx:
+            norms = torch._foreach_norm([locals_[i] for i in idx], p, dtype=acc)
+            partial[idx] = torch.stack(norms)
+        kind, root = "max", None
+    else:
+        partial = torch.stack(torch._foreach_norm(locals_, p, dtype=acc))
+        if p != 1:
+            partial = partial.pow(p)
+        kind, root = "sum", (None if p == 1 else 1.0 / p)
+    red = _Reduction(partial, kind, groups, out_dtype, (len(locals_),), root=root)
+    total = _all_reduce_many([red])[0]
+    spec = DTensorSpec(
+        mesh, (Replicate(),) * mesh.ndim, tensor_meta=TensorMeta((), (), out_dtype)
+    )
+    return [DTensor(v, spec, requires_grad=False) for v in total.unbind(0)]
+
+
+def _foreach_powsum(op, args, kwargs):
+    return _foreach_reduction(
+        op, args, kwargs,
+        lambda t, b: _norm_reduction(op, t, b["ord"], b["dtype"], power_sum=True),
+    )
+
+
+def _extremum_reduction(op, x: DTensor, kind: str, keep_shape=(), as_bool=False) -> _Reduction:
+    """max/min (and any/all, which are max/min over ``bool``) of one tensor."""
+    local = x._local_tensor
+    if math.prod(x.shape) == 0:
+        raise RuntimeError(f"{op}: the reduction of an empty tensor has no identity")
+    dtype = torch.bool if as_bool else local.dtype
+    work = local.ne(0) if as_bool and local.dtype != torch.bool else local
+    if work.dtype == torch.bool:  # collectives do not reduce bool: 0/1 in int32
+        work = work.to(torch.int32)
+    if work.numel():
+        partial = work.amax() if kind == "max" else work.amin()
+    else:  # a rank without elements contributes the neutral element
+        if dtype == torch.bool:
+            neutral = 0 if kind == "max" else 1
+        elif work.dtype.is_floating_point:
+            neutral = -math.inf if kind == "max" else math.inf
+        else:
+            info = torch.iinfo(work.dtype)
+            neutral = info.min if kind == "max" else info.max
+        partial = torch.full((), neutral, dtype=work.dtype, device=local.device)
+    return _Reduction(partial, kind, _reduce_groups(op, x), dtype, keep_shape)
+
+
+def _foreach_max(op, args, kwargs):
+    return _foreach_reduction(op, args, kwargs, lambda t, b: _extremum_reduction(op, t, "max"))
+
+
+def _max_min(kind: str, as_bool: bool = False):
+    def handler(op, args, kwargs):
+        b = bind_args(op, args, kwargs)
+        x = b["self"]
+        if "dim" in b:  # amax / amin: dim=[] means all dims
+            _check_full(op, x, b["dim"])
+        keep = _keep_shape(x, bool(b.get("keepdim", False)))
+        red = _extremum_reduction(op, x, kind, keep, as_bool=as_bool)
+        return _reduce_one(red, x)
+
+    return handler
+
+
+def _sum_mean(mean: bool):
+    def handler(op, args, kwargs):
+        b = bind_args(op, args, kwargs)
+        x = b["self"]
+        _check_full(op, x, b.get("dim"))
+        local, dtype = x._local_tensor, b["dtype"]
+        if dtype is not None:
+            out_dtype = dtype
+        elif mean or local.dtype.is_floating_point or local.dtype.is_complex:
+            out_dtype = local.dtype
+        else:  # torch.sum promotes bool/integer inputs to int64
+            out_dtype = torch.int64
+        if mean and not (out_dtype.is_floating_point or out_dtype.is_complex):
+            raise RuntimeError(
+                f"{op}: mean needs a floating point or complex dtype, got {out_dtype}"
+            )
+        acc = torch.float32 if out_dtype in _LOW_PRECISION else out_dtype
+        red = _Reduction(
+            local.sum(dtype=acc), "sum", _reduce_groups(op, x), out_dtype,
+            _keep_shape(x, bool(b.get("keepdim", False))),
+            mean_of=math.prod(x.shape) if mean else None,
+        )
+        return _reduce_one(red, x)
+
+    return handler
+
+
+def _compare(op, args, kwargs):
+    """``equal`` / ``allclose``: local comparison, then a logical AND over the ragged ranks."""
+    b = bind_args(op, args, kwargs)
+    a, o = b["self"], b["other"]
+    if not (isinstance(a, DTensor) and isinstance(o, DTensor)):
+        raise unsupported(op, [getattr(a, "_spec", a), getattr(o, "_spec", o)])
+    if tuple(a.shape) != tuple(o.shape):
+        if op is aten.equal.default:
+            return False
+        raise RuntimeError(f"{op}: shapes {tuple(a.shape)} and {tuple(o.shape)} differ")
+    if not same_layout(a._spec, o._spec):
+        raise unsupported(op, [a._spec, o._spec], ": operands have different layouts")
+    if op is aten.equal.default:
+        ok = torch.equal(a._local_tensor, o._local_tensor)
+    else:
+        ok = torch.allclose(a._local_tensor, o._local_tensor, b["rtol"], b["atol"], b["equal_nan"])
+    flag = torch.tensor(int(ok), device=a._local_tensor.device)
+    for g in _reduce_groups(op, a):
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=g)
+    return bool(flag.item())
+
+
+#: Norms, full reductions and comparisons of ragged DTensors; ``_ragged_ops``'s slow path answers
+#: these ops with the handler's result (never cached: each call needs its collective).
+REDUCTION_HANDLERS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
+    aten.linalg_vector_norm.default: _vector_norm,
+    aten._foreach_norm.Scalar: _foreach_norm,
+    aten._foreach_powsum.Scalar: _foreach_powsum,
+    aten._foreach_max.default: _foreach_max,
+    aten.sum.default: _sum_mean(False),
+    aten.sum.dim_IntList: _sum_mean(False),
+    aten.mean.default: _sum_mean(True),
+    aten.mean.dim: _sum_mean(True),
+    aten.max.default: _max_min("max"),
+    aten.min.default: _max_min("min"),
+    aten.amax.default: _max_min("max"),
+    aten.amin.default: _max_min("min"),
+    aten.any.default: _max_min("max", as_bool=True),
+    aten.all.default: _max_min("min", as_bool=True),
+    aten.equal.default: _compare,
+    aten.allclose.default: _compare,
+}
