@@ -1,0 +1,432 @@
+"""Layer 2: ``DBuffer``, one group's flat, sharded storage; collectives run in place on it.
+
+Design note [dbuffer-memory]
+----------------------------
+A :class:`~lightning_vescale.planner.LayoutPlan` puts every tensor of a group at an offset of a
+flat buffer of ``W * S`` elements (``W`` ranks, ``S`` elements per rank). A ``DBuffer`` holds
+four tensors of that layout:
+
+=================  =========  ===============  ==============================================
+storage            elements   dtype            lifetime
+=================  =========  ===============  ==============================================
+``shard``          ``S``      ``dtype``        persistent: the rank's owned slice (master data)
+``full``           ``W * S``  ``param_dtype``  materialised for compute, freed after
+``grad_full``      ``W * S``  ``param_dtype``  materialised when the first gradient arrives,
+                                               freed after reduce-scatter
+``grad_shard``     ``S``      ``dtype``        from a reduce-scatter until every sharded
+                                               gradient was dropped (``zero_grad``)
+=================  =========  ===============  ==============================================
+
+The owned slice is separate storage (not a slice of ``full``), so freeing ``full`` never frees
+the shard. Every per-tensor view (:meth:`param_view`, :meth:`local_view`, :meth:`grad_view`,
+:meth:`grad_local_view`) is created once and stays valid forever: freeing uses
+``untyped_storage().resize_(0)`` and re-materialising ``resize_(nbytes)`` on the *same* storage
+object, exactly as PyTorch FSDP2 does, so tensors that autograd saved in forward see the
+re-gathered data in backward.
+
+Design note [dbuffer-views]
+---------------------------
+Unsharded views are built with ``Tensor.set_(storage, offset, shape, stride)``, not by slicing
+``full``: a slice would share ``full``'s autograd version counter, and the all-gather that
+re-materialises the buffer in backward would then trip autograd's "modified by an inplace
+operation" check on every saved parameter. ``set_`` views share the memory but have their own
+version counter. (FSDP2 instead wraps its copy-out in ``_unsafe_preserve_version_counter``.)
+
+Design note [dbuffer-collectives]
+---------------------------------
+* ``all_gather``: ``all_gather_into_tensor(full, shard)`` (or, with a lower ``param_dtype``,
+  one whole-shard cast first). The output *is* every parameter: no copy-out.
+* ``reduce_scatter``: ``reduce_scatter_tensor(grad_shard, grad_full)``. The input *is* every
+  gradient (autograd accumulated into the views): no copy-in. One whole-buffer cast when the
+  reduce dtype differs, one whole-shard add when accumulating onto existing sharded gradients.
+* Group operations (zero, scale, cast) are one kernel per buffer, never per tensor.
+
+Async ops return a :class:`CommHandle`; ``wait()`` finishes the collective and the buffer-level
+epilogue (cast back, accumulate, free temporaries). Synchronous ops return an already-waited
+handle, so callers can treat both alike.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_vescale.planner import LayoutPlan
+from lightning_vescale.placement import RaggedShard
+
+__all__ = ["DBuffer", "CommHandle", "live_dbuffers"]
+
+_LIVE: "weakref.WeakSet[DBuffer]" = weakref.WeakSet()
+
+
+def live_dbuffers() -> list["DBuffer"]:
+    """Every ``DBuffer`` that is still alive in this process (for memory accounting)."""
+    return list(_LIVE)
+
+
+class CommHandle:
+    """Handle of a (possibly asynchronous) DBuffer collective; :meth:`wait` is idempotent."""
+
+    __slots__ = ("_work", "_epilogue", "_done")
+
+    def __init__(self, work: Any, epilogue: Callable[[], None] | None = None) -> None:
+        self._work = work
+        self._epilogue = epilogue
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        """True once :meth:`wait` has run."""
+        return self._done
+
+    def wait(self) -> None:
+        """Block until the collective finished and its buffer epilogue ran."""
+        if self._done:
+            return
+        if self._work is not None:
+            self._work.wait()
+        self._work = None
+        if self._epilogue is not None:
+            epilogue, self._epilogue = self._epilogue, None
+            epilogue()
+        self._done = True
+
+
+# torch >= 2.13 names the flat collectives ``*_single`` (the old names warn as deprecated).
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _resolve_op(op: str | dist.ReduceOp) -> dist.ReduceOp:
+    if isinstance(op, str):
+        table = {"avg": dist.ReduceOp.AVG, "mean": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM}
+        if op.lower() not in table:
+            raise ValueError(f"op={op!r} is not supported; use 'avg' or 'sum'")
+        return table[op.lower()]
+    return op
+
+
+def _storage_view(base: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over ``base``'s storage at element ``offset`` with its own version counter.
+
+    See design note [dbuffer-views]. ``base`` must be materialised (else ``set_`` would grow
+    the storage); callers create all views at construction time.
+    """
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    if base.device.type == "meta":
+        return base.detach()[offset: offset + math.prod(shape)].view(shape)
+    out = torch.empty(0, dtype=base.dtype, device=base.device)
+    with torch.no_grad():
+        out.set_(base.untyped_storage(), base.storage_offset() + offset, shape, stride)
+    return out
+
+
+class DBuffer:
+    """Flat sharded storage for one group of tensors, laid out by a ``LayoutPlan``.
+
+    Args:
+        plan: the group's layout (from :func:`~lightning_vescale.planner.plan_layout`); its
+            ``world_size`` must equal the process group's size.
+        dtype: dtype of the persistent shard and sharded gradients (the master copy).
+        device: where all storage lives (``"meta"`` allowed: no storage, no collectives).
+        group: the process group (``None``: the default group).
+        param_dtype: dtype of the unsharded parameters/gradients and of the all-gather
+            (default ``dtype``).
+        reduce_dtype: dtype of the reduce-scatter (default ``param_dtype``).
+
+    See design notes [dbuffer-memory], [dbuffer-views] and [dbuffer-collectives].
+    """
+
+    def __init__(
+        self,
+        plan: LayoutPlan,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        group: dist.ProcessGroup | None = None,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        name: str = "",
+    ) -> None:
+        self.plan = plan
+        self.name = name
+        self.group = group
+        self.device = torch.device(device)
+        self.is_meta = self.device.type == "meta"
+        if self.is_meta or not dist.is_initialized():
+            if plan.world_size != 1 and not self.is_meta:
+                raise ValueError(
+                    f"DBuffer {name!r}: plan.world_size={plan.world_size} needs an initialised "
+                    "process group; call torch.distributed.init_process_group first."
+                )
+            self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+            self.world_size = plan.world_size
+        else:
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+        if plan.world_size != self.world_size:
+            raise ValueError(
+                f"DBuffer {name!r}: plan.world_size={plan.world_size} does not match the process "
+                f"group size {self.world_size}; plan with world_size={self.world_size}."
+            )
+        self.dtype = dtype
+        self.param_dtype = param_dtype or dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        S, N = plan.shard_size, plan.buffer_size
+        self.shard_size, self.buffer_size = S, N
+        self._shapes = {spec.name: tuple(spec.shape) for spec in plan.entries}
+        # persistent owned slice (zero so padding stays zero through every collective)
+        self.shard = torch.zeros(S, dtype=dtype, device=self.device)
+        self.full = torch.empty(N, dtype=self.param_dtype, device=self.device)
+        self.grad_full = torch.empty(N, dtype=self.param_dtype, device=self.device)
+        self.grad_shard: torch.Tensor | None = None
+        self._grad_fresh = True  # grad_full holds no gradient (zero it on materialise)
+        lo = self.rank * S
+        self._local: dict[str, tuple[int, int]] = {}
+        self._param_views: dict[str, torch.Tensor] = {}
+        self._grad_views: dict[str, torch.Tensor] = {}
+        self._local_views: dict[str, torch.Tensor] = {}
+        for name_, shape in self._shapes.items():
+            off = plan.offsets[name_]
+            a, b = plan.local_range(name_, self.rank)
+            start = min(max(off + a - lo, 0), S)  # ranks owning none of it get an empty range
+            end = max(start, min(off + b - lo, S))
+            assert end - start == b - a, (name_, a, b, start, end)
+            self._local[name_] = (start, end)
+            self._param_views[name_] = _storage_view(self.full, off, shape)
+            self._grad_views[name_] = _storage_view(self.grad_full, off, shape)
+            self._local_views[name_] = self.shard[start:end]
+        self._grad_local_views: dict[str, torch.Tensor] = {}
+        self._comm_bytes = 0  # bytes of live temporaries (casts) owned by in-flight ops
+        self.free()
+        self.free_grad()
+        _LIVE.add(self)
+
+    # -- introspection ---------------------------------------------------------------------------
+    live = staticmethod(live_dbuffers)  #: ``DBuffer.live()``: every DBuffer alive in this process
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Tensor names in buffer order."""
+        return tuple(self._shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Global shape of tensor ``name``."""
+        return self._shapes[name]
+
+    def placement(self, name: str) -> RaggedShard:
+        """The tensor's ``RaggedShard`` placement (from the plan)."""
+        return self.plan.placement(name)
+
+    def local_slice(self, name: str) -> tuple[int, int]:
+        """``[start, end)`` of tensor ``name``'s owned part inside :attr:`shard`."""
+        return self._local[name]
+
+    def __repr__(self) -> str:
+        return (f"DBuffer({self.name!r}, tensors={len(self._shapes)}, S={self.shard_size}, "
+                f"world={self.world_size}, dtype={self.dtype}, param_dtype={self.param_dtype}, "
+                f"materialized={self.is_materialized})")
+
+    # -- views -----------------------------------------------------------------------------------
+    def param_view(self, name: str) -> torch.Tensor:
+        """The unsharded tensor (global shape) inside :attr:`full`; valid while materialised."""
+        return self._param_views[name]
+
+    def grad_view(self, name: str) -> torch.Tensor:
+        """The unsharded gradient (global shape) inside :attr:`grad_full`."""
+        return self._grad_views[name]
+
+    def local_view(self, name: str) -> torch.Tensor:
+        """The rank's owned part of tensor ``name`` (1-D view into :attr:`shard`)."""
+        return self._local_views[name]
+
+    def grad_local_view(self, name: str) -> torch.Tensor:
+        """The rank's owned part of ``name``'s reduced gradient (1-D view into grad_shard)."""
+        if name not in self._grad_local_views:
+            gs = self._ensure_grad_shard()
+            a, b = self._local[name]
+            self._grad_local_views[name] = gs[a:b]
+        return self._grad_local_views[name]
+
+    def _ensure_grad_shard(self, zero: bool = True) -> torch.Tensor:
+        if self.grad_shard is None:
+            make = torch.zeros if zero else torch.empty
+            self.grad_shard = make(self.shard_size, dtype=self.dtype, device=self.device)
+            self._grad_local_views.clear()
+        return self.grad_shard
+
+    def release_grad_shard(self) -> None:
+        """Drop the sharded gradients (when no parameter refers to them any more).
+
+        The storage is dropped, not resized: views users may still hold stay valid (they keep
+        the old storage alive); the next :meth:`reduce_scatter` allocates a fresh one.
+        """
+        self.grad_shard = None
+        self._grad_local_views.clear()
+
+    # -- memory ----------------------------------------------------------------------------------
+    @staticmethod
+    def _materialized(t: torch.Tensor) -> bool:
+        return t.device.type == "meta" or t.untyped_storage().nbytes() > 0
+
+    @property
+    def is_materialized(self) -> bool:
+        """Whether the unsharded parameter storage is allocated."""
+        return self._materialized(self.full)
+
+    @property
+    def is_grad_materialized(self) -> bool:
+        """Whether the unsharded gradient storage is allocated."""
+        return self._materialized(self.grad_full)
+
+    def _resize(self, t: torch.Tensor, alloc: bool) -> None:
+        if self.is_meta:
+            return
+        storage = t.untyped_storage()
+        want = t.numel() * t.element_size() if alloc else 0
+        if storage.nbytes() != want:
+            storage.resize_(want)
+
+    def materialize(self) -> None:
+        """Allocate the unsharded parameter storage (contents undefined until all-gather)."""
+        self._resize(self.full, True)
+
+    def free(self) -> None:
+        """Free the unsharded parameter storage; views stay valid objects (see the notes)."""
+        self._resize(self.full, False)
+
+    def materialize_grad(self) -> None:
+        """Allocate the unsharded gradient storage, zeroed if it holds no gradient yet."""
+        if not self.is_grad_materialized:
+            self._resize(self.grad_full, True)
+            self._grad_fresh = True
+        if self._grad_fresh:
+            self.grad_full.zero_()  # one kernel for the whole group
+            self._grad_fresh = False
+
+    def free_grad(self) -> None:
+        """Free the unsharded gradient storage (the next materialisation starts from zero)."""
+        self._resize(self.grad_full, False)
+        self._grad_fresh = True
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes currently allocated, by role (see design note [dbuffer-memory])."""
+        def nbytes(t: torch.Tensor | None) -> int:
+            if t is None or self.is_meta:
+                return 0
+            return t.untyped_storage().nbytes()
+        return {
+            "param_shard": nbytes(self.shard),
+            "param_unsharded": nbytes(self.full),
+            "grad_shard": nbytes(self.grad_shard),
+            "grad_unsharded": nbytes(self.grad_full),
+            "comm": self._comm_bytes,
+        }
+
+    # -- group operations --------------------------------------------------------------------------
+    def zero_grad_shard(self) -> None:
+        """Zero the sharded gradients (one kernel)."""
+        if self.grad_shard is not None:
+            self.grad_shard.zero_()
+
+    def scale_grad_shard(self, factor: float) -> None:
+        """Multiply the sharded gradients by ``factor`` (one kernel)."""
+        if self.grad_shard is not None:
+            self.grad_shard.mul_(factor)
+
+    def load_local_(self, name: str, full_tensor: torch.Tensor) -> None:
+        """Copy the owned part of ``full_tensor`` (global shape) into the shard (init/load only)."""
+        a, b = self.plan.local_range(name, self.rank)
+        if b > a:
+            with torch.no_grad():
+                self._local_views[name].copy_(full_tensor.detach().reshape(-1)[a:b])
+
+    # -- collectives -------------------------------------------------------------------------------
+    def _check_collective(self) -> None:
+        if self.is_meta:
+            raise RuntimeError(
+                f"DBuffer {self.name!r} lives on the meta device; materialise the module first "
+                "(lightning_vescale.fsdp.materialize(module, device) or module.to_empty(...))."
+            )
+
+    def all_gather(self, async_op: bool = False) -> CommHandle:
+        """Fill :attr:`full` from every rank's shard, in place.
+
+        See design note [dbuffer-collectives]. Returns a :class:`CommHandle` (already waited
+        unless ``async_op``).
+        """
+        self._check_collective()
+        self.materialize()
+        if self.param_dtype == self.dtype:
+            inp = self.shard
+        else:
+            inp = self.shard.to(self.param_dtype)  # one cast for the whole group
+        if self.world_size == 1:
+            self.full.copy_(inp)
+            return CommHandle(None)
+        extra = inp.numel() * inp.element_size() if inp is not self.shard else 0
+        self._comm_bytes += extra
+        work = _all_gather_flat(self.full, inp, group=self.group, async_op=async_op)
+
+        def epilogue(inp=inp) -> None:  # keep ``inp`` alive until the collective finished
+            self._comm_bytes -= extra
+
+        handle = CommHandle(work, epilogue)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def reduce_scatter(self, async_op: bool = False, op: str | dist.ReduceOp = "avg",
+                       accumulate: bool = False) -> CommHandle:
+        """Reduce :attr:`grad_full` across ranks into the owned :attr:`grad_shard`, in place.
+
+        ``accumulate=True`` adds onto the existing sharded gradients instead of overwriting.
+        The unsharded gradient storage is *not* freed; call :meth:`free_grad` after ``wait``.
+        """
+        self._check_collective()
+        rop = _resolve_op(op)
+        direct = not accumulate and self.reduce_dtype == self.dtype
+        gs = self._ensure_grad_shard(zero=not direct)
+        inp = self.grad_full if self.reduce_dtype == self.param_dtype else \
+            self.grad_full.to(self.reduce_dtype)  # one cast for the whole group
+        out = gs if direct else torch.empty(self.shard_size, dtype=self.reduce_dtype,
+                                            device=self.device)
+        extra = 0
+        if inp is not self.grad_full:
+            extra += inp.numel() * inp.element_size()
+        if out is not gs:
+            extra += out.numel() * out.element_size()
+        self._comm_bytes += extra
+
+        def epilogue(inp=inp, out=out) -> None:
+            if out is not gs:
+                if accumulate:
+                    gs.add_(out)
+                else:
+                    gs.copy_(out)
+            self._comm_bytes -= extra
+
+        if self.world_size == 1:
+            out.copy_(inp[: self.shard_size])
+            handle = CommHandle(None, epilogue)
+            handle.wait()
+            return handle
+        work = _reduce_scatter_flat(out, inp, op=rop, group=self.group, async_op=async_op)
+        handle = CommHandle(work, epilogue)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def mark_grad_consumed(self) -> None:
+        """Record that :attr:`grad_full` was reduced: the next backward starts from zero."""
+        self._grad_fresh = True
+
+    def iter_views(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        """``(name, param_view, local_view)`` for every tensor, in buffer order."""
+        for n in self._shapes:
+            yield n, self._param_views[n], self._local_views[n]

@@ -1,0 +1,416 @@
+"""One sharding group: the parameters of one ``fully_shard`` call, their DBuffers and swaps.
+
+Design note [fsdp-param-objects]
+--------------------------------
+Every managed parameter has two long-lived ``nn.Parameter`` objects:
+
+* ``sharded``: a DTensor with placements ``(RaggedShard,)`` whose local tensor is a 1-D view of
+  the DBuffer's owned slice. This is what modules hold *at rest*: optimizers, ``state_dict()``
+  and ``named_parameters()`` see it, and its ``.grad`` is a DTensor view of the sharded
+  gradient slice.
+* ``unsharded``: a plain tensor over the DBuffer's unsharded storage (design note
+  [dbuffer-views]). Modules hold it while the group computes. Its storage is freed between
+  uses, but the object lives on, so the autograd graph recorded in forward stays valid.
+
+Swapping is a dict assignment in each owner's ``_parameters`` (tied parameters have several
+owners), as in FSDP2. Both objects are rebuilt only when the module moves device/dtype
+(``_apply``, see design note [fsdp-init]).
+
+Design note [fsdp-grads]
+------------------------
+Gradients land directly in the grad buffer: before the first gradient of a backward reaches a
+parameter (a tensor hook on the unsharded leaf, which runs before ``AccumulateGrad``), the group
+materialises ``grad_full`` (one zero kernel) and points every unsharded parameter's ``.grad`` at
+its view. ``AccumulateGrad`` then adds in place (``grad += new``) instead of allocating. A
+post-accumulate-grad hook counts arrivals; when every trainable parameter has its gradient the
+group is complete and reduce-scatters the buffer as a whole. With gradient sync off, grads stay
+in ``grad_full`` across backwards and are reduced at the first synced one. After the
+reduce-scatter each parameter that received a gradient gets ``sharded.grad`` = a DTensor view
+into the sharded gradient; parameters that received none keep ``grad=None`` (like DDP).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+import lightning_vescale._ragged_ops  # noqa: F401  (element-wise DTensor ops on RaggedShard)
+from lightning_vescale.dbuffer import CommHandle, DBuffer
+from lightning_vescale.planner import plan_layout
+
+__all__ = ["ManagedParam", "ParamGroup"]
+
+Owner = tuple[nn.Module, str]
+
+
+def set_param(module: nn.Module, attr: str, param: nn.Parameter) -> None:
+    """Register ``param`` as ``module.<attr>`` without nn.Module.__setattr__'s checks."""
+    if getattr(module.__setattr__, "__func__", None) is nn.Module.__setattr__:
+        module._parameters[attr] = param
+    else:  # a module overriding __setattr__: honour it
+        setattr(module, attr, param)
+
+
+def make_dtensor(local: torch.Tensor, mesh: DeviceMesh, placement: Any,
+                 shape: tuple[int, ...]) -> DTensor:
+    """A RaggedShard DTensor whose local tensor *is* ``local`` (no view_as, no autograd).
+
+    Built with the DTensor constructor because ``DTensor.from_local`` cannot take a 0-d global
+    shape (an empty ``shape`` means "infer", which a custom placement does not support).
+    """
+    spec = DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(
+        torch.Size(shape), contiguous_stride(tuple(shape)), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+
+
+@dataclass(eq=False)
+class ManagedParam:
+    """One parameter of a group (see design note [fsdp-param-objects])."""
+
+    name: str  # name relative to the group's module; key in the plan and DBuffer
+    owners: list[Owner]
+    shape: tuple[int, ...]
+    requires_grad: bool
+    buffer: DBuffer | None = None
+    sharded: nn.Parameter | None = None
+    unsharded: nn.Parameter | None = None
+    got_grad: bool = False  # received a gradient since its last reduce-scatter
+    aliases: list[str] = field(default_factory=list)  # all names (tied params have several)
+    original: Any = None  # weakref to the user's parameter before sharding (tie detection)
+    hooks: list[Any] = field(default_factory=list)
+
+    def local_tensor(self) -> torch.Tensor:
+        """The rank's owned 1-D part (a view into the DBuffer's shard)."""
+        assert self.buffer is not None
+        return self.buffer.local_view(self.name)
+
+
+class ParamGroup:
+    """The parameters of one ``fully_shard`` call, bucketed into one DBuffer per dtype.
+
+    Not a public constructor: :func:`lightning_vescale.fsdp.fully_shard` builds it. The
+    strategy, optimizers and the memory profiler may read :attr:`params` and :attr:`buffers`.
+    """
+
+    def __init__(self, *, module: nn.Module, params: list[ManagedParam], mesh: DeviceMesh,
+                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
+                 granularity: Callable[[str, tuple[int, ...]], Any], fqn: str = "") -> None:
+        self.module_ref = module
+        self.fqn = fqn
+        self.params = params
+        self.mesh = mesh
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self._granularity = granularity
+        self.buffers: dict[torch.dtype, DBuffer] = {}
+        self.unsharded_now = False  # modules currently hold the unsharded parameters
+        self._gather: list[CommHandle] | None = None  # in-flight all-gathers
+        self._reduce: list[CommHandle] | None = None  # in-flight reduce-scatters
+        self._arrived = 0
+        self._grads_ready = False  # grad_full materialised and unsharded .grads point at it
+        self.on_complete: Callable[[ParamGroup], None] | None = None
+        self.on_first_grad: Callable[[ParamGroup], None] | None = None
+        self.on_half: Callable[[ParamGroup], None] | None = None
+        self._num_trainable = 0
+
+    # -- construction --------------------------------------------------------------------------
+    def build(self, sources: dict[str, torch.Tensor], device: torch.device,
+              local_sources: bool = False) -> None:
+        """(Re)create DBuffers on ``device`` and both parameter objects of every parameter.
+
+        ``sources[name]`` provides each parameter's data and dtype: the full tensor (global
+        shape), or with ``local_sources`` the rank's 1-D local part. Meta sources copy nothing.
+        """
+        for mp in self.params:
+            for h in mp.hooks:
+                h.remove()
+            mp.hooks.clear()
+        by_dtype: dict[torch.dtype, list[ManagedParam]] = {}
+        for mp in self.params:
+            by_dtype.setdefault(sources[mp.name].dtype, []).append(mp)
+        world = self.mesh.size()
+        group = self.mesh.get_group()
+        self.buffers = {}
+        for dtype, mps in by_dtype.items():
+            specs = [(mp.name, mp.shape, self._granularity(mp.name, mp.shape)) for mp in mps]
+            plan = plan_layout(specs, world)
+            pdt = self.param_dtype if self.param_dtype is not None else dtype
+            rdt = self.reduce_dtype if self.reduce_dtype is not None else pdt
+            buf = DBuffer(plan, dtype=dtype, device=device, group=group, param_dtype=pdt,
+                          reduce_dtype=rdt, name=f"{self.fqn or '<root>'}[{dtype}]")
+            self.buffers[dtype] = buf
+            for mp in mps:
+                mp.buffer = buf
+                src = sources[mp.name]
+                if src.device.type != "meta" and device.type != "meta":
+                    with torch.no_grad():
+                        if local_sources:
+                            buf.local_view(mp.name).copy_(src.reshape(-1))
+                        else:
+                            buf.load_local_(mp.name, src)
+                self._make_param_objects(mp)
+        self._arrived = 0
+        self._count_trainable()
+        self._grads_ready = False
+        self.unsharded_now = False
+        self._gather = None
+        self._reduce = None
+        self.swap(sharded=True)
+
+    def _make_param_objects(self, mp: ManagedParam) -> None:
+        buf = mp.buffer
+        assert buf is not None
+        local = buf.local_view(mp.name)
+        dt = make_dtensor(local, self.mesh, buf.placement(mp.name), mp.shape)
+        mp.sharded = nn.Parameter(dt, requires_grad=mp.requires_grad)
+        mp.unsharded = nn.Parameter(buf.param_view(mp.name), requires_grad=mp.requires_grad)
+        mp.got_grad = False
+        if buf.is_meta:
+            return
+        if mp.requires_grad:
+            mp.hooks.append(mp.unsharded.register_hook(self._make_grad_pre_hook(mp)))
+            mp.hooks.append(mp.unsharded.register_post_accumulate_grad_hook(
+                self._make_grad_post_hook(mp)))
+
+    # -- views of the group -----------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        return self.module_ref
+
+    def named_sharded_params(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """``(name relative to the group's module, sharded parameter)`` pairs."""
+        for mp in self.params:
+            assert mp.sharded is not None
+            yield mp.name, mp.sharded
+
+    @property
+    def has_frozen(self) -> bool:
+        return any(not mp.requires_grad for mp in self.params)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Sum of :meth:`DBuffer.memory_bytes` over the group's buffers."""
+        out: dict[str, int] = {}
+        for buf in self.buffers.values():
+            for k, v in buf.memory_bytes().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def sync_requires_grad(self) -> None:
+        """Follow ``requires_grad_`` calls users made on the sharded parameters."""
+        for mp in self.params:
+            assert mp.sharded is not None and mp.unsharded is not None
+            rg = mp.sharded.requires_grad
+            if rg != mp.requires_grad:
+                mp.requires_grad = rg
+                mp.unsharded.requires_grad_(rg)
+                for h in mp.hooks:
+                    h.remove()
+                mp.hooks.clear()
+                if rg:
+                    mp.hooks.append(mp.unsharded.register_hook(self._make_grad_pre_hook(mp)))
+                    mp.hooks.append(mp.unsharded.register_post_accumulate_grad_hook(
+                        self._make_grad_post_hook(mp)))
+        self._count_trainable()
+
+    # -- unshard / reshard ----------------------------------------------------------------------
+    def swap(self, *, sharded: bool) -> None:
+        for mp in self.params:
+            p = mp.sharded if sharded else mp.unsharded
+            assert p is not None
+            for module, attr in mp.owners:
+                set_param(module, attr, p)
+        self.unsharded_now = not sharded
+
+    @property
+    def is_unsharded(self) -> bool:
+        """True while modules hold the unsharded parameters (or an all-gather is in flight)."""
+        return self.unsharded_now or self._gather is not None
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Start (or run) the all-gather of every buffer; no-op if already (being) unsharded."""
+        if self.is_unsharded:
+            if not async_op:
+                self.wait_for_unshard()
+            return
+        self._gather = [buf.all_gather(async_op=async_op) for buf in self.buffers.values()]
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        """Finish an in-flight all-gather and register the unsharded parameters."""
+        if self._gather is not None:
+            for h in self._gather:
+                h.wait()
+            self._gather = None
+        if not self.unsharded_now:
+            self.swap(sharded=False)
+
+    def reshard(self) -> None:
+        """Free the unsharded storage and register the sharded parameters."""
+        if self._gather is not None:
+            for h in self._gather:
+                h.wait()
+            self._gather = None
+        for buf in self.buffers.values():
+            buf.free()
+        if self.unsharded_now:
+            self.swap(sharded=True)
+
+    # -- gradients (design note [fsdp-grads]) ---------------------------------------------------
+    # Hooks on tensors live in C++ (invisible to Python's cycle collector), so they refer to
+    # the group and the parameter entry weakly: a strong closure would keep the whole model
+    # alive forever through tensor -> hook -> group -> tensor.
+    def _make_grad_pre_hook(self, mp: ManagedParam) -> Callable[[torch.Tensor], None]:
+        gref = weakref.ref(self)
+
+        def hook(grad: torch.Tensor) -> None:
+            group = gref()
+            if group is None:
+                return
+            group.prepare_grads()
+            if group.on_first_grad is not None:
+                group.on_first_grad(group)
+        return hook
+
+    def _make_grad_post_hook(self, mp: ManagedParam) -> Callable[[torch.Tensor], None]:
+        gref, mref = weakref.ref(self), weakref.ref(mp)
+
+        def hook(param: torch.Tensor) -> None:
+            group, entry = gref(), mref()
+            if group is None or entry is None:
+                return
+            entry.got_grad = True
+            group._arrived += 1
+            n = group._num_trainable
+            if group._arrived == max(1, n // 2) and group.on_half is not None:
+                group.on_half(group)
+            if group._arrived == n and group.on_complete is not None:
+                group.on_complete(group)
+        return hook
+
+    @property
+    def num_trainable(self) -> int:
+        return self._num_trainable
+
+    def _count_trainable(self) -> None:
+        self._num_trainable = sum(1 for mp in self.params if mp.requires_grad)
+
+    def prepare_grads(self) -> None:
+        """Materialise (zeroed) ``grad_full`` and point unsharded ``.grad``s at it."""
+        if self._grads_ready:
+            return
+        self._grads_ready = True
+        for buf in self.buffers.values():
+            if not buf.is_grad_materialized or buf._grad_fresh:
+                buf.materialize_grad()
+        for mp in self.params:
+            if mp.requires_grad:
+                assert mp.unsharded is not None and mp.buffer is not None
+                view = mp.buffer.grad_view(mp.name)
+                g = mp.unsharded.grad
+                if g is None or g.data_ptr() != view.data_ptr():
+                    if g is not None:  # a gradient outside the buffer: fold it in
+                        with torch.no_grad():
+                            view.add_(g)
+                    mp.unsharded.grad = view
+
+    @property
+    def has_pending_grads(self) -> bool:
+        """Whether ``grad_full`` holds gradients that were not reduce-scattered yet."""
+        return any(mp.got_grad for mp in self.params)
+
+    def reduce_scatter(self, async_op: bool = True, op: str = "avg") -> None:
+        """Launch the reduce-scatter of every buffer holding new gradients."""
+        assert self._reduce is None, "a reduce-scatter is already in flight"
+        handles = []
+        for buf in self.buffers.values():
+            mps = [mp for mp in self.params if mp.buffer is buf and mp.requires_grad]
+            if not buf.is_grad_materialized or not any(mp.got_grad for mp in mps):
+                continue
+            accumulate = any(mp.sharded is not None and mp.sharded.grad is not None
+                             for mp in mps if mp.got_grad)
+            if accumulate:
+                self._prepare_accumulate(mps)
+            handles.append(buf.reduce_scatter(async_op=async_op, op=op, accumulate=accumulate))
+        self._reduce = handles
+        if not async_op:
+            self.wait_for_reduce()
+
+    def _prepare_accumulate(self, mps: list[ManagedParam]) -> None:
+        # Rare path: the user kept sharded grads from an earlier step (no zero_grad or
+        # zero_grad(set_to_none=False)). Regions that start fresh are zeroed; foreign grads are
+        # folded into the buffer so the reduce adds onto the right values.
+        for mp in mps:
+            if not mp.got_grad:
+                continue
+            assert mp.sharded is not None and mp.buffer is not None
+            view = mp.buffer.grad_local_view(mp.name)
+            g = mp.sharded.grad
+            with torch.no_grad():
+                if g is None:
+                    view.zero_()
+                elif not self._is_our_grad(mp, g):
+                    local = g.to_local() if isinstance(g, DTensor) else g
+                    view.copy_(local.reshape(-1))
+
+    @staticmethod
+    def _is_our_grad(mp: ManagedParam, g: torch.Tensor) -> bool:
+        assert mp.buffer is not None
+        if not isinstance(g, DTensor):
+            return False
+        view = mp.buffer.grad_local_view(mp.name)
+        local = g._local_tensor
+        return (local.data_ptr() == view.data_ptr() and local.numel() == view.numel()
+                and local.untyped_storage().data_ptr() == view.untyped_storage().data_ptr())
+
+    def wait_for_reduce(self) -> None:
+        """Finish in-flight reduce-scatters, free ``grad_full``, publish sharded grads."""
+        if self._reduce is None:
+            return
+        handles, self._reduce = self._reduce, None
+        for h in handles:
+            h.wait()
+        for buf in self.buffers.values():
+            buf.free_grad()
+        self._grads_ready = False
+        for mp in self.params:
+            if not mp.got_grad:
+                continue
+            mp.got_grad = False
+            assert mp.sharded is not None and mp.buffer is not None
+            g = mp.sharded.grad
+            if g is None or not self._is_our_grad(mp, g):
+                view = mp.buffer.grad_local_view(mp.name)
+                mp.sharded.grad = make_dtensor(view, self.mesh, mp.buffer.placement(mp.name),
+                                               mp.shape)
+            if mp.unsharded is not None:
+                mp.unsharded.grad = None  # its storage is gone; re-pointed next backward
+
+    def release_unused_grad_shards(self) -> None:
+        """Free sharded-gradient storage of buffers whose parameters all have ``grad=None``.
+
+        Called at the start of each iteration: after ``optimizer.zero_grad()`` (set_to_none)
+        the sharded gradients cost no memory until the next reduce-scatter, as in FSDP2.
+        """
+        for buf in self.buffers.values():
+            if buf.grad_shard is None or self._reduce is not None:
+                continue
+            if all(mp.sharded is None or mp.sharded.grad is None
+                   for mp in self.params if mp.buffer is buf):
+                buf.release_grad_shard()
+
+    def reset_arrivals(self) -> None:
+        self._arrived = 0
