@@ -1,0 +1,9 @@
+"""Layer 4: optimizers that work on RaggedShard-sharded parameters without extra communication.
+
+Each optimizer lives in its own submodule; add one import line per optimizer below.
+"""
+
+from lightning_vescale.optim.adamw8bit import AdamW8bit
+from lightning_vescale.optim.muon import Muon
+
+__all__ = [name for name in ("AdamW8bit", "Muon") if name in globals()]
