@@ -26,8 +26,10 @@ rank at a time (full files are ``mmap``-ed and sliced to the rank's range).
 
 Atomicity: a save writes into a hidden temporary sibling (``.<name>.tmp-<token>``); after a
 barrier, rank 0 renames it onto the final name (a file: one ``os.replace``; a directory: the old
-one is first renamed aside, then removed). An interrupted save therefore leaves the previous
-checkpoint at that path untouched (plus a hidden temporary, cleaned by the next save).
+one is first renamed aside to ``.<name>.old-<token>``, then removed; if the second rename fails
+the old one is renamed back). An interrupted save therefore leaves the previous checkpoint at
+that path untouched (plus a hidden temporary, cleaned by the next save). Only a process killed
+between the two directory renames leaves the name empty; loading then points to the ``.old-``.
 """
 
 from __future__ import annotations
@@ -85,9 +87,12 @@ def check_checkpoint_path(path: Path) -> Path:
     """Raise a clear error unless ``path`` is a checkpoint in one of our two formats."""
     path = Path(path)
     if not path.exists():
+        aside = sorted(path.parent.glob(f".{path.name}.old-*")) if path.parent.is_dir() else []
+        hint = (f" A previous checkpoint moved aside by an interrupted save exists at "
+                f"{str(aside[-1])!r}: rename it to {path.name!r} to use it.") if aside else ""
         raise FileNotFoundError(
             f"Checkpoint path {str(path)!r} does not exist. Pass the path of a checkpoint file "
-            "(state_dict_type='full') or directory (state_dict_type='sharded')."
+            f"(state_dict_type='full') or directory (state_dict_type='sharded').{hint}"
         )
     if path.is_dir() and not is_sharded_checkpoint(path):
         raise ValueError(
@@ -120,7 +125,11 @@ def _publish(tmp: Path, final: Path) -> None:
     if final.exists() and (final.is_dir() or tmp.is_dir()):
         old = _temp_sibling_local(final, "old")
         os.replace(final, old)
-        os.replace(tmp, final)
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            os.replace(old, final)  # put the previous checkpoint back: never leave the name empty
+            raise
         shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
     else:
         os.replace(tmp, final)  # atomic for files (and for a new directory name)

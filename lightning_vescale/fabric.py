@@ -1,36 +1,11 @@
-"""Layer 5: ``VeScaleFabricStrategy`` (Lightning Fabric) and the sharding helpers both faces share.
+"""Layer 5: ``VeScaleFabricStrategy`` — ``Fabric(strategy="vescale_fsdp")``.
 
-Design note [sharding-units]
-----------------------------
-Which modules become ``fully_shard`` groups is the one modelling decision a user makes. The
-default fits transformer-style models without configuration: every child of every
-``nn.ModuleList`` (the blocks) is a group, then the root takes whatever is left (embeddings,
-final norm, head). ``sharding_units`` overrides it with module classes or class names (plain
-strings keep LightningCLI/YAML configs simple: ``sharding_units: [Block]``; a dotted
-``"package.module.Block"`` matches the fully qualified name). Groups are applied in post-order
-(children before parents), so nested units work. A model the user already sharded (``fully_shard``
-called in ``configure_model`` or before ``setup_module``) is respected: nothing is wrapped twice,
-only a root is added when one is missing.
-
-Granularity (shard bounds). Block-wise optimizers (``AdamW8bit``: blocks of 256 elements for
-tensors with at least 4096 elements) need every rank's range to start on a block boundary.
-The optimizer is created *after* sharding, so the strategy must make bounds block-aligned in
-advance: ``optimizer_block_size`` (default 256) becomes the granularity of every parameter with
-at least ``optimizer_min_block_numel`` elements (default 4096, the 8-bit threshold); smaller
-tensors keep element granularity (less padding). An explicit ``granularity`` must be a multiple
-of the block size; ``optimizer_block_size=None`` turns the alignment off.
-
-Meta-device models (``init_module(empty_init=True)``, ``configure_model`` under the meta device)
-are sharded on meta (no memory) and then materialised by ``lightning_vescale.fsdp.materialize``:
-DBuffers on the device, ``reset_parameters()`` of every submodule on full temporaries, each rank
-keeps its own ranges. The result equals non-meta initialisation with the same seed.
+How modules become sharding groups (design note [sharding-units]) and the helpers this strategy
+shares with the Trainer strategy live in ``_sharding.py``.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
-from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from pathlib import Path
@@ -47,23 +22,37 @@ from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
 from lightning.fabric.utilities.distributed import (
     ReduceOp,
-    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor, nn
+from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning_vescale._ragged_ops  # noqa: F401  (torch ops/optimizers on RaggedShard DTensors)
 from lightning_vescale import _checkpoint as ckpt
+from lightning_vescale._sharding import (
+    DEFAULT_MIN_BLOCK_NUMEL,
+    DEFAULT_OPTIMIZER_BLOCK_SIZE,
+    _has_meta,
+    _NoGradSync,
+    barrier,
+    broadcast,
+    is_sharded,
+    make_granularity,
+    make_mesh,
+    remap_optimizer_params,
+    reshard_all,
+    shard_model,
+    validate_sharding_args,
+    validate_timeout,
+)
 from lightning_vescale.precision import (
     VeScaleFabricPrecision,
     clip_grad_norm_,
@@ -75,249 +64,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["VeScaleFabricStrategy"]
-
-#: The default ``optimizer_block_size``: AdamW8bit's (and bitsandbytes') quantization block.
-DEFAULT_OPTIMIZER_BLOCK_SIZE = 256
-#: Tensors below this many elements keep fp32 optimizer states in AdamW8bit: no alignment needed.
-DEFAULT_MIN_BLOCK_NUMEL = 4096
-
-
-# ------------------------------------------------------------------------------------------------
-# Engine adapter (layer 3): the only place that touches lightning_vescale.fsdp internals.
-# ------------------------------------------------------------------------------------------------
-def _fsdp() -> Any:
-    import lightning_vescale.fsdp as fsdp
-
-    return fsdp
-
-
-def _states(module: Module) -> list[Any]:
-    return _fsdp()._state.states_in(module)
-
-
-def _state_of(module: Module) -> Any:
-    return _fsdp().get_state(module)
-
-
-def is_sharded(module: Module) -> bool:
-    """True if ``fully_shard`` was applied to ``module`` or any submodule."""
-    return bool(_states(module))
-
-
-def set_gradient_sync(module: Module, enabled: bool) -> None:
-    """Turn reduce-scatter after backward on/off for every group under ``module``."""
-    fsdp = _fsdp()
-    for m in module.modules():
-        if isinstance(m, fsdp.VeScaleFSDPModule):
-            m.set_requires_gradient_sync(enabled, recurse=False)
-
-
-def reshard_all(module: Module) -> None:
-    """Put every group under ``module`` back to its at-rest (sharded) state, if it is not."""
-    for st in _states(module):
-        group = getattr(st, "group", None)
-        if group is not None and group.is_unsharded:
-            group.reshard()
-
-
-class _NoGradSync(AbstractContextManager):
-    """Skip reduce-scatter inside the context (gradient accumulation), restore on exit."""
-
-    def __init__(self, module: Module, enabled: bool = True) -> None:
-        self._module = module
-        self._enabled = enabled
-
-    def __enter__(self) -> None:
-        if self._enabled:
-            set_gradient_sync(self._module, False)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._enabled:
-            set_gradient_sync(self._module, True)
-
-
-# ------------------------------------------------------------------------------------------------
-# Sharding plan helpers (shared with the Trainer strategy)
-# ------------------------------------------------------------------------------------------------
-def validate_sharding_args(sharding_units: Any, granularity: Any, optimizer_block_size: Any,
-                           optimizer_min_block_numel: Any) -> Optional[list[Union[str, type]]]:
-    """Check the user's sharding arguments early (at construction), with actionable errors."""
-    units: Optional[list[Union[str, type]]] = None
-    if sharding_units is not None:
-        if isinstance(sharding_units, (str, type)):
-            sharding_units = [sharding_units]
-        units = list(sharding_units)
-        for u in units:
-            if not (isinstance(u, str) or (isinstance(u, type) and issubclass(u, Module))):
-                raise TypeError(
-                    f"sharding_units entries must be nn.Module classes or class names, got {u!r}; "
-                    "e.g. sharding_units=['Block'] or sharding_units=[Block]."
-                )
-    if optimizer_block_size is not None and (isinstance(optimizer_block_size, bool) or
-                                             not isinstance(optimizer_block_size, int) or
-                                             optimizer_block_size < 1):
-        raise ValueError(
-            f"optimizer_block_size must be a positive int or None, got {optimizer_block_size!r}."
-        )
-    if not isinstance(optimizer_min_block_numel, int) or optimizer_min_block_numel < 0:
-        raise ValueError(
-            f"optimizer_min_block_numel must be an int >= 0, got {optimizer_min_block_numel!r}."
-        )
-    if granularity is not None:
-        if isinstance(granularity, bool) or not isinstance(granularity, (int, str)):
-            raise TypeError(
-                f"granularity must be an int (elements), a string ('element', 'row', '<k>rows') "
-                f"or None, got {granularity!r}."
-            )
-        if isinstance(granularity, int):
-            if granularity < 1:
-                raise ValueError(f"granularity must be >= 1, got granularity={granularity}.")
-            if optimizer_block_size is not None and granularity % optimizer_block_size:
-                raise ValueError(
-                    f"granularity={granularity} is not a multiple of optimizer_block_size="
-                    f"{optimizer_block_size}: block-wise optimizer states would straddle ranks. "
-                    f"Use granularity={math.lcm(granularity, optimizer_block_size)} or set "
-                    "optimizer_block_size=None if the optimizer is not block-wise."
-                )
-    return units
-
-
-def make_granularity(granularity: Union[int, str, None], optimizer_block_size: Optional[int],
-                     min_block_numel: int) -> Optional[Callable[[str, Tensor], Any]]:
-    """The per-parameter granularity given to ``fully_shard`` (``None`` = engine default).
-
-    See design note [sharding-units]: large tensors get a multiple of the optimizer block size,
-    small ones the user's granularity (or element granularity).
-    """
-    if granularity is None and optimizer_block_size is None:
-        return None
-
-    def per_param(name: str, param: Tensor) -> Any:
-        shape = tuple(param.shape)
-        numel = math.prod(shape)
-        if optimizer_block_size is None or numel < min_block_numel:
-            return granularity if granularity is not None else 1
-        if granularity is None or isinstance(granularity, int):
-            return granularity if granularity is not None else optimizer_block_size
-        # a string granularity ("row", "<k>rows"): make the row count block-aligned too
-        from lightning_vescale.planner import resolve_granularity
-
-        g = resolve_granularity(granularity, shape)
-        return math.lcm(g, optimizer_block_size)
-
-    return per_param
-
-
-def _class_matches(module: Module, units: Sequence[Union[str, type]]) -> bool:
-    cls = type(module)
-    for u in units:
-        if isinstance(u, str):
-            if u in (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}"):
-                return True
-        elif isinstance(module, u):
-            return True
-    return False
-
-
-def _post_order(module: Module) -> Iterable[Module]:
-    for child in module.children():
-        yield from _post_order(child)
-    yield module
-
-
-def resolve_sharding_units(root: Module, units: Optional[Sequence[Union[str, type]]]
-                           ) -> list[Module]:
-    """The modules (excluding ``root``) that become their own group, children first."""
-    if units is None:
-        chosen = {id(c) for m in root.modules() if isinstance(m, nn.ModuleList) for c in m}
-        return [m for m in _post_order(root) if id(m) in chosen and m is not root]
-    found = [m for m in _post_order(root) if m is not root and _class_matches(m, units)]
-    if not found:
-        names = sorted({type(m).__name__ for m in root.modules()})
-        raise ValueError(
-            f"sharding_units={[u if isinstance(u, str) else u.__name__ for u in units]} matches no "
-            f"submodule of {type(root).__name__}. Module classes in the model: {names}."
-        )
-    return found
-
-
-def _has_meta(module: Module) -> bool:
-    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
-
-
-def shard_model(
-    root: Module,
-    *,
-    units: Optional[Sequence[Union[str, type]]],
-    mesh: "DeviceMesh",
-    device: torch.device,
-    mp_policy: Any,
-    granularity: Optional[Callable[[str, Tensor], Any]],
-    reshard_after_forward: bool,
-    wrapper: Optional[Module] = None,
-) -> None:
-    """Apply ``fully_shard`` to the units of ``root`` then to the root (or to ``wrapper``).
-
-    ``wrapper`` is a module containing ``root`` whose forward is what the training loop calls
-    (the Trainer's redirection wrapper); it becomes the root group instead of ``root`` itself.
-    If the user already sharded (parts of) the model, only the missing root group is added.
-    A meta-device model is sharded on meta, then materialised (``fsdp.materialize``: DBuffers on
-    ``device``, ``reset_parameters()`` of every submodule, each rank keeps its ranges).
-    """
-    fsdp = _fsdp()
-    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
-    if granularity is not None:
-        kwargs["granularity"] = granularity
-    top = wrapper if wrapper is not None else root
-    is_meta = _has_meta(top)
-    if is_sharded(root):
-        if _state_of(top) is None:  # the user sharded some units: add the missing root only
-            if not is_meta:
-                _move_unsharded(top, device)
-            fsdp.fully_shard(top, **kwargs)
-    else:
-        chosen = resolve_sharding_units(root, units)
-        if not is_meta:
-            top.to(device)
-        for unit in chosen:
-            fsdp.fully_shard(unit, **kwargs)
-        fsdp.fully_shard(top, **kwargs)
-    if is_meta:
-        fsdp.materialize(top, device)
-    _move_unsharded(top, device)
-
-
-def _move_unsharded(module: Module, device: torch.device) -> None:
-    """Move buffers (and any parameter no group owns) to ``device``; sharded groups stay put."""
-    for m in module.modules():
-        for name, b in list(m._buffers.items()):
-            if b is not None and b.device != device and not b.is_meta:
-                m._buffers[name] = b.to(device)
-
-
-def remap_optimizer_params(optimizer: Optimizer, old_names: dict[int, str],
-                           module: Module) -> None:
-    """Point an optimizer created before sharding at the new (sharded) parameter objects."""
-    if optimizer.state:
-        raise ValueError(
-            "The optimizer already has state, so it cannot be moved onto sharded parameters. "
-            "Create the optimizer before its first step, or call setup_module() first and create "
-            "the optimizer from the returned module's parameters."
-        )
-    new = dict(module.named_parameters(remove_duplicate=False))
-    for group in optimizer.param_groups:
-        params = []
-        for p in group["params"]:
-            name = old_names.get(id(p))
-            if name is None or name not in new:
-                raise ValueError(
-                    "The optimizer holds a parameter that is not part of the module being set up; "
-                    "create the optimizer from this module's parameters."
-                )
-            params.append(new[name])
-        group["params"] = params
 
 
 # ------------------------------------------------------------------------------------------------
@@ -376,7 +122,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
         self._reshard_after_forward = reshard_after_forward
         self._state_dict_type = state_dict_type
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._timeout = validate_timeout(timeout)
         self._num_nodes = 1
         self._device_mesh: Optional[DeviceMesh] = None
         self._backward_sync_control = _VeScaleBackwardSyncControl()
@@ -645,29 +391,3 @@ def _find_module(state: dict[str, Any]) -> tuple[str, Module]:
         raise ValueError("Found several sharded models in `state`; save/load one model per "
                          "checkpoint (call save_checkpoint for each with its own path).")
     return found[0]
-
-
-# ------------------------------------------------------------------------------------------------
-# Small distributed helpers shared with the Trainer strategy
-# ------------------------------------------------------------------------------------------------
-def make_mesh(device: torch.device, world_size: int) -> "DeviceMesh":
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
-
-
-def barrier(device: torch.device) -> None:
-    if not _distributed_is_initialized():
-        return
-    if torch.distributed.get_backend() == "nccl" and device.index is not None:
-        torch.distributed.barrier(device_ids=[device.index])
-    else:
-        torch.distributed.barrier()
-
-
-def broadcast(obj: Any, src: int = 0) -> Any:
-    if not _distributed_is_initialized():
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-    return box[0]

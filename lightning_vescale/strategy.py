@@ -10,7 +10,7 @@ A thin Trainer face over ``fully_shard`` (layer 3), modelled on Lightning's
   worker hands rank 0's *full* weights back to the main process (DTensors do not survive the
   trip). Backend from the accelerator (``gloo`` on CPU, ``nccl`` on CUDA), a 1-D device mesh
   over the world, exposed as ``LightningModule.device_mesh`` for ``configure_model``.
-* Sharding in ``setup``: the units of design note [sharding-units] (``fabric.py``), then a
+* Sharding in ``setup``: the units of design note [sharding-units] (``_sharding.py``), then a
   *root wrapper* (:class:`_RootWrapper`) is the root group. Lightning calls
   ``training_step``/``validation_step``, not ``forward``; routing them through the wrapper's
   forward (Lightning's forward redirection, as for DDP/FSDP) makes the root's hooks run —
@@ -25,13 +25,36 @@ A thin Trainer face over ``fully_shard`` (layer 3), modelled on Lightning's
   in the ``precision_plugin`` setter (Lightning replaces the plugin after construction).
 * Checkpoints: see design note [checkpoint-formats] in ``_checkpoint.py``. The strategy restores
   model and optimizer states itself, after setup (``restore_checkpoint_after_setup``).
+
+Design note [failures]
+----------------------
+A rank that fails must not leave the others hanging forever. Three mechanisms:
+
+* ``timeout`` goes to ``init_process_group`` (the device mesh reuses that group), so a collective
+  that a peer never joins becomes an error after ``timeout`` (gloo and NCCL). On gloo, a peer
+  *process* that dies fails the others' collectives at once ("Connection closed by peer").
+* The fork/spawn launcher (torch's ``ProcessContext.join``) terminates the other workers as soon
+  as one exits with an error and re-raises it in the main process.
+* With the default launcher / torchrun every rank handles its own exception, and Lightning runs
+  the ``on_exception`` hooks there — e.g. ``OnExceptionCheckpoint`` or
+  ``ModelCheckpoint(save_on_exception=True)`` call ``trainer.save_checkpoint``, a *collective*
+  (barrier, DCP). If only one rank failed, its peers are blocked in some other collective, so the
+  failing rank would wait for them for the whole ``timeout`` (30 min by default) before its
+  error even appears. So while the trainer is ``INTERRUPTED``, the strategy's collective entry
+  points first agree *out of band* (the process group's TCP store, which cannot mismatch with
+  an in-flight collective) that every rank is handling an exception; they wait at most
+  ``min(timeout, _EXCEPTION_AGREEMENT_WINDOW)``. If all ranks arrive (Ctrl+C, the same error
+  everywhere), the checkpoint is written collectively as usual; if not, the failing rank raises
+  an error naming the original one and exits, which releases its peers.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import sys
 import tempfile
+import time
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -59,8 +82,8 @@ from lightning.pytorch.strategies.launchers.multiprocessing import (
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.nn import Module
@@ -68,7 +91,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_vescale import _checkpoint as ckpt
-from lightning_vescale.fabric import (
+from lightning_vescale._sharding import (
     DEFAULT_MIN_BLOCK_NUMEL,
     DEFAULT_OPTIMIZER_BLOCK_SIZE,
     _NoGradSync,
@@ -80,6 +103,7 @@ from lightning_vescale.fabric import (
     reshard_all,
     shard_model,
     validate_sharding_args,
+    validate_timeout,
 )
 from lightning_vescale.precision import VeScalePrecision, to_vescale_precision
 
@@ -88,6 +112,10 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["VeScaleFSDPStrategy"]
+
+#: Upper bound on how long a rank handling an exception waits for its peers before a collective
+#: checkpoint save (design note [failures]); the process-group ``timeout`` bounds it too.
+_EXCEPTION_AGREEMENT_WINDOW = timedelta(seconds=15)
 
 
 class _RootWrapper(nn.Module):
@@ -167,11 +195,13 @@ class VeScaleFSDPStrategy(ParallelStrategy):
         self._reshard_after_forward = reshard_after_forward
         self._state_dict_type = state_dict_type
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._timeout = validate_timeout(timeout)
         self._start_method = start_method
         self._num_nodes = 1
         self._device_mesh: Optional[DeviceMesh] = None
         self._wrapper: Optional[_RootWrapper] = None
+        self._setups = 0  # per-run key of the exception agreement (design note [failures])
+        self._peers_in_exception: Optional[bool] = None
 
     # -- properties ------------------------------------------------------------------------------
     @property
@@ -278,6 +308,8 @@ class VeScaleFSDPStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None
+        self._setups += 1
+        self._peers_in_exception = None
         self.accelerator.setup(trainer)
         lm = self.lightning_module
         assert lm is not None and self.model is not None
@@ -348,11 +380,50 @@ class VeScaleFSDPStrategy(ParallelStrategy):
     # -- collectives -----------------------------------------------------------------------------
     @override
     def barrier(self, name: Optional[str] = None) -> None:
+        self._check_peers_if_interrupted(f"barrier({name!r})" if name else "barrier")
         barrier(self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        self._check_peers_if_interrupted("broadcast")
         return broadcast(obj, src)
+
+    def _is_main_process_after_failed_workers(self) -> bool:
+        """True in the main process of the fork/spawn launcher while it handles a worker's error."""
+        from torch.multiprocessing.spawn import ProcessException
+
+        return (isinstance(self._launcher, _MultiProcessingLauncher)
+                and isinstance(sys.exc_info()[1], ProcessException)
+                and not (torch.distributed.is_available() and torch.distributed.is_initialized()))
+
+    def _check_peers_if_interrupted(self, what: str) -> None:
+        """While the trainer handles an exception, enter a collective only if every rank does.
+
+        See design note [failures]. Out of the exception path this is one attribute check.
+        """
+        lm = self.lightning_module
+        trainer = getattr(lm, "_trainer", None) if lm is not None else None
+        if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED:
+            return
+        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            return
+        world = torch.distributed.get_world_size()
+        if world == 1 or self._peers_in_exception:
+            return
+        if self._peers_in_exception is None:
+            self._peers_in_exception = _all_ranks_arrive(
+                f"lightning_vescale/exception/{self._setups}", world,
+                min(self._timeout or _EXCEPTION_AGREEMENT_WINDOW, _EXCEPTION_AGREEMENT_WINDOW))
+        if not self._peers_in_exception:
+            original = sys.exc_info()[1]
+            cause = f" ({type(original).__name__}: {original})" if original is not None else ""
+            raise RuntimeError(
+                f"Rank {self.global_rank} is handling an exception{cause} but the other ranks are "
+                f"not, so the collective `{what}` (e.g. a checkpoint save from an `on_exception` "
+                "hook such as OnExceptionCheckpoint) cannot run: it would wait for them until the "
+                "process-group timeout. Nothing was written; any previous checkpoint is untouched. "
+                "Fix the original error shown above."
+            )
 
     @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
@@ -373,6 +444,7 @@ class VeScaleFSDPStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
+        self._check_peers_if_interrupted("lightning_module_state_dict")
         reshard_all(self.model)
         return ckpt.model_state(self.lightning_module, full=self._state_dict_type == "full")
 
@@ -398,6 +470,13 @@ class VeScaleFSDPStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not "
                             "supported: the strategy writes checkpoints itself.")
+        if self._is_main_process_after_failed_workers():
+            # With start_method="fork"/"spawn", Lightning runs the `on_exception` hooks in the main
+            # process, whose model never trained (the workers' state died with them): writing it
+            # would replace a good checkpoint at that path with the initial weights.
+            rank_zero_warn(f"Not saving the checkpoint {str(filepath)!r}: a worker process "
+                           "failed and the main process only holds the untrained model.")
+            return
         path = Path(self.broadcast(filepath))
         if self._state_dict_type == "full":
             ckpt.save_full(path, checkpoint)
@@ -445,6 +524,25 @@ class VeScaleFSDPStrategy(ParallelStrategy):
                 strategy_registry.register(
                     name, cls, description=f"veScale-FSDP (RaggedShard fully sharded data "
                     f"parallel), start_method={start_method!r}", start_method=start_method)
+
+
+def _all_ranks_arrive(key: str, world_size: int, window: timedelta) -> bool:
+    """Count this rank in at ``key`` of the default group's store; True if all ranks do in time.
+
+    Out of band (TCP store, not a collective), so it cannot pair with a collective a healthy peer
+    is blocked in. A store that is gone (its host rank died) counts as "not all ranks".
+    """
+    try:
+        store = torch.distributed.distributed_c10d._get_default_store()
+        store.add(key, 1)
+        deadline = time.monotonic() + window.total_seconds()
+        while store.add(key, 0) < world_size:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+    except Exception:  # noqa: BLE001 - an unreachable store means a peer process is gone
+        return False
 
 
 def _check_optimizer_count(configured: int, saved: int) -> None:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from examples.gpt import GPT, GPTConfig
 from lightning_vescale import _checkpoint as ckpt
-from lightning_vescale.fabric import make_granularity, make_mesh, shard_model
+from lightning_vescale._sharding import make_granularity, make_mesh, shard_model
 from lightning_vescale.optim import AdamW8bit, Muon
 
 # fc/proj weights have 64*256 = 16384 elements: AdamW8bit quantizes them (block 256).

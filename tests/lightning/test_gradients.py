@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from examples.gpt import GPT, GPTConfig
-from lightning_vescale.fabric import make_mesh, shard_model
+from lightning_vescale._sharding import make_mesh, shard_model
 from lightning_vescale.precision import ShardedGradScaler, clip_grad_norm_, clip_grad_value_
 
 CFG = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=True)

@@ -16,11 +16,8 @@ from torch import nn
 
 from examples.gpt import GPT, MLP, Block, GPTConfig
 from lightning_vescale._registry import register_strategies
-from lightning_vescale.fabric import (
-    VeScaleFabricStrategy,
-    make_granularity,
-    resolve_sharding_units,
-)
+from lightning_vescale._sharding import make_granularity, resolve_sharding_units
+from lightning_vescale.fabric import VeScaleFabricStrategy
 from lightning_vescale.precision import (
     ShardedGradScaler,
     VeScaleFabricPrecision,
