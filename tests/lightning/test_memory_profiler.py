@@ -75,7 +75,8 @@ def test_collect_training_tensors_matches_module_and_adam_sizes():
 
 
 def test_collect_counts_8bit_optimizer_states():
-    adamw8bit = pytest.importorskip("lightning_vescale.optim.adamw8bit")
+    from lightning_vescale.optim import adamw8bit
+
     m = torch.nn.Linear(256, 64)  # weight: 16384 elements (8-bit states), bias: 64 (fp32 states)
     opt = adamw8bit.AdamW8bit(m.parameters(), block_size=256, min_8bit_size=4096)
     m(torch.randn(2, 256)).sum().backward()
@@ -163,7 +164,6 @@ def _fit(tmp_path, prof, *, logger=True, ckpt=False, steps=4):
 
 
 def test_single_device_breakdown_metrics_plot(tmp_path):
-    pytest.importorskip("matplotlib")
     prof = MemoryProfiler(every_n_steps=2, plot_dir=str(tmp_path / "plots"))
     trainer, expect = _fit(tmp_path, prof, ckpt=True)
     rows = {r["batch"]: r for r in expect.rows}
@@ -246,7 +246,6 @@ def test_missing_matplotlib_gives_install_hint(tmp_path, monkeypatch):
 
 
 def test_lightning_cli_builds_the_callback_from_arguments(monkeypatch):
-    pytest.importorskip("jsonargparse")
     from lightning.pytorch.cli import LightningCLI
 
     monkeypatch.setattr(sys, "argv", ["prog"])  # only ``args`` below, not pytest's arguments
@@ -382,7 +381,6 @@ def _dbuffer_body():
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_dbuffer_storage_by_role_without_double_counting(worlds, world_size):
-    pytest.importorskip("lightning_vescale.dbuffer")
     for out in worlds(world_size).run(_dbuffer_body):
         shard_bytes, full_bytes = out["sizes"]
         assert out["at_rest"] == (shard_bytes, 0, 0)  # the local views are inside the shard

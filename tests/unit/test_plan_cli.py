@@ -117,7 +117,6 @@ def test_import_path_model_on_meta_device(capsys):
 
 
 def test_lightning_module_with_configure_model(capsys):
-    pytest.importorskip("lightning")
     args = ["--model", "tests.unit._plan_cli_models:TinyLit", "--world-size", "2"]
     assert plan_cli.main(args) == 0
     out = capsys.readouterr().out
