@@ -40,8 +40,13 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+)
 from lightning.fabric.utilities.distributed import group as _group
+from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -59,11 +64,14 @@ __all__ = [
     "reshard_all",
     "validate_sharding_args",
     "validate_timeout",
+    "validate_state_dict_type",
     "make_granularity",
     "resolve_sharding_units",
     "shard_model",
     "remap_optimizer_params",
     "make_mesh",
+    "set_world_ranks",
+    "connect",
     "barrier",
     "broadcast",
 ]
@@ -192,6 +200,17 @@ def validate_timeout(timeout: Any) -> Optional[timedelta]:
             "timeout=timedelta(minutes=30)."
         )
     return timeout
+
+
+def validate_state_dict_type(state_dict_type: Any) -> str:
+    """The ``state_dict_type`` argument: ``"sharded"`` or ``"full"``."""
+    if state_dict_type not in ("sharded", "full"):
+        raise ValueError(
+            f"state_dict_type must be 'sharded' or 'full', got {state_dict_type!r}: 'sharded' "
+            "writes a distributed-checkpoint directory (every rank its shard), 'full' one file "
+            "from rank 0 that a plain nn.Module can load."
+        )
+    return state_dict_type
 
 
 def make_granularity(granularity: Union[int, str, None], optimizer_block_size: Optional[int],
@@ -340,6 +359,36 @@ def make_mesh(device: torch.device, world_size: int) -> "DeviceMesh":
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
+
+
+def set_world_ranks(strategy: Any) -> None:
+    """Tell the cluster environment and ``rank_zero_only`` this process's global rank.
+
+    ``strategy`` is either of our strategies (Trainer or Fabric): both have the same
+    ``node_rank``/``local_rank``/``num_processes``/``num_nodes``/``global_rank``.
+    """
+    env = strategy.cluster_environment
+    if env is not None:
+        env.set_global_rank(strategy.node_rank * strategy.num_processes + strategy.local_rank)
+        env.set_world_size(strategy.num_nodes * strategy.num_processes)
+    # lightning.pytorch, lightning.fabric and lightning_utilities share this one function object.
+    rank_zero_only.rank = strategy.global_rank
+
+
+def connect(cluster_environment: Any, backend: Optional[str], device: torch.device,
+            world_size: int, timeout: Optional[timedelta]) -> tuple[str, "DeviceMesh"]:
+    """Initialise the default process group and the 1-D device mesh over it.
+
+    The backend defaults to the device's (``gloo`` on CPU, ``nccl`` on CUDA); ``timeout`` bounds
+    every collective of the run (design note [failures] in ``strategy.py``). Returns the backend
+    used and the mesh, which reuses the default group.
+    """
+    backend = backend or _get_default_process_group_backend_for_device(device)
+    kwargs: dict[str, Any] = {"timeout": timeout}
+    if device.type != "cpu":
+        kwargs["device_id"] = device  # eager NCCL communicator bound to this rank's device
+    _init_dist_connection(cluster_environment, backend, **kwargs)
+    return backend, make_mesh(device, world_size)
 
 
 def barrier(device: torch.device) -> None:

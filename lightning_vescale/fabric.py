@@ -17,19 +17,17 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher,
+)
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
 from lightning.fabric.utilities.distributed import (
     ReduceOp,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, _Stateful
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -44,13 +42,15 @@ from lightning_vescale._sharding import (
     _NoGradSync,
     barrier,
     broadcast,
+    connect,
     is_sharded,
     make_granularity,
-    make_mesh,
     remap_optimizer_params,
     reshard_all,
+    set_world_ranks,
     shard_model,
     validate_sharding_args,
+    validate_state_dict_type,
     validate_timeout,
 )
 from lightning_vescale.precision import (
@@ -113,14 +113,11 @@ class VeScaleFabricStrategy(ParallelStrategy):
                          precision=precision)
         self._sharding_units = validate_sharding_args(
             sharding_units, granularity, optimizer_block_size, optimizer_min_block_numel)
-        if state_dict_type not in ("sharded", "full"):
-            raise ValueError(
-                f"state_dict_type must be 'sharded' or 'full', got {state_dict_type!r}.")
         self._granularity = granularity
         self._optimizer_block_size = optimizer_block_size
         self._optimizer_min_block_numel = optimizer_min_block_numel
         self._reshard_after_forward = reshard_after_forward
-        self._state_dict_type = state_dict_type
+        self._state_dict_type = validate_state_dict_type(state_dict_type)
         self._process_group_backend = process_group_backend
         self._timeout = validate_timeout(timeout)
         self._num_nodes = 1
@@ -197,22 +194,14 @@ class VeScaleFabricStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self._set_world_ranks()
-        self._process_group_backend = self._process_group_backend or \
-            _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self._device_mesh = make_mesh(self.root_device, self.world_size)
+        self._process_group_backend, self._device_mesh = connect(
+            self.cluster_environment, self._process_group_backend, self.root_device,
+            self.world_size, self._timeout)
         self.precision._set_device_type(self.root_device.type)
 
     def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes
-                                                     + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        set_world_ranks(self)
 
     # -- model & optimizers ----------------------------------------------------------------------
     def _granularity_fn(self) -> Optional[Callable[[str, Tensor], Any]]:

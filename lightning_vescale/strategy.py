@@ -66,8 +66,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -79,12 +77,13 @@ from lightning.pytorch.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher,
     _WorkerOutput,
 )
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher,
+)
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -98,11 +97,13 @@ from lightning_vescale._sharding import (
     _state_of,
     barrier,
     broadcast,
+    connect,
     make_granularity,
-    make_mesh,
     reshard_all,
+    set_world_ranks,
     shard_model,
     validate_sharding_args,
+    validate_state_dict_type,
     validate_timeout,
 )
 from lightning_vescale.precision import VeScalePrecision, to_vescale_precision
@@ -183,9 +184,6 @@ class VeScaleFSDPStrategy(ParallelStrategy):
                          precision_plugin=precision_plugin)
         self._sharding_units = validate_sharding_args(
             sharding_units, granularity, optimizer_block_size, optimizer_min_block_numel)
-        if state_dict_type not in ("sharded", "full"):
-            raise ValueError(
-                f"state_dict_type must be 'sharded' or 'full', got {state_dict_type!r}.")
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be one of 'popen', 'spawn', 'fork', "
                              f"'forkserver', got {start_method!r}.")
@@ -193,7 +191,7 @@ class VeScaleFSDPStrategy(ParallelStrategy):
         self._optimizer_block_size = optimizer_block_size
         self._optimizer_min_block_numel = optimizer_min_block_numel
         self._reshard_after_forward = reshard_after_forward
-        self._state_dict_type = state_dict_type
+        self._state_dict_type = validate_state_dict_type(state_dict_type)
         self._process_group_backend = process_group_backend
         self._timeout = validate_timeout(timeout)
         self._start_method = start_method
@@ -285,24 +283,16 @@ class VeScaleFSDPStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or \
-            _get_default_process_group_backend_for_device(self.root_device)
         assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self._device_mesh = make_mesh(self.root_device, self.world_size)
+        self._process_group_backend, self._device_mesh = connect(
+            self.cluster_environment, self._process_group_backend, self.root_device,
+            self.world_size, self._timeout)
         self.precision_plugin._set_device_type(self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # for configure_model
 
     def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes
-                                                     + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        set_world_ranks(self)
 
     # -- model & optimizers ----------------------------------------------------------------------
     @override

@@ -6,4 +6,4 @@ Each optimizer lives in its own submodule; add one import line per optimizer bel
 from lightning_vescale.optim.adamw8bit import AdamW8bit
 from lightning_vescale.optim.muon import Muon
 
-__all__ = [name for name in ("AdamW8bit", "Muon") if name in globals()]
+__all__ = ["AdamW8bit", "Muon"]
