@@ -7,7 +7,6 @@ checks compare each rank's local params/codes/scales with the matching slice of 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist

@@ -10,7 +10,6 @@ The helpers here (models, optimizers, gathering) are reused by the other fully_s
 from __future__ import annotations
 
 import copy
-import importlib.util
 
 import pytest
 import torch
@@ -19,8 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from examples.gpt import GPT, GPTConfig, make_batches
-
-HAS_RAGGED_OPS = importlib.util.find_spec("lightning_vescale._ragged_ops") is not None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -209,7 +206,6 @@ def test_parity_fp32_local_optimizer(worlds, world_size):
     check_parity(results, COMBOS)
 
 
-@pytest.mark.skipif(not HAS_RAGGED_OPS, reason="needs lightning_vescale._ragged_ops (issue H2)")
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_parity_fp32_torch_optimizer_on_dtensors(worlds, world_size):
     """Real torch.optim.AdamW/SGD and clip_grad_norm_ stepping the RaggedShard DTensors."""

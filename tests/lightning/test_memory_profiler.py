@@ -13,21 +13,20 @@ import logging
 import os
 import sys
 
+import lightning as L
 import pytest
 import torch
-
-import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_vescale.callbacks._memory_accounting import account, collect_training_tensors
+from lightning_vescale.callbacks._memory_accounting import (
+    account,
+    collect_training_tensors,
+)
 from lightning_vescale.callbacks._memory_device import DeviceMemory
 from lightning_vescale.callbacks.memory import PHASES, MemoryProfiler
 from tests.lightning._memory_profiler_run import Blocks, Expect, fit_and_dump
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HAS_STRATEGY = os.path.exists(os.path.join(ROOT, "lightning_vescale", "strategy.py"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -312,8 +311,6 @@ def test_ddp_world2_breakdown_and_csv(tmp_path):
     _check_csv_and_plots(ranks)
 
 
-@pytest.mark.skipif(not HAS_STRATEGY,
-                    reason="lightning_vescale/strategy.py (issue 5) not written yet")
 def test_vescale_fsdp_world2_breakdown(tmp_path):
     ranks = _run_world2("vescale_fsdp", tmp_path)
     global_numel = {e["params_global_numel"] for r in ranks for e in r["expected"]}
