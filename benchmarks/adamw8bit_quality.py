@@ -20,48 +20,27 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from examples.gpt import GPT, GPTConfig, make_batches  # noqa: E402
+from benchmarks._lm import build_gpt, train_lm  # noqa: E402
 from lightning_vescale.optim import AdamW8bit  # noqa: E402
 
 OUT_DIR = os.path.join(ROOT, "benchmarks", "out")
 
 
 def train(kind: str, args, seed: int) -> dict:
-    torch.manual_seed(seed)
-    cfg = GPTConfig(n_layer=args.layers, n_head=4, n_embd=args.d_model, block_size=args.block)
-    model = GPT(cfg)
+    model = build_gpt(args.layers, args.d_model, args.block, seed)
     hp = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     opt = AdamW8bit(model.parameters(), **hp) if kind == "adamw8bit" else \
         torch.optim.AdamW(model.parameters(), **hp)
-    warmup = max(1, args.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(  # warm-up, then linear decay to 10 %
-        opt, lambda s: min((s + 1) / warmup, 1.0 - 0.9 * max(0, s - warmup) / args.steps))
-    batches = make_batches(args.steps, args.batch, args.block, seed=seed)
-    held_out = make_batches(8, args.batch, args.block, seed=10_000 + seed)
-    losses = []
-    t0 = time.perf_counter()
-    for x, y in batches:
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        losses.append(loss.item())
-    seconds = time.perf_counter() - t0
-    with torch.no_grad():
-        eval_loss = statistics.mean(model(x, y).item() for x, y in held_out)
+    run = train_lm(model, opt, steps=args.steps, batch=args.batch, block=args.block, seed=seed)
     n = sum(p.numel() for p in model.parameters())
     n8 = sum(p.numel() for p in model.parameters() if p.numel() >= 4096)
-    return dict(kind=kind, seed=seed, losses=losses, eval_loss=eval_loss,
-                final_train=statistics.mean(losses[-10:]), seconds=seconds,
-                params=n, params_8bit=n8)
+    return dict(kind=kind, seed=seed, params=n, params_8bit=n8, **run)
 
 
 def main(argv=None) -> dict:
@@ -95,8 +74,8 @@ def main(argv=None) -> dict:
     rel_eval = summary["adamw8bit"]["eval_loss"] / summary["adamw"]["eval_loss"] - 1
     per_seed = [b["final_train"] / a["final_train"] - 1
                 for a, b in zip(runs["adamw"], runs["adamw8bit"])]
-    def window(r, i):
-        return statistics.mean(r["losses"][i - 9:i + 1])
+    def window(r, i):  # mean of the 10 steps ending at step i (fewer at the start)
+        return statistics.mean(r["losses"][max(0, i - 9):i + 1])
 
     curve_gap = max(abs(window(b, i) / window(a, i) - 1)
                     for a, b in zip(runs["adamw"], runs["adamw8bit"])

@@ -29,7 +29,8 @@ import torch
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from examples.gpt import GPT, GPTConfig, make_batches  # noqa: E402
+from benchmarks._lm import build_gpt, train_lm  # noqa: E402
+from examples.gpt import GPT, GPTConfig  # noqa: E402
 from lightning_vescale.optim import AdamW8bit  # noqa: E402
 
 OUT_DIR = os.path.join(ROOT, "benchmarks", "out")
@@ -138,27 +139,11 @@ def step_times(factories: dict, args) -> dict:
 
 
 def final_loss(factory, args, seed: int) -> dict:
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(n_layer=args.layers, n_head=4, n_embd=args.d_model,
-                          block_size=args.block))
-    opt = factory(model.parameters(), **HP)
-    warmup = max(1, args.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / warmup, 1.0 - 0.9 * max(0, s - warmup) / args.steps))
-    losses = []
-    t0 = time.perf_counter()
-    for x, y in make_batches(args.steps, args.batch, args.block, seed=seed):
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        losses.append(loss.item())
-    with torch.no_grad():
-        held = statistics.mean(model(x, y).item() for x, y in
-                               make_batches(8, args.batch, args.block, seed=10_000 + seed))
-    return dict(final_train=statistics.mean(losses[-10:]), held_out=held, losses=losses,
-                seconds=time.perf_counter() - t0)
+    model = build_gpt(args.layers, args.d_model, args.block, seed)
+    run = train_lm(model, factory(model.parameters(), **HP), steps=args.steps, batch=args.batch,
+                   block=args.block, seed=seed)
+    return dict(final_train=run["final_train"], held_out=run["eval_loss"], losses=run["losses"],
+                seconds=run["seconds"])
 
 
 def main(argv=None) -> dict:

@@ -16,47 +16,28 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from examples.gpt import GPT, GPTConfig, make_batches  # noqa: E402
+from benchmarks._lm import build_gpt, train_lm  # noqa: E402
 from lightning_vescale.optim.muon import Muon  # noqa: E402
 
 OUT_DIR = os.path.join(ROOT, "benchmarks", "out")
 
 
 def train(kind: str, lr: float, args, seed: int) -> dict:
-    torch.manual_seed(seed)
-    cfg = GPTConfig(n_layer=args.layers, n_head=4, n_embd=args.d_model, block_size=args.block)
-    model = GPT(cfg)
+    model = build_gpt(args.layers, args.d_model, args.block, seed)
     if kind == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     else:  # Muon for hidden matrices; embeddings/head/1-D on AdamW at AdamW's best lr
         opt = Muon(model.named_parameters(), lr=lr, weight_decay=0.1, momentum=0.95,
                    adamw_lr=args.adamw_lr_for_muon, adamw_betas=(0.9, 0.95),
                    adamw_weight_decay=0.1)
-    warmup = max(1, args.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(  # warmup, then linear decay to 10 %
-        opt, lambda s: min((s + 1) / warmup, 1.0 - 0.9 * max(0, s - warmup) / args.steps))
-    batches = make_batches(args.steps, args.batch, args.block, seed=seed)
-    held_out = make_batches(8, args.batch, args.block, seed=10_000 + seed)
-    losses = []
-    t0 = time.perf_counter()
-    for x, y in batches:
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        losses.append(loss.item())
-    with torch.no_grad():
-        eval_loss = statistics.mean(model(x, y).item() for x, y in held_out)
-    return dict(kind=kind, lr=lr, seed=seed, losses=losses, eval_loss=eval_loss,
-                final_train=statistics.mean(losses[-10:]), seconds=time.perf_counter() - t0)
+    run = train_lm(model, opt, steps=args.steps, batch=args.batch, block=args.block, seed=seed)
+    return dict(kind=kind, lr=lr, seed=seed, **run)
 
 
 def main(argv=None) -> None:
