@@ -280,6 +280,15 @@ class ParamGroup:
             group = gref()
             if group is None:
                 return
+            if torch.is_grad_enabled():
+                # backward(create_graph=True): AccumulateGrad then writes `grad + new` out of
+                # place, so the gradient would leave the grad buffer and be lost.
+                raise NotImplementedError(
+                    "fully_shard does not support backward(create_graph=True) / "
+                    "torch.autograd.grad(..., create_graph=True) through sharded parameters "
+                    "(higher-order gradients): gradients are reduce-scattered from a flat "
+                    "buffer that an out-of-place gradient would bypass. Compute the "
+                    "higher-order term on an unsharded copy of the model instead.")
             group.prepare_grads()
             if group.on_first_grad is not None:
                 group.on_first_grad(group)
@@ -340,8 +349,11 @@ class ParamGroup:
             mps = [mp for mp in self.params if mp.buffer is buf and mp.requires_grad]
             if not buf.is_grad_materialized or not any(mp.got_grad for mp in mps):
                 continue
+            # Accumulate onto the grad shard if ANY parameter of the buffer still holds a
+            # gradient (no zero_grad since the last reduce), not only those with a new one: a
+            # plain reduce-scatter overwrites the whole shard, kept gradients included.
             accumulate = any(mp.sharded is not None and mp.sharded.grad is not None
-                             for mp in mps if mp.got_grad)
+                             for mp in mps)
             if accumulate:
                 self._prepare_accumulate(mps)
             handles.append(buf.reduce_scatter(async_op=async_op, op=op, accumulate=accumulate))

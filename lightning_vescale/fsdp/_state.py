@@ -137,6 +137,13 @@ class FSDPState:
         self.final_cb_queued = False
         for st in self.tree:
             st._pre_bwd_done = False
+            # A forward whose output never went through backward (e.g. a loss computed twice,
+            # or an evaluation with grad enabled) leaves the root (and groups with
+            # reshard_after_forward=False) unsharded. Their full parameters would be stale once
+            # the optimizer or load_state_dict changes the shards, so start every iteration
+            # from the sharded state (a no-op after a normal backward).
+            if st.group is not None and st.group.is_unsharded:
+                st.group.reshard()
             if st.group is not None:
                 st.group.reset_arrivals()
                 st.group.sync_requires_grad()
@@ -198,12 +205,14 @@ class FSDPState:
                     st.group.reshard()
         return output
 
-    def _prefetch(self, order: list["FSDPState"]) -> None:
+    def _prefetch(self, order: list["FSDPState"], *, backward: bool = False) -> None:
         try:
             i = order.index(self)
         except ValueError:
             return
         for nxt in order[i + 1:]:
+            if backward and nxt._pre_bwd_done:
+                continue  # already through its backward (e.g. the root's late gradients)
             if nxt.group is not None:
                 nxt.group.unshard(async_op=True)
                 return
@@ -230,7 +239,7 @@ class FSDPState:
             self.group.wait_for_unshard()
         if root.bwd_recorded and root.prefetch and (
                 self.group is None or self.group.num_trainable == 0):
-            self._prefetch(root.bwd_order)  # else deferred to _on_half_grads
+            self._prefetch(root.bwd_order, backward=True)  # else deferred to _on_half_grads
 
     def _on_half_grads(self, group: ParamGroup) -> None:
         # Backward prefetch of the next group, issued once half of this group's gradients
@@ -239,7 +248,7 @@ class FSDPState:
         root = self.root
         assert root is not None
         if root.bwd_recorded and root.prefetch:
-            self._prefetch(root.bwd_order)
+            self._prefetch(root.bwd_order, backward=True)
 
     def _on_first_grad(self, group: ParamGroup) -> None:
         self._queue_final_callback()

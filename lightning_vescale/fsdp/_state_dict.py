@@ -45,10 +45,28 @@ def to_param_layout(value: Any, sharded: DTensor, rank_range: tuple[int, int]) -
     return value  # a shape mismatch: let nn.Module report it
 
 
+def _reshard_at_rest(group: ParamGroup) -> None:
+    """Make the module hold its sharded parameters again, unless a backward is running.
+
+    Normally true already outside forward/backward; after a forward whose output never went
+    through backward (design note [fsdp-schedule]) the group may still be unsharded, and
+    ``state_dict()`` / ``load_state_dict`` must see (and write) the RaggedShard parameters.
+    """
+    if group.is_unsharded and torch._C._current_graph_task_id() == -1:
+        group.reshard()
+
+
 def register_load_hook(module: nn.Module, group: ParamGroup) -> Any:
-    """Register the converting ``load_state_dict`` pre-hook of ``group`` on ``module``."""
+    """Register ``group``'s ``state_dict`` hooks on ``module``.
+
+    A ``state_dict`` pre-hook reshards (see :func:`_reshard_at_rest`); the ``load_state_dict``
+    pre-hook reshards too, then converts values to the parameters' layout (design note
+    [fsdp-state-dict]).
+    """
+    module.register_state_dict_pre_hook(lambda mod, prefix, keep_vars: _reshard_at_rest(group))
 
     def hook(mod: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        _reshard_at_rest(group)
         for mp in group.params:
             assert mp.sharded is not None and mp.buffer is not None
             rng = mp.buffer.plan.local_range(mp.name, mp.buffer.rank)

@@ -90,7 +90,10 @@ def _as_policy(mp_policy: Any) -> MixedPrecisionPolicy:
         f"{type(mp_policy).__name__}")
 
 
-_MESHES: dict[str, DeviceMesh] = {}
+# Keyed on the world size too: a child forked from a process that used fully_shard, or a new
+# init_process_group() after destroy_process_group(), may have another world size. (A 1-D world
+# mesh looks its group up by name, so it follows a re-initialised default group by itself.)
+_MESHES: dict[tuple[str, int], DeviceMesh] = {}
 
 
 def _device_type_for(device: torch.device | None) -> str:
@@ -114,9 +117,10 @@ def default_mesh(device_type: str | None = None) -> DeviceMesh:
             "fully_shard needs torch.distributed to be initialised (init_process_group), even "
             "for world_size=1; or pass mesh=... explicitly.")
     dt = device_type or _device_type_for(None)
-    if dt not in _MESHES:
-        _MESHES[dt] = init_device_mesh(dt, (dist.get_world_size(),))
-    return _MESHES[dt]
+    key = (dt, dist.get_world_size())
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(dt, (dist.get_world_size(),))
+    return _MESHES[key]
 
 
 class VeScaleFSDPModule:
@@ -140,6 +144,8 @@ class VeScaleFSDPModule:
     def set_reshard_after_forward(self, reshard_after_forward: bool, *,
                                   recurse: bool = True) -> None:
         """Change whether groups free their unsharded parameters after forward."""
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
         targets = states_in(self) if recurse else [get_state(self)]  # type: ignore[arg-type]
         for st in targets:
             if st is not None:
@@ -147,6 +153,8 @@ class VeScaleFSDPModule:
 
     def set_prefetch(self, enabled: bool) -> None:
         """Enable/disable implicit all-gather prefetching (root setting; default on)."""
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_prefetch(enabled=...) must be a bool, got {enabled!r}")
         for st in states_in(self):  # type: ignore[arg-type]
             st.prefetch = bool(enabled)
 
@@ -280,7 +288,16 @@ def _granularities(granularity: GranularityArg,
                 f"names (relative to the module): {names}")
         return {n: granularity.get(n, 1) for n in names}
     if callable(granularity):
-        return {e[0]: granularity(e[0], e[1]) for e in entries}
+        out = {}
+        for name, param in ((e[0], e[1]) for e in entries):
+            g = granularity(name, param)
+            if isinstance(g, bool) or not isinstance(g, (int, str)):
+                raise TypeError(
+                    f"the granularity callable returned {g!r} for parameter {name!r}; it must "
+                    "return a block size in elements (int), 'row' or '<k>rows' (return 1 for "
+                    "element-wise sharding).")
+            out[name] = g
+        return out
     raise TypeError(f"granularity must be None, an int, a str, a dict name->int or a callable "
                     f"(name, param)->int, got {type(granularity).__name__}")
 
