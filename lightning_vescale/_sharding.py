@@ -285,12 +285,9 @@ def shard_model(
     mp_policy: Any,
     granularity: Optional[Callable[[str, Tensor], Any]],
     reshard_after_forward: bool,
-    wrapper: Optional[Module] = None,
 ) -> None:
-    """Apply ``fully_shard`` to the units of ``root`` then to the root (or to ``wrapper``).
+    """Apply ``fully_shard`` to the units of ``root``, then to ``root`` itself (the root group).
 
-    ``wrapper`` is a module containing ``root`` whose forward is what the training loop calls
-    (the Trainer's redirection wrapper); it becomes the root group instead of ``root`` itself.
     If the user already sharded (parts of) the model, only the missing root group is added.
     A meta-device model is sharded on meta, then materialised (``fsdp.materialize``: DBuffers on
     ``device``, ``reset_parameters()`` of every submodule, each rank keeps its ranges).
@@ -301,23 +298,22 @@ def shard_model(
         kwargs["mp_policy"] = mp_policy
     if granularity is not None:
         kwargs["granularity"] = granularity
-    top = wrapper if wrapper is not None else root
-    is_meta = _has_meta(top)
+    is_meta = _has_meta(root)
     if is_sharded(root):
-        if _state_of(top) is None:  # the user sharded some units: add the missing root only
+        if _state_of(root) is None:  # the user sharded some units: add the missing root only
             if not is_meta:
-                _move_unsharded(top, device)
-            fsdp.fully_shard(top, **kwargs)
+                _move_unsharded(root, device)
+            fsdp.fully_shard(root, **kwargs)
     else:
         chosen = resolve_sharding_units(root, units)
         if not is_meta:
-            top.to(device)
+            root.to(device)
         for unit in chosen:
             fsdp.fully_shard(unit, **kwargs)
-        fsdp.fully_shard(top, **kwargs)
+        fsdp.fully_shard(root, **kwargs)
     if is_meta:
-        fsdp.materialize(top, device)
-    _move_unsharded(top, device)
+        fsdp.materialize(root, device)
+    _move_unsharded(root, device)
 
 
 def _move_unsharded(module: Module, device: torch.device) -> None:

@@ -10,14 +10,15 @@ A thin Trainer face over ``fully_shard`` (layer 3), modelled on Lightning's
   worker hands rank 0's *full* weights back to the main process (DTensors do not survive the
   trip). Backend from the accelerator (``gloo`` on CPU, ``nccl`` on CUDA), a 1-D device mesh
   over the world, exposed as ``LightningModule.device_mesh`` for ``configure_model``.
-* Sharding in ``setup``: the units of design note [sharding-units] (``_sharding.py``), then a
-  *root wrapper* (:class:`_RootWrapper`) is the root group. Lightning calls
-  ``training_step``/``validation_step``, not ``forward``; routing them through the wrapper's
-  forward (Lightning's forward redirection, as for DDP/FSDP) makes the root's hooks run —
-  all-gather before the step, final reduce-scatter callback in backward — even when the step
-  calls ``self.model(x)`` rather than ``self(x)``. A model the user sharded in
-  ``configure_model`` is respected (only a missing root is added; if the user sharded the
-  LightningModule itself, it stays the root and the wrapper, left unsharded, only redirects).
+* Sharding in ``setup``: the units of design note [sharding-units] (``_sharding.py``), then the
+  LightningModule itself is the root group, so calling it directly works anywhere (a summary's
+  example input, sampling in a hook, a later Trainer on the same module). Lightning calls
+  ``training_step``/``validation_step``, not ``forward``; an unsharded *redirection wrapper*
+  (:class:`_RootWrapper`) routes them through ``lm(...)`` (Lightning's forward redirection, as
+  for DDP/FSDP), so the root's hooks run — all-gather before the step, final reduce-scatter
+  callback in backward — even when the step calls ``self.model(x)`` rather than ``self(x)``.
+  A step that calls ``self(x)`` re-enters the root's forward (design note [fsdp-reentrant]).
+  A model the user sharded in ``configure_model`` is respected (only a missing root is added).
 * Gradient accumulation: Lightning enters :meth:`block_backward_sync` on non-final
   micro-batches; it turns the groups' gradient sync off, so gradients accumulate unsharded and
   the final micro-batch reduce-scatters the sum once.
@@ -94,7 +95,6 @@ from lightning_vescale._sharding import (
     DEFAULT_MIN_BLOCK_NUMEL,
     DEFAULT_OPTIMIZER_BLOCK_SIZE,
     _NoGradSync,
-    _state_of,
     barrier,
     broadcast,
     connect,
@@ -323,14 +323,14 @@ class VeScaleFSDPStrategy(ParallelStrategy):
                       granularity=granularity, reshard_after_forward=self._reshard_after_forward)
         if self._wrapper is not None and self._wrapper.module is lm:
             return self._wrapper
+        # The LightningModule itself is the root group, so calling it directly works everywhere
+        # (ModelSummary's example_input_array, sampling in epoch-end hooks, a second Trainer on
+        # the fitted model: the groups live on the module). The unsharded wrapper only redirects
+        # the steps through ``lm(...)``, so the root's hooks run even if a step never calls
+        # ``self(...)``; one that does is a re-entrant root forward (design note
+        # [fsdp-reentrant] in fsdp/_state.py).
         self._wrapper = _RootWrapper(lm)
-        if _state_of(lm) is not None:
-            # The user made the LightningModule itself the root group: keep it as the root and
-            # let the (unsharded) wrapper only redirect steps through its forward, so the root's
-            # hooks run even if the step never calls ``self(...)``.
-            shard_model(lm, wrapper=None, **common)  # type: ignore[arg-type]
-        else:
-            shard_model(lm, wrapper=self._wrapper, **common)  # type: ignore[arg-type]
+        shard_model(lm, **common)  # type: ignore[arg-type]
         return self._wrapper
 
     @override

@@ -28,6 +28,16 @@ its backward reshard to the final callback (frozen parameters have no ``Accumula
 would tell us their last use). A forward that runs *inside* backward (activation-checkpointing
 recompute, detected with ``torch._C._current_graph_task_id()``) leaves the group unsharded and
 registers nothing. No-grad/inference forwards reshard every group at the root's post-forward.
+
+Design note [fsdp-reentrant]
+----------------------------
+A module's forward may run inside its own forward. Lightning's step redirection is the common
+case: with the LightningModule as the root group, ``lm(...)`` runs ``training_step`` as the
+forward, and ``training_step`` calls ``self(x)``. Like FSDP2's ``iter_forward_root``, only the
+outermost call does the root bookkeeping (resharding leftovers, recording the order, prefetch,
+pre-backward hooks on the outputs). An inner call only makes sure the group is unsharded. The
+depth is counted per state and decremented by a forward hook with ``always_call=True``, so a
+forward that raises cannot leave it stuck.
 """
 
 from __future__ import annotations
@@ -99,6 +109,8 @@ class FSDPState:
         self.async_reduce: bool | None = None
         # per-iteration
         self._pre_bwd_done = False
+        # How many calls of this module's forward are running (design note [fsdp-reentrant]).
+        self._forward_depth = 0
         self._handles: list[Any] = []
         if group is not None:
             group.on_complete = self._on_group_complete
@@ -108,6 +120,10 @@ class FSDPState:
         self._handles.append(module.register_forward_pre_hook(
             self._pre_forward, prepend=True, with_kwargs=True))
         self._handles.append(module.register_forward_hook(self._post_forward, prepend=False))
+        # Registered last and always called (also when forward raises), so the depth count is
+        # right whatever happens inside forward.
+        self._handles.append(module.register_forward_hook(self._forward_exit, prepend=False,
+                                                          always_call=True))
 
     @property
     def module(self) -> nn.Module:
@@ -161,6 +177,14 @@ class FSDPState:
                 self.group.unshard()
                 self.group.wait_for_unshard()
             return args, kwargs
+        self._forward_depth += 1
+        if self._forward_depth > 1:
+            # Re-entrant call (design note [fsdp-reentrant]): the outer call already did the
+            # bookkeeping; only make sure the parameters are there.
+            if self.group is not None:
+                self.group.unshard()
+                self.group.wait_for_unshard()
+            return args, kwargs
         if self.is_root:
             self._root_pre_forward()
         if not root.fwd_recorded and self not in root.fwd_order:
@@ -181,7 +205,8 @@ class FSDPState:
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         root = self.root
         assert root is not None
-        if _in_backward():  # recompute inside backward: keep everything as it is
+        if _in_backward() or self._forward_depth > 1:
+            # recompute inside backward, or a re-entrant call: the outer call does the rest
             return output
         grad = torch.is_grad_enabled()
         if self.group is not None and self.reshard_after_forward and not self.is_root:
@@ -204,6 +229,9 @@ class FSDPState:
                 if st.group is not None:
                     st.group.reshard()
         return output
+
+    def _forward_exit(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._forward_depth = max(0, self._forward_depth - 1)
 
     def _prefetch(self, order: list["FSDPState"], *, backward: bool = False) -> None:
         try:
