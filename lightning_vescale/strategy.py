@@ -182,6 +182,7 @@ class VeScaleFSDPStrategy(ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
+        _reject_checkpoint_io(checkpoint_io)
         self._sharding_units = validate_sharding_args(
             sharding_units, granularity, optimizer_block_size, optimizer_min_block_numel)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
@@ -243,6 +244,17 @@ class VeScaleFSDPStrategy(ParallelStrategy):
     @property
     def state_dict_type(self) -> str:
         return self._state_dict_type
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        """Lightning's default ``TorchCheckpointIO``: used only to remove old checkpoints."""
+        return super().checkpoint_io
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        _reject_checkpoint_io(io)
 
     @property
     @override
@@ -516,26 +528,66 @@ class VeScaleFSDPStrategy(ParallelStrategy):
                     f"parallel), start_method={start_method!r}", start_method=start_method)
 
 
-def _all_ranks_arrive(key: str, world_size: int, window: timedelta) -> bool:
-    """Count this rank in at ``key`` of the default group's store; True if all ranks do in time.
+def _reject_checkpoint_io(io: Optional[CheckpointIO]) -> None:
+    if io is not None:
+        raise ValueError(
+            f"VeScaleFSDPStrategy writes checkpoints itself (a distributed-checkpoint directory, "
+            f"or one file with state_dict_type='full'), so the CheckpointIO plugin "
+            f"{type(io).__name__} would be ignored. Remove it from Trainer(plugins=...) / "
+            "checkpoint_io=.")
 
-    Out of band (TCP store, not a collective), so it cannot pair with a collective a healthy peer
-    is blocked in. A store that is gone (its host rank died) counts as "not all ranks".
+
+def _all_ranks_arrive(key: str, world_size: int, window: timedelta) -> bool:
+    """Whether all ``world_size`` ranks reach ``key`` within ``window``: one answer for all.
+
+    Out of band (the default group's TCP store, not a collective), so it cannot pair with a
+    collective a healthy peer is blocked in. Each rank counts itself in at ``key``. The first
+    rank that sees every rank counted, or whose window runs out, records the decision at
+    ``key/decision`` with an atomic ``compare_set``; every rank returns that one decision, so a
+    rank that arrives after another gave up does not enter the collective alone. A store that is
+    gone (its host rank died) counts as "not all ranks".
     """
+    decision_key = f"{key}/decision"
     try:
         store = torch.distributed.distributed_c10d._get_default_store()
         store.add(key, 1)
         deadline = time.monotonic() + window.total_seconds()
-        while store.add(key, 0) < world_size:
+        while True:
+            if store.check([decision_key]):
+                return store.get(decision_key) == b"all"
+            if store.add(key, 0) >= world_size:
+                return store.compare_set(decision_key, "", "all") == b"all"
             if time.monotonic() >= deadline:
-                return False
+                return store.compare_set(decision_key, "", "missing") == b"all"
             time.sleep(0.05)
-        return True
     except Exception:  # noqa: BLE001 - an unreachable store means a peer process is gone
         return False
 
 
+def _alias_groups(module: Module) -> list[list[str]]:
+    """Qualified names of each parameter registered under more than one name (tied weights)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _retie(module: Module, groups: list[list[str]]) -> None:
+    """Register the first name's parameter under every other name of its group."""
+    for first, *others in groups:
+        param = module.get_parameter(first)
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            module.get_submodule(owner)._parameters[attr] = param
+
+
 def _check_optimizer_count(configured: int, saved: int) -> None:
+    if saved == 0 and configured > 0:
+        raise KeyError(  # Lightning's own wording for this case, plus the fix
+            "Trying to restore optimizer state but checkpoint contains only the model. This is "
+            "probably due to `ModelCheckpoint.save_weights_only` being set to `True`. Resume from "
+            "a checkpoint saved with save_weights_only=False, or load only the weights (e.g. "
+            "trainer.validate(model, ckpt_path=...)) and start a new fit.")
     if configured != saved:
         raise RuntimeError(
             f"You have configured {configured} optimizers but the checkpoint contains {saved} "
@@ -576,7 +628,14 @@ class _VeScaleMultiProcessingLauncher(_MultiProcessingLauncher):
             state = torch.load(worker_output.weights_path, map_location="cpu", weights_only=True)
             module = trainer.lightning_module
             on_meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
-            module.load_state_dict(state, strict=False, assign=on_meta)
+            if on_meta:
+                # `assign=True` installs one tensor per key, which would untie tied parameters
+                # (an embedding shared with the output head): tie them again afterwards.
+                aliases = _alias_groups(module)
+                module.load_state_dict(state, strict=False, assign=True)
+                _retie(module, aliases)
+            else:
+                module.load_state_dict(state, strict=False)
             Path(worker_output.weights_path).unlink(missing_ok=True)
         trainer.state = worker_output.trainer_state
         self.update_main_process_results(trainer, worker_output.extra)

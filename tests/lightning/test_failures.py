@@ -326,6 +326,13 @@ def test_timeout_argument_is_validated(cls):
 
 
 def test_other_bad_arguments_name_the_parameter():
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+    with pytest.raises(ValueError, match="CheckpointIO plugin TorchCheckpointIO would be ignored"):
+        VeScaleFSDPStrategy(checkpoint_io=TorchCheckpointIO())
+    with pytest.raises(ValueError, match="CheckpointIO plugin AsyncCheckpointIO would be ignored"):
+        pl.Trainer(strategy="vescale_fsdp", accelerator="cpu", devices=2,
+                   plugins=[AsyncCheckpointIO()])
     with pytest.raises(ValueError, match="start_method must be one of"):
         VeScaleFSDPStrategy(start_method="thread")
     with pytest.raises(ValueError, match="granularity must be >= 1"):
@@ -350,7 +357,7 @@ def test_sharding_units_matching_nothing_fail_on_every_rank_at_setup():
 
 
 def test_exception_agreement_counts_every_rank(worlds):
-    assert worlds(2).run(_agree_body) == [[True, False]] * 2
+    assert worlds(2).run(_agree_body) == [[True, False, False]] * 2
 
 
 def _agree_body():
@@ -360,7 +367,13 @@ def _agree_body():
     only_rank0 = (_all_ranks_arrive("t/one", 2, timedelta(seconds=0.3))
                   if dist.get_rank() == 0 else False)
     dist.barrier()
-    return [all_arrive, only_rank0]
+    # Rank 1 gives up after 0.3 s; rank 0 arrives later and sees both counts: it must still
+    # take the recorded decision (not all ranks) instead of entering a collective alone.
+    if dist.get_rank() == 0:
+        time.sleep(1.0)
+    late = _all_ranks_arrive("t/late", 2, timedelta(seconds=0.3))
+    dist.barrier()
+    return [all_arrive, only_rank0, late]
 
 
 def test_missing_checkpoint_points_to_one_moved_aside_by_an_interrupted_save(tmp_path):

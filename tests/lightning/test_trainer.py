@@ -132,6 +132,13 @@ def test_resume_with_another_optimizer_count_fails(runs, tmp_path):
              model_kwargs={"optimizers": 2})
 
 
+def test_resume_from_a_weights_only_checkpoint_says_so(tmp_path):
+    weights = ModelCheckpoint(dirpath=tmp_path / "w", save_weights_only=True, save_last=True)
+    _fit(VESCALE, tmp_path, "w", max_steps=1, callbacks=(weights,), enable_checkpointing=True)
+    with pytest.raises(Exception, match="save_weights_only"):
+        _fit(VESCALE, tmp_path, "w2", max_steps=2, ckpt_path=str(tmp_path / "w" / "last.ckpt"))
+
+
 def test_bad_checkpoint_path_is_a_clear_error(tmp_path):
     with pytest.raises(Exception, match="does not exist"):
         _fit(VESCALE, tmp_path, "bad", max_steps=1, ckpt_path=str(tmp_path / "nope.ckpt"))
@@ -158,6 +165,9 @@ def test_init_module_empty_init_materialises_on_meta(tmp_path):
         model = TinyGPT(out_dir=str(tmp_path), tag="meta")
     assert all(p.is_meta for p in model.parameters())
     t.fit(model, dataloader())
+    # the main process gets rank 0's trained weights, with the tied embedding/head still tied
+    assert not any(p.is_meta for p in model.parameters())
+    assert model.model.head.weight is model.model.tok_emb.weight
     for rank_losses in losses(tmp_path, "meta"):
         assert len(rank_losses) == 2
         assert all(torch.isfinite(torch.tensor(rank_losses)))
