@@ -13,13 +13,15 @@ Supported sequence for large models (what the Lightning strategy uses)::
 
 :func:`materialize` first calls ``module.to_empty(device=...)`` (which, through
 :func:`apply_to_group`, re-creates every DBuffer on ``device``), then initialises with *full*
-temporary tensors, group by group in module order: the rank swaps plain full-size parameters
-into the modules, runs ``init_fn`` (default: ``reset_parameters()`` of every submodule that has
-one, as Lightning does), copies its owned ranges into the shards and drops the temporaries.
-Every rank computes the same full values from the same seed, so the result equals single-device
-initialisation; no collective is needed. The temporaries hold one copy of the parameters in
-their master dtype; for models whose full parameters do not fit on one device, pass an
-``init_fn`` that initialises the sharded DTensors directly.
+temporary tensors: the rank swaps plain full-size parameters into the modules, initialises them
+(default: ``reset_parameters()`` of every submodule that has one, in ``modules()`` order, as
+Lightning does), copies its owned ranges into the shards and drops the temporaries. With the
+default, this runs group by group: only the groups the current submodule's parameters belong to
+hold temporaries (the root group and one block, for a transformer). Every rank computes the
+same full values from the same seed, so the result equals single-device initialisation; no
+collective is needed. A custom ``init_fn`` sees every parameter at once (one full copy of the
+model in its master dtype); for models whose full parameters do not fit on one device, make it
+initialise the sharded DTensors directly.
 
 ``module.to(device)``/``.cuda()``/``.to(dtype)``/``to_empty`` on a sharded module work too:
 :func:`apply_to_group` applies the function to each rank's *local* 1-D shard views (never to
@@ -99,33 +101,75 @@ def materialize(module: nn.Module, device: torch.device | str,
         module: a module whose groups were created with ``fully_shard`` (on meta or not).
         device: target device.
         init_fn: called once with ``module`` while every managed parameter is a full-size plain
-            tensor (default :func:`default_init`). Runs under ``torch.no_grad()``.
+            tensor. Runs under ``torch.no_grad()``. Default: ``reset_parameters()`` of every
+            submodule in ``module.modules()`` order (:func:`default_init`), run group by group
+            so that only the groups the current submodule touches hold full-size temporaries.
 
     Returns:
         ``module``. See design note [fsdp-init].
     """
     device = torch.device(device)
     module.to_empty(device=device)
-    states = [st for st in states_in(module) if st.group is not None]
-    temps: list[tuple[Any, Any, nn.Parameter]] = []
-    for st in states:
-        g = st.group
-        assert g is not None
-        for mp in g.params:
-            assert mp.buffer is not None
-            full = torch.empty(mp.shape, dtype=mp.buffer.dtype, device=device)
-            tp = nn.Parameter(full, requires_grad=mp.requires_grad)
-            for m, a in mp.owners:
-                set_param(m, a, tp)
-            temps.append((g, mp, tp))
+    groups = [st.group for st in states_in(module) if st.group is not None]
     try:
         with torch.no_grad():
-            (init_fn or default_init)(module)
-            for g, mp, _ in temps:
-                m, a = mp.owners[0]
-                mp.buffer.load_local_(mp.name, m._parameters[a])
+            if init_fn is None:
+                _default_init_group_by_group(module, groups, device)
+            else:
+                temps = [_swap_in_temporaries(g, device) for g in groups]
+                init_fn(module)
+                for g, group_temps in zip(groups, temps):
+                    _load_owned_ranges(g, group_temps)
     finally:
-        for st in states:
-            assert st.group is not None
-            st.group.swap(sharded=True)
+        for g in groups:
+            g.swap(sharded=True)
     return module
+
+
+def _swap_in_temporaries(group: ParamGroup, device: torch.device) -> dict[str, nn.Parameter]:
+    """Register a full-size (uninitialised) plain parameter for each of ``group``'s params."""
+    temps = {}
+    for mp in group.params:
+        assert mp.buffer is not None
+        full = torch.empty(mp.shape, dtype=mp.buffer.dtype, device=device)
+        temps[mp.name] = tp = nn.Parameter(full, requires_grad=mp.requires_grad)
+        for m, a in mp.owners:
+            set_param(m, a, tp)
+    return temps
+
+
+def _load_owned_ranges(group: ParamGroup, temps: dict[str, nn.Parameter]) -> None:
+    """Copy this rank's range of each temporary into the shard; modules get the shards back."""
+    for mp in group.params:
+        assert mp.buffer is not None
+        mp.buffer.load_local_(mp.name, temps[mp.name])
+    group.swap(sharded=True)
+
+
+def _default_init_group_by_group(module: nn.Module, groups: list[ParamGroup],
+                                 device: torch.device) -> None:
+    """:func:`default_init` with each group's temporaries alive only while they are used.
+
+    ``reset_parameters()`` runs in ``module.modules()`` order, exactly as :func:`default_init`
+    (so the random stream, hence every value, equals single-device initialisation). Before a
+    submodule's call, the groups owning any of its parameters (recursively: a
+    ``reset_parameters`` may initialise its children) get full-size temporaries; after a
+    group's last such call, its ranges are copied into the shards and the temporaries dropped.
+    Peak memory: the groups one submodule spans (for a transformer: the root group and one
+    block), instead of the whole model.
+    """
+    group_of = {id(p): g for g in groups for mp in g.params
+                for p in (mp.sharded, mp.unsharded) if p is not None}
+    calls = [m for m in module.modules() if callable(getattr(m, "reset_parameters", None))]
+    touched = [{id(group_of[id(p)]): group_of[id(p)] for p in m.parameters()
+                if id(p) in group_of} for m in calls]
+    last_use = {gid: i for i, gs in enumerate(touched) for gid in gs}
+    live: dict[int, dict[str, nn.Parameter]] = {}
+    for i, (m, gs) in enumerate(zip(calls, touched)):
+        for gid, g in gs.items():
+            if gid not in live:
+                live[gid] = _swap_in_temporaries(g, device)
+        m.reset_parameters()
+        for gid, g in gs.items():
+            if last_use[gid] == i:
+                _load_owned_ranges(g, live.pop(gid))

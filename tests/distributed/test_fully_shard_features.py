@@ -233,6 +233,56 @@ def test_meta_init_then_materialize(worlds):
         torch.testing.assert_close(got[n], ref[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
+class _Stack(torch.nn.Module):
+    """Root group: ``inp`` and ``out``; four block groups in between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.out = torch.nn.Linear(16, 4)
+
+
+def _default_materialize_body():
+    from lightning_vescale.fsdp import fully_shard, materialize
+    from lightning_vescale.fsdp._init import default_init
+
+    with torch.device("meta"):
+        model = _Stack()
+    for blk in model.blocks:
+        fully_shard(blk)
+    fully_shard(model)
+    full_numel = []  # full-size temporaries registered in the model at each reset_parameters()
+    original = torch.nn.Linear.reset_parameters
+
+    def counting(self):
+        full_numel.append(sum(p.numel() for p in model.parameters() if not isinstance(p, DTensor)))
+        original(self)
+
+    torch.nn.Linear.reset_parameters = counting
+    try:
+        torch.manual_seed(0)
+        materialize(model, "cpu")  # default init: group by group
+    finally:
+        torch.nn.Linear.reset_parameters = original
+    ref = _Stack()
+    torch.manual_seed(0)
+    default_init(ref)  # the same calls in the same order on a plain model
+    ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    return local_pieces(model), ref_params, max(full_numel)
+
+
+def test_default_materialize_is_group_by_group_and_exact(worlds):
+    res = worlds(2).run(_default_materialize_body)
+    got, ref = assemble([r[0] for r in res]), res[0][1]
+    for n in ref:
+        assert torch.equal(got[n], ref[n]), n
+    root = 8 * 16 + 16 + 16 * 4 + 4
+    block = 16 * 16 + 16
+    for r in res:  # the root group and one block at a time, not the whole model (root + 4 blocks)
+        assert r[2] <= root + block, r[2]
+
+
 # -- granularity / block alignment ---------------------------------------------------------------
 def _gran_body():
     from lightning_vescale.fsdp import param_fqn_map
