@@ -27,6 +27,12 @@ group is complete and reduce-scatters the buffer as a whole. With gradient sync 
 in ``grad_full`` across backwards and are reduced at the first synced one. After the
 reduce-scatter each parameter that received a gradient gets ``sharded.grad`` = a DTensor view
 into the sharded gradient; parameters that received none keep ``grad=None`` (like DDP).
+
+Parameters that are frozen when the group is built (``requires_grad=False``: a frozen base
+model under LoRA, say) go into a DBuffer of their own, which never allocates a gradient buffer
+and is never reduce-scattered: gradient memory and reduce-scatter traffic follow the trainable
+parameters only. Everything above is per buffer and per parameter, so a parameter unfrozen
+later simply makes its buffer carry gradients from then on; no rebuild is needed.
 """
 
 from __future__ import annotations
@@ -115,7 +121,8 @@ class ParamGroup:
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self._granularity = granularity
-        self.buffers: dict[torch.dtype, DBuffer] = {}
+        # One DBuffer per (dtype, trainable at build time); see design note [fsdp-grads].
+        self.buffers: dict[tuple[torch.dtype, bool], DBuffer] = {}
         self.unsharded_now = False  # modules currently hold the unsharded parameters
         self._gather: list[CommHandle] | None = None  # in-flight all-gathers
         self._reduce: list[CommHandle] | None = None  # in-flight reduce-scatters
@@ -138,20 +145,21 @@ class ParamGroup:
             for h in mp.hooks:
                 h.remove()
             mp.hooks.clear()
-        by_dtype: dict[torch.dtype, list[ManagedParam]] = {}
+        buckets: dict[tuple[torch.dtype, bool], list[ManagedParam]] = {}
         for mp in self.params:
-            by_dtype.setdefault(sources[mp.name].dtype, []).append(mp)
+            buckets.setdefault((sources[mp.name].dtype, mp.requires_grad), []).append(mp)
         world = self.mesh.size()
         group = self.mesh.get_group()
         self.buffers = {}
-        for dtype, mps in by_dtype.items():
+        for (dtype, trainable), mps in buckets.items():
             specs = [(mp.name, mp.shape, self._granularity(mp.name, mp.shape)) for mp in mps]
             plan = plan_layout(specs, world)
             pdt = self.param_dtype if self.param_dtype is not None else dtype
             rdt = self.reduce_dtype if self.reduce_dtype is not None else pdt
             buf = DBuffer(plan, dtype=dtype, device=device, group=group, param_dtype=pdt,
-                          reduce_dtype=rdt, name=f"{self.fqn or '<root>'}[{dtype}]")
-            self.buffers[dtype] = buf
+                          reduce_dtype=rdt,
+                          name=f"{self.fqn or '<root>'}[{dtype}{'' if trainable else ', frozen'}]")
+            self.buffers[(dtype, trainable)] = buf
             for mp in mps:
                 mp.buffer = buf
                 src = sources[mp.name]
@@ -322,9 +330,10 @@ class ParamGroup:
         if self._grads_ready:
             return
         self._grads_ready = True
+        trainable = {id(mp.buffer) for mp in self.params if mp.requires_grad}
         for buf in self.buffers.values():
-            if not buf.is_grad_materialized or buf._grad_fresh:
-                buf.materialize_grad()
+            if id(buf) in trainable and (not buf.is_grad_materialized or buf._grad_fresh):
+                buf.materialize_grad()  # a buffer of frozen parameters never gets one
         for mp in self.params:
             if mp.requires_grad:
                 assert mp.unsharded is not None and mp.buffer is not None

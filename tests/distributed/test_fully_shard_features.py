@@ -442,7 +442,7 @@ def _two_dtypes_body():
     model = _TwoDtypes()
     ref = copy.deepcopy(model)
     fully_shard(model)
-    dtypes = sorted(str(d) for d in get_state(model).group.buffers)
+    dtypes = sorted(str(d) for d, _trainable in get_state(model).group.buffers)
     x = torch.randn(2 * world, 5)
     model(micro(x, rank, world)).square().mean().backward()
     ref(x).square().mean().backward()

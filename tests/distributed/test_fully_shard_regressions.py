@@ -192,3 +192,70 @@ def test_parity_still_holds_after_an_extra_forward(worlds):
     got, want = assemble([r[0] for r in res]), res[0][1]
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+class LoRALinear(nn.Module):
+    """A frozen base weight plus a small trainable low-rank update."""
+
+    def __init__(self, d: int = 64, r: int = 2) -> None:
+        super().__init__()
+        self.base = nn.Linear(d, d)
+        self.base.requires_grad_(False)
+        self.down = nn.Linear(d, r, bias=False)
+        self.up = nn.Linear(r, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+
+def _lora_body():
+    from lightning_vescale.fsdp import dbuffers, fully_shard
+    from lightning_vescale.fsdp._counting import CopyCommCounter
+
+    torch.manual_seed(0)
+    model = nn.Sequential(LoRALinear(), LoRALinear())
+    ref = copy.deepcopy(model)
+    fully_shard(model)  # one group with frozen and trainable parameters
+    bufs = dbuffers(model)
+    frozen = [b for b in bufs if all(not p.requires_grad for p in _params_of(model, b))]
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    grad_allocated = []
+    for b in frozen:  # record whether the frozen buffer ever allocates a gradient
+        b.materialize_grad = lambda b=b: grad_allocated.append(b.name)
+    with CopyCommCounter() as c:
+        model(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    rs_elems = c.by_op.get("c10d._reduce_scatter_base_", 0)
+    got = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    want = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+    for b in frozen:
+        del b.materialize_grad
+    # unfreeze the base later: its (frozen-built) buffer starts carrying gradients, exactly
+    model.zero_grad()
+    ref.zero_grad()
+    for m in (model, ref):
+        m[0].base.requires_grad_(True)
+    model(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    got2 = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    want2 = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+    return len(bufs), len(frozen), grad_allocated, rs_elems, got, want, got2, want2
+
+
+def _params_of(model: nn.Module, buf) -> list[torch.Tensor]:
+    from lightning_vescale.fsdp import param_fqn_map
+
+    return [mp.sharded for _, mp in param_fqn_map(model).values() if mp.buffer is buf]
+
+
+def test_frozen_parameters_get_no_gradient_buffer_and_no_reduce(worlds):
+    for n_bufs, n_frozen, allocated, rs_ops, got, want, got2, want2 in worlds(2).run(_lora_body):
+        assert (n_bufs, n_frozen) == (2, 1)
+        assert allocated == []  # the frozen buffer never materialised a gradient
+        assert rs_ops == 1  # one reduce-scatter: the trainable buffer only
+        assert set(got) == set(want) and all("base" not in n for n in got)
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
+        assert set(got2) == set(want2) and "0.base.weight" in got2
+        for n in want2:
+            torch.testing.assert_close(got2[n], want2[n], rtol=1e-5, atol=1e-6, msg=n)
