@@ -28,12 +28,21 @@ Atomicity: a save writes into a hidden temporary sibling (``.<name>.tmp-<token>`
 barrier, rank 0 renames it onto the final name (a file: one ``os.replace``; a directory: the old
 one is first renamed aside to ``.<name>.old-<token>``, then removed; if the second rename fails
 the old one is renamed back). An interrupted save therefore leaves the previous checkpoint at
-that path untouched (plus a hidden temporary, cleaned by the next save). Only a process killed
-between the two directory renames leaves the name empty; loading then points to the ``.old-``.
+that path untouched. Only a process killed between the two directory renames leaves the name
+empty; loading then points to the ``.old-``.
+
+Cleanup of failed saves: a save that *fails* (raises) removes its temporary itself, on rank 0
+and without any extra collective: DCP reports a write failure of any rank to every rank through
+its own gather/broadcast, so when ``dcp.save`` raises on rank 0 every rank has finished writing
+(or its process is gone); the full format and the publish step are rank 0's alone. A save that
+is *killed* cannot clean up: its hidden temporary is removed by the next save to the same name
+or by :func:`remove_checkpoint` (which the strategy's ``remove_checkpoint`` uses, so rotating
+``ModelCheckpoint`` names do not pile them up).
 """
 
 from __future__ import annotations
 
+import glob
 import itertools
 import os
 import shutil
@@ -64,6 +73,7 @@ __all__ = [
     "load_full_model_state",
     "load_full_optimizer_state",
     "consolidate",
+    "remove_checkpoint",
 ]
 
 METADATA_FILENAME = "meta.pt"  # same name as Lightning's ModelParallel/FSDP strategies
@@ -87,7 +97,7 @@ def check_checkpoint_path(path: Path) -> Path:
     """Raise a clear error unless ``path`` is a checkpoint in one of our two formats."""
     path = Path(path)
     if not path.exists():
-        aside = sorted(path.parent.glob(f".{path.name}.old-*")) if path.parent.is_dir() else []
+        aside = _hidden_siblings(path, "old")
         hint = (f" A previous checkpoint moved aside by an interrupted save exists at "
                 f"{str(aside[-1])!r}: rename it to {path.name!r} to use it.") if aside else ""
         raise FileNotFoundError(
@@ -115,6 +125,45 @@ def _broadcast_object(obj: Any) -> Any:
     return obj
 
 
+def _hidden_siblings(path: Path, kind: str) -> list[Path]:
+    """The ``.<name>.<kind>-<token>`` siblings of ``path`` (``kind``: ``"tmp"`` or ``"old"``)."""
+    if not path.parent.is_dir():
+        return []
+    return sorted(path.parent.glob(f".{glob.escape(path.name)}.{kind}-*"))
+
+
+def _remove_path(path: Path) -> None:
+    """Remove a file, link or directory tree; a missing path is fine."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _discard(path: Path) -> None:
+    """Best-effort :func:`_remove_path` (cleanup must never mask the error being handled)."""
+    try:
+        _remove_path(path)
+    except OSError:
+        pass
+
+
+def remove_checkpoint(path: Any) -> None:
+    """Remove the checkpoint at ``path`` (a full file or a sharded directory) together with the
+    hidden ``.<name>.tmp-*`` / ``.<name>.old-*`` siblings that failed or interrupted saves to
+    that name left behind.
+
+    Not a collective: call it on one rank (global rank 0), like Lightning's
+    ``Strategy.remove_checkpoint``. A missing ``path`` is not an error; an error removing
+    ``path`` itself is raised, the siblings are removed on a best-effort basis.
+    """
+    path = Path(path)
+    siblings = _hidden_siblings(path, "tmp") + _hidden_siblings(path, "old")
+    _remove_path(path)
+    for stale in siblings:
+        _discard(stale)
+
+
 def _temp_sibling(path: Path, kind: str) -> Path:
     token = _broadcast_object(uuid.uuid4().hex[:10])
     return path.with_name(f".{path.name}.{kind}-{token}")
@@ -130,13 +179,14 @@ def _publish(tmp: Path, final: Path) -> None:
         except BaseException:
             os.replace(old, final)  # put the previous checkpoint back: never leave the name empty
             raise
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+        _discard(old)
     else:
         os.replace(tmp, final)  # atomic for files (and for a new directory name)
-    for stale in final.parent.glob(f".{final.name}.tmp-*"):  # leftovers of interrupted saves
-        if stale != tmp:
-            shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(
-                missing_ok=True)
+    try:  # leftovers of killed saves; best effort: this must not fail a save that succeeded
+        for stale in _hidden_siblings(final, "tmp"):
+            _discard(stale)
+    except OSError:
+        pass
 
 
 def _temp_sibling_local(path: Path, kind: str) -> Path:
@@ -302,16 +352,24 @@ def save_sharded(path: Path, tensors: dict[str, Any], metadata: dict[str, Any]) 
         dcp.save(tensors, checkpoint_id=tmp)
     except BaseException as e:  # noqa: BLE001
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
+            raise  # raised outside DCP's agreement: other ranks may still be writing into tmp
+        # DCP raises only after its gather of every rank's write result and the broadcast of
+        # the outcome, so no live rank writes into tmp any more: rank 0 (DCP's coordinator)
+        # removes it, no collective needed (see the design note above).
+        if _rank() == 0:
+            _discard(tmp)
         raise RuntimeError(
             f"Saving the sharded checkpoint {str(path)!r} failed; any previous checkpoint at that "
-            f"path is untouched (the partial write is in {tmp.name}, removed by the next save). "
-            f"Cause: {e}"
+            f"path is untouched and the partial write was removed. Cause: {e}"
         ) from e
 
     def publish() -> None:
-        (tmp / METADATA_FILENAME).write_bytes(meta_bytes)
-        _publish(tmp, path)
+        try:
+            (tmp / METADATA_FILENAME).write_bytes(meta_bytes)
+            _publish(tmp, path)
+        except BaseException:
+            _discard(tmp)  # only rank 0 touches tmp now (DCP finished on every rank)
+            raise
 
     _rank0_agreed(publish, f"publish the checkpoint at {path}")
 
@@ -327,10 +385,10 @@ def save_full(path: Path, checkpoint: dict[str, Any]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             torch.save(checkpoint, tmp)
+            _publish(tmp, path)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            _discard(tmp)  # rank 0 alone writes the full format
             raise
-        _publish(tmp, path)
 
     _rank0_agreed(write, f"write the checkpoint {path}")
 
@@ -338,11 +396,12 @@ def save_full(path: Path, checkpoint: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------------
 # Load
 # ------------------------------------------------------------------------------------------------
-def _strict_check(missing: Iterable[str], unexpected: Iterable[str], strict: bool) -> None:
+def _strict_check(missing: Iterable[str], unexpected: Iterable[str], strict: bool,
+                  what: str = "the model") -> None:
     missing, unexpected = sorted(missing), sorted(unexpected)
     if strict and (missing or unexpected):
         raise RuntimeError(
-            "Error(s) in loading the checkpoint into the model (strict=True):\n"
+            f"Error(s) in loading the checkpoint into {what} (strict=True):\n"
             f"  missing keys: {missing}\n  unexpected keys: {unexpected}\n"
             "Pass strict_loading=False (LightningModule.strict_loading / Fabric "
             "load(strict=False)) "
@@ -403,6 +462,27 @@ def _flatten(prefix: str, obj: Any, out: dict[str, Any]) -> None:
     out.update(flat)
 
 
+def missing_optimizer_error(key: str, saved: Iterable[str]) -> KeyError:
+    """The error for a requested optimizer whose key has no state in the checkpoint (strict);
+    ``saved``: the keys the checkpoint does hold optimizer states under."""
+    return KeyError(
+        f"The checkpoint has no optimizer state under {key!r} (it has optimizer states under "
+        f"{sorted(saved)}). Load the optimizer under the key it was saved with, or pass "
+        "strict=False to leave the optimizer as it is."
+    )
+
+
+def _top_level_keys(flat_keys: Iterable[str], requested: Iterable[str]) -> set[str]:
+    """The ``requested`` keys that have at least one entry among DCP's flattened keys."""
+    flat_keys = list(flat_keys)
+    return {k for k in requested if any(f == k or f.startswith(f"{k}.") for f in flat_keys)}
+
+
+def sharded_checkpoint_has(path: Path, keys: Iterable[str]) -> set[str]:
+    """Which of ``keys`` (top-level state keys) a sharded checkpoint holds tensors/objects for."""
+    return _top_level_keys(_dcp_keys(Path(path)), keys)
+
+
 def count_sharded_optimizers(path: Path) -> int:
     keys = _dcp_keys(path)
     return len({k.split(".", 1)[0] for k in keys if k.startswith("optimizer_")})
@@ -416,16 +496,28 @@ def load_sharded(
     strict: bool = True,
     model_key: str = "state_dict",
     weights_only: Optional[bool] = None,
+    modules: Optional[Mapping[str, Module]] = None,
 ) -> dict[str, Any]:
     """Collective: load a sharded checkpoint in place into ``module`` and ``optimizers``.
 
-    ``optimizers`` maps checkpoint keys (``"optimizer_0"``, or Fabric's state keys) to optimizers.
+    ``optimizers`` maps checkpoint keys (``"optimizer_0"``, or Fabric's state keys) to optimizers;
+    under ``strict`` a key with no state in the checkpoint raises a ``KeyError``, otherwise that
+    optimizer is left as it is. ``modules`` maps keys to other, unsharded modules (Fabric state
+    entries saved next to the sharded model: their plain state dicts are in the DCP tensors
+    too); they are loaded with the same ``strict`` rules as the model.
     Returns the contents of ``meta.pt``.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 
     path = Path(path)
     available = _dcp_keys(path)
+    present = _top_level_keys(available, list(optimizers) + list(modules or {}))
+    for key in optimizers:
+        if key not in present and strict:
+            raise missing_optimizer_error(
+                key, {k.split(".param_groups", 1)[0] for k in available if ".param_groups" in k})
+    optimizers = {k: v for k, v in optimizers.items() if k in present}
 
     # -- model: load straight into the parameters' local shards (state_dict() shares storage) --
     msd = module.state_dict()
@@ -441,6 +533,28 @@ def load_sharded(
     unexpected = [k[len(prefix):] for k in available if k.startswith(prefix)
                   and k[len(prefix):] not in msd]
     _strict_check(missing, unexpected, strict)
+
+    # -- other (unsharded) modules: their plain state dicts, loaded like the model -------------
+    extra: dict[str, tuple[Module, dict[str, tuple[dict[str, Any], Any]]]] = {}
+    for key, mod in (modules or {}).items():
+        if key not in present:
+            if strict:
+                raise KeyError(f"The checkpoint has no state for the module {key!r}; pass "
+                               "strict=False to ignore it.")
+            continue
+        entries, covered, m_missing = {}, set(), []
+        for name, value in mod.state_dict().items():
+            flat_e, mapping = flatten_state_dict({f"{key}.{name}": value})
+            covered.update(flat_e)
+            if flat_e and all(k in available for k in flat_e):
+                entries[name] = (flat_e, mapping)
+                flat.update(flat_e)
+            else:
+                m_missing.append(name)
+        m_unexpected = [k[len(key) + 1:] for k in available
+                        if k.startswith(f"{key}.") and k not in covered]
+        _strict_check(m_missing, m_unexpected, strict, what=f"the module {key!r}")
+        extra[key] = (mod, entries)
 
     # -- optimizers: templates from their own state_dict(), keyed by FQN ----------------------
     templates: dict[str, tuple[Optimizer, dict[str, Any], dict[int, str]]] = {}
@@ -460,6 +574,11 @@ def load_sharded(
         flat.update({k: v for k, v in gflat.items() if k in available})
 
     dcp.load(flat, checkpoint_id=path)
+
+    for key, (mod, entries) in extra.items():  # tensors were loaded in place; this also sets
+        loaded = {name: unflatten_state_dict({k: flat[k] for k in flat_e}, mapping)[  # objects
+            f"{key}.{name}"] for name, (flat_e, mapping) in entries.items()}
+        mod.load_state_dict(loaded, strict=False)  # strictness was checked above
 
     # -- write back non-in-place values and hand the templates to the optimizers --------------
     for key, (opt, sd, idx2fqn) in templates.items():

@@ -319,9 +319,16 @@ class VeScaleFabricStrategy(ParallelStrategy):
         module_key, module = _find_module(state)
         reshard_all(module)
         optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
+        # other (unsharded) modules: `save_checkpoint` writes their state dicts with the tensors
+        others = {k: v for k, v in state.items() if isinstance(v, Module) and k != module_key}
+        loaded = set()
         if ckpt.is_sharded_checkpoint(path):
+            saved = ckpt.sharded_checkpoint_has(path, others)
+            in_dcp = {k: m for k, m in others.items() if k in saved}
             metadata = ckpt.load_sharded(path, module, optimizers, strict=strict,
-                                         model_key=module_key, weights_only=weights_only)
+                                         model_key=module_key, weights_only=weights_only,
+                                         modules=in_dcp)
+            loaded.update(in_dcp)  # modules not in the DCP tensors may be in meta.pt (below)
         else:
             metadata = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
             if only_module and module_key not in metadata:  # a bare state dict file
@@ -330,12 +337,15 @@ class VeScaleFabricStrategy(ParallelStrategy):
             for key, opt in optimizers.items():
                 if key not in metadata:
                     if strict:
-                        raise KeyError(f"The checkpoint has no optimizer state under {key!r}.")
+                        raise ckpt.missing_optimizer_error(key, [
+                            k for k, v in metadata.items() if isinstance(v, dict)
+                            and "param_groups" in v])
                     continue
                 ckpt.load_full_optimizer_state(metadata.pop(key), module, opt)
         if only_module:
             return {}
-        requested = [k for k in state if k != module_key and k not in optimizers]
+        requested = [k for k in state
+                     if k != module_key and k not in optimizers and k not in loaded]
         missing = [k for k in requested if k not in metadata]
         if strict and missing:
             raise KeyError(f"The requested state keys {missing} are not in the checkpoint; "
@@ -344,7 +354,9 @@ class VeScaleFabricStrategy(ParallelStrategy):
             if key not in metadata:
                 continue
             value = metadata.pop(key)
-            if isinstance(state[key], _Stateful):
+            if isinstance(state[key], Module):
+                state[key].load_state_dict(value, strict=strict)
+            elif isinstance(state[key], _Stateful):
                 state[key].load_state_dict(value)
             else:
                 state[key] = value

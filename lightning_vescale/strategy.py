@@ -489,6 +489,17 @@ class VeScaleFSDPStrategy(ParallelStrategy):
         ckpt.save_sharded(path, tensors, checkpoint)
 
     @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Remove a checkpoint (e.g. ``ModelCheckpoint`` rotation) and its hidden leftovers.
+
+        Besides the file or directory, the ``.<name>.tmp-*`` / ``.<name>.old-*`` siblings of
+        saves to that name that were killed half-way are removed too (design note
+        [checkpoint-formats]), so rotating names do not pile them up. Rank 0 only.
+        """
+        if self.is_global_zero:
+            ckpt.remove_checkpoint(filepath)
+
+    @override
     def load_checkpoint(self, checkpoint_path: _PATH,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = ckpt.check_checkpoint_path(Path(self.broadcast(checkpoint_path)))

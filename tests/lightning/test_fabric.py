@@ -128,3 +128,101 @@ def test_fabric_joint_setup_and_no_backward_sync(worlds):
         for s in range(2):
             for a in range(2):
                 assert abs(got[s][a] - ref[s][a][rank]) <= 1e-5 * abs(ref[s][a][rank]), (got, ref)
+
+
+class _Teacher(torch.nn.Module):
+    """A plain (unsharded) module saved next to the sharded model: parameters and buffers."""
+
+    def __init__(self, seed, extra=False):
+        super().__init__()
+        torch.manual_seed(seed)  # the same on every rank (a replicated module)
+        self.lin = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.BatchNorm1d(4)
+        with torch.no_grad():
+            self.norm.running_mean.add_(seed)
+            self.norm.num_batches_tracked.add_(seed)
+        if extra:
+            self.more = torch.nn.Linear(4, 2)
+
+
+def _fresh(fabric):
+    torch.manual_seed(5)
+    model = fabric.setup_module(GPT(CFG))
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+    return model, opt
+
+
+def _error(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _save_with_teacher(fabric, path):
+    torch.manual_seed(0)
+    model = fabric.setup_module(GPT(CFG))
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR))
+    _train(fabric, model, opt, _batches(1, dist.get_world_size()), 1)
+    teacher = _Teacher(1)
+    fabric.save(path, {"model": model, "optim": opt, "teacher": teacher, "step": 1})
+    return teacher
+
+
+def _run_optimizer_key(tmp, kind):
+    fabric = _fabric(state_dict_type=kind)
+    path = f"{tmp}/ckpt"
+    _save_with_teacher(fabric, path)
+    m2, o2 = _fresh(fabric)
+    strict = _error(lambda: fabric.load(path, {"model": m2, "optimizer": o2}))
+    m2, o2 = _fresh(fabric)
+    rest = fabric.load(path, {"model": m2, "optimizer": o2}, strict=False)
+    return strict, len(o2.state), sorted(rest)
+
+
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_fabric_strict_load_names_a_missing_optimizer_key(worlds, tmp_path, kind):
+    for strict, n_state, rest in worlds(2).run(_run_optimizer_key, str(tmp_path), kind):
+        # strict: an error naming the requested key and the one the checkpoint has
+        assert strict is not None and strict.startswith("KeyError") and "'optimizer'" in strict \
+            and "['optim']" in strict, strict
+        assert n_state == 0 and "step" in rest  # strict=False: the optimizer is left as it is
+
+
+def _run_unsharded_modules(tmp, kind):
+    fabric = _fabric(state_dict_type=kind)
+    path = f"{tmp}/ckpt"
+    teacher = _save_with_teacher(fabric, path)
+    out = {}
+    m2, o2 = _fresh(fabric)
+    t2 = _Teacher(2)
+    state = {"model": m2, "optim": o2, "teacher": t2, "step": 0}
+    fabric.load(path, state)  # strict
+    out["teacher"] = all(torch.equal(a, b) for a, b in
+                         zip(teacher.state_dict().values(), t2.state_dict().values()))
+    out["step"], out["optim_state"] = state["step"], len(o2.state)
+    # a module the checkpoint does not have, and one whose keys differ
+    out["absent_strict"] = _error(lambda: fabric.load(path, {"model": m2, "student": _Teacher(3)}))
+    out["absent_lenient"] = _error(lambda: fabric.load(path, {"model": m2, "student": _Teacher(3)},
+                                                       strict=False))
+    bigger = _Teacher(4, extra=True)
+    out["mismatch_strict"] = _error(lambda: fabric.load(path, {"model": m2, "teacher": bigger}))
+    bigger = _Teacher(4, extra=True)
+    fabric.load(path, {"model": m2, "teacher": bigger}, strict=False)
+    out["mismatch_lenient"] = torch.equal(bigger.lin.weight, teacher.lin.weight) and \
+        torch.equal(bigger.norm.running_mean, teacher.norm.running_mean)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_fabric_round_trips_unsharded_modules(worlds, tmp_path, kind):
+    for out in worlds(2).run(_run_unsharded_modules, str(tmp_path), kind):
+        # a plain module saved with fabric.save is restored by fabric.load (params and buffers)
+        assert out["teacher"] and out["step"] == 1 and out["optim_state"] > 0
+        err = out["absent_strict"]
+        assert err is not None and err.startswith("KeyError") and "'student'" in err, err
+        assert out["absent_lenient"] is None
+        err = out["mismatch_strict"]
+        assert err is not None and "more." in err, err  # names the missing key(s)
+        assert out["mismatch_lenient"]  # strict=False loads the keys that match
