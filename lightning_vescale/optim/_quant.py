@@ -21,6 +21,14 @@ and ``create_dynamic_map(signed=False)`` (second moment, which is non-negative, 
 becomes one more fraction bit). Rounding is to the nearest code; a value exactly halfway between
 two codes rounds to the lower one. An all-zero block has ``absmax == 0`` and codes of ``0.0``.
 
+*Non-finite values* stay confined to their own element, as in torch.optim.AdamW's fp32 states (a
+plain ``max |x|`` would let one ``inf`` make its block's scale ``inf`` and then every dequantized
+value of the block ``0 * inf = NaN``).
+``absmax`` is the maximum over the block's *finite* values (``0`` if there are none), and after
+normalisation ``+inf``/``-inf`` saturate to the codes nearest ``+1``/``-1`` and NaN takes the code
+of ``0.0``. So the 255 other elements of a block holding an ``inf`` or NaN keep their exact codes
+and scale, and every dequantized value is finite.
+
 Everything here is elementwise or a per-block max, so results do not depend on how a tensor is
 chunked, on the device's vector width, or on the number of ranks.
 """
@@ -197,17 +205,24 @@ def _per_block(x: torch.Tensor, scale: torch.Tensor, block_size: int, op,
         op(x[nfull * block_size:], scale[nfull], out=out[nfull * block_size:])
 
 
+def _finite_abs(x: torch.Tensor) -> torch.Tensor:
+    # |x| with inf and NaN replaced by 0, so they never set a block's scale
+    return torch.nan_to_num_(x.abs(), nan=0.0, posinf=0.0)
+
+
 def block_absmax(x: torch.Tensor, block_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-block ``max |x|`` (fp32, ``num_blocks(x.numel(), block_size)`` entries)."""
+    """Per-block ``max |x|`` over the finite elements (fp32, ``num_blocks(x.numel(),
+    block_size)`` entries; ``0`` for a block without a finite non-zero value)."""
     _check(x, block_size)
     n = x.numel()
     nfull = n // block_size
     if out is None:
         out = torch.empty(num_blocks(n, block_size), dtype=torch.float32, device=x.device)
     if nfull:
-        torch.amax(x[: nfull * block_size].view(nfull, block_size).abs(), dim=1, out=out[:nfull])
+        torch.amax(_finite_abs(x[: nfull * block_size].view(nfull, block_size)), dim=1,
+                   out=out[:nfull])
     if n > nfull * block_size:
-        out[nfull] = x[nfull * block_size:].abs().amax()
+        out[nfull] = _finite_abs(x[nfull * block_size:]).amax()
     return out
 
 
@@ -222,6 +237,8 @@ def quantize_blockwise_(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tens
     # An all-zero block keeps absmax 0; divide by 1 there so its codes are those of 0.0.
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     _per_block(x, safe, block_size, torch.div, x)
+    # Finite values now lie in [-1, 1]; saturate +-inf there and give NaN the code of 0.0.
+    torch.nan_to_num_(x, nan=0.0, posinf=1.0, neginf=-1.0)
     codes.copy_(book.nearest(x))
 
 

@@ -50,7 +50,14 @@ parameter, fp32 scales of shape ``(num_blocks,)``) or fp32 ``exp_avg``/``exp_avg
 global shape, and the scales are ``RaggedShard((0,), blocks_per_rank)`` ``DTensor``s, so
 distributed checkpoint can save them and reshard them to another (block-aligned) world size.
 ``load_state_dict`` accepts those, local tensors, or full (single-process) tensors, which it
-slices to the rank's range. It never casts codes or scales to the parameter's dtype.
+slices to the rank's range. It never casts codes or scales to the parameter's dtype. It also
+loads a ``torch.optim.AdamW`` state dict: the groups get this optimizer's ``block_size``,
+``min_8bit_size`` and ``chunk_size`` (``__setstate__`` fills missing group keys from the
+defaults), and fp32 (or bf16) moments of a parameter that is quantized here are quantized on load.
+
+*Non-finite values.* An ``inf``/NaN gradient element spoils only its own parameter element (as
+with torch.optim.AdamW): block scales ignore non-finite values, which are stored saturated
+(``inf``) or as 0 (NaN), so the rest of its block keeps finite states (see ``_quant.py``).
 """
 
 from __future__ import annotations
@@ -82,6 +89,10 @@ DEFAULT_BLOCK_SIZE = 256
 DEFAULT_MIN_8BIT_SIZE = 4096
 
 _QUANT_KEYS = ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax")
+# Group keys that torch.optim.AdamW's groups lack, with the values used when the optimizer's own
+# defaults do not say (see ``AdamW8bit.__setstate__``).
+_GROUP_FALLBACKS = {"block_size": DEFAULT_BLOCK_SIZE, "min_8bit_size": DEFAULT_MIN_8BIT_SIZE,
+                    "chunk_size": 1 << 20, "amsgrad": False, "maximize": False}
 _FP32_KEYS = ("exp_avg", "exp_avg_sq")
 # The fast path allocates span-sized moment buffers (gaps included): use it only when the
 # members fill at least this share of their span.
@@ -206,6 +217,9 @@ class AdamW8bit(Optimizer):
         min_8bit_size: parameters with fewer GLOBAL elements keep fp32 moments.
         chunk_size: elements processed per vectorised pass (rounded down to a multiple of
             ``block_size``); bounds the fp32 temporaries of a step to ~20 bytes x ``chunk_size``.
+
+    Groups passed here, added with :meth:`add_param_group` or loaded with
+    :meth:`load_state_dict` are checked the same way (``ValueError`` naming the setting).
     """
 
     def __init__(
@@ -222,34 +236,31 @@ class AdamW8bit(Optimizer):
         min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE,
         chunk_size: int = 1 << 20,
     ) -> None:
-        if amsgrad:
-            raise ValueError(
-                "AdamW8bit does not support amsgrad=True (its running maximum would need a third "
-                "quantized state); use amsgrad=False or torch.optim.AdamW(amsgrad=True)."
-            )
-        if not 0.0 <= float(lr):
-            raise ValueError(f"Invalid learning rate: lr={lr}; it must be >= 0")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: eps={eps}; it must be >= 0")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"Invalid betas={betas}; each must be in [0, 1)")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay={weight_decay}; it must be >= 0")
-        for name, value in (("block_size", block_size), ("chunk_size", chunk_size)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"AdamW8bit {name} must be a positive int, got {name}={value!r}")
-        if chunk_size < block_size:
-            raise ValueError(
-                f"AdamW8bit chunk_size={chunk_size} must be >= block_size={block_size}"
-            )
-        if not isinstance(min_8bit_size, int) or min_8bit_size < 0:
-            raise ValueError(
-                f"AdamW8bit min_8bit_size must be an int >= 0, got min_8bit_size={min_8bit_size!r}"
-            )
+        _check_hparams(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                            amsgrad=amsgrad, block_size=block_size, chunk_size=chunk_size,
+                            min_8bit_size=min_8bit_size), where="AdamW8bit")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=False, maximize=maximize, block_size=block_size,
                         min_8bit_size=min_8bit_size, chunk_size=chunk_size)
         super().__init__(params, defaults)
+
+    # -- groups ----------------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.add_param_group``, with the constructor's checks applied to
+        the group's hyper-parameters (its own keys over the optimizer's defaults)."""
+        if isinstance(param_group, dict):
+            _check_hparams({**self.defaults, **param_group},
+                           where=f"AdamW8bit param group #{len(self.param_groups)}")
+        super().add_param_group(param_group)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Groups from another optimizer's state dict (torch.optim.AdamW) or an older pickle lack
+        # this optimizer's keys: fill them from its defaults.
+        super().__setstate__(state)
+        defaults = getattr(self, "defaults", None) or {}
+        for group in self.param_groups:
+            for key, fallback in _GROUP_FALLBACKS.items():
+                group.setdefault(key, defaults.get(key, fallback))
 
     # -- introspection ---------------------------------------------------------------------------
     def dequantized_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -508,6 +519,9 @@ class AdamW8bit(Optimizer):
         parameter's dtype (codes stay uint8, scales and fp32 moments fp32).
         """
         state_dict = dict(state_dict)
+        for i, g in enumerate(state_dict.get("param_groups", ())):
+            _check_hparams({**self.defaults, **{k: v for k, v in g.items() if k != "params"}},
+                           where=f"AdamW8bit.load_state_dict: saved param group #{i}")
         saved_state = state_dict.get("state", {})
         state_dict["state"] = {}
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
@@ -559,13 +573,69 @@ class AdamW8bit(Optimizer):
                     "through distributed checkpoint, which reshards them."
                 )
             dtype = torch.uint8 if k.endswith("_codes") else torch.float32
+            if k in _FP32_KEYS and v.is_floating_point():
+                v = v.float()  # e.g. torch.optim.AdamW's moments of a bf16 parameter
             if v.dtype != dtype:
                 raise ValueError(
                     f"AdamW8bit.load_state_dict: state {k!r} of parameter #{j} has dtype "
                     f"{v.dtype}, expected {dtype}"
                 )
             out[k] = v.to(device=local_p.device, copy=True).contiguous()
+        if lay.quantized and all(k in out for k in _FP32_KEYS) and \
+                not any(k in out for k in _QUANT_KEYS):
+            # fp32 moments (torch.optim.AdamW's, or saved with a larger min_8bit_size) for a
+            # parameter this optimizer quantizes: store them quantized. The local range starts
+            # on a block boundary, so the local blocks are the global ones.
+            for key, signed in zip(_FP32_KEYS, (True, False)):
+                moment = out.pop(key)
+                codes, absmax = (f"{key}_codes", f"{key}_absmax")
+                out[codes] = torch.empty(n, dtype=torch.uint8, device=local_p.device)
+                out[absmax] = torch.empty(num_blocks(n, bs), dtype=torch.float32,
+                                          device=local_p.device)
+                QuantizedMoment(codes=out[codes], absmax=out[absmax], signed=signed,
+                                block_size=bs).quantize_(moment)
         return out
+
+
+def _check_hparams(h: dict[str, Any], *, where: str) -> None:
+    """The hyper-parameter checks of ``AdamW8bit`` (constructor, added and loaded groups)."""
+    if h.get("amsgrad", False):
+        raise ValueError(
+            f"{where}: amsgrad=True is not supported (its running maximum would need a third "
+            "quantized state); use amsgrad=False or torch.optim.AdamW(amsgrad=True)."
+        )
+
+    def number(name: str, value: Any, desc: str) -> float:
+        try:
+            return float(value)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"{where}: Invalid {desc}: {name}={value!r}; it must be a number "
+                             ">= 0") from None
+
+    for name, desc in (("lr", "learning rate"), ("eps", "epsilon value"),
+                       ("weight_decay", "weight_decay")):
+        if not number(name, h[name], desc) >= 0.0:
+            raise ValueError(f"{where}: Invalid {desc}: {name}={h[name]!r}; it must be >= 0")
+    betas = h["betas"]
+    try:
+        pair = tuple(betas)
+    except TypeError:
+        pair = ()
+    if len(pair) != 2:
+        raise ValueError(f"{where}: Invalid betas={betas!r}; it must be a pair (beta1, beta2), "
+                         "each in [0, 1), e.g. betas=(0.9, 0.999)")
+    if not all(0.0 <= number("betas", b, "betas") < 1.0 for b in pair):
+        raise ValueError(f"{where}: Invalid betas={betas!r}; each must be in [0, 1)")
+    for name in ("block_size", "chunk_size"):
+        value = h[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{where}: {name} must be a positive int, got {name}={value!r}")
+    if h["chunk_size"] < h["block_size"]:
+        raise ValueError(f"{where}: chunk_size={h['chunk_size']} must be >= "
+                         f"block_size={h['block_size']}")
+    m = h["min_8bit_size"]
+    if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+        raise ValueError(f"{where}: min_8bit_size must be an int >= 0, got min_8bit_size={m!r}")
 
 
 def _step_flat(p: torch.Tensor, g: torch.Tensor, moments: Sequence[torch.Tensor],

@@ -32,10 +32,13 @@ rebuilt when the set of parameters with gradients changes. Contract: the set of 
 ``grad is not None`` is the same on every rank (true under data parallel / fully_shard).
 
 Parameter routing (see :class:`Muon`): 2-D and conv-style (viewed as ``(shape[0], -1)``) hidden
-weights go to Muon; 1-D parameters, embeddings and the output head go to an AdamW fallback with
-its own hyper-parameters; the AdamW fallback is element-wise and runs on local shards without
-communication. Optimizer states are stored with the parameter's type: for a RaggedShard DTensor
-parameter they are DTensors with the same placement, so distributed checkpoints can reshard them.
+weights go to Muon; 1-D parameters, embeddings and the model's output head (by name, see
+:data:`DEFAULT_ADAMW_PATTERNS`) go to an AdamW fallback with its own hyper-parameters; the AdamW
+fallback is element-wise and runs on local shards without communication. Optimizer states are
+stored with the parameter's type: for a RaggedShard DTensor parameter they are DTensors with the
+same placement, so distributed checkpoints can reshard them. ``Muon.load_state_dict`` also takes
+a single-process (plain, full-shape) state dict into sharded parameters, slicing each state to
+the rank's range.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ from lightning_vescale.optim._newton_schulz import (
     newton_schulz_flops,
     validate_ns_args,
 )
-from lightning_vescale.placement import RaggedShard
+from lightning_vescale.placement import RaggedShard, ragged_from_local
 
 try:  # DTensor needs a distributed-enabled torch build; plain tensors work without it.
     from torch.distributed.tensor import DTensor, Replicate
@@ -76,10 +79,21 @@ __all__ = [
 ]
 
 #: Regexes (``re.search`` on the parameter's qualified name) routed to AdamW by default:
-#: embeddings (any name component containing "emb", GPT-2's ``wte``/``wpe``) and output heads.
+#:
+#: * embeddings: a name component that is, or has an ``_``-separated word that is, ``emb``,
+#:   ``embed`` or ``embedding`` (plural too): ``tok_emb``, ``pos_emb``, ``embed_tokens``,
+#:   ``word_embeddings``, ``embedding``; and GPT-2's ``wte``/``wpe``. Not ``ensemble``,
+#:   ``membrane``, ``assembler``.
+#: * the model's output head: a component ``lm_head`` or ``classifier`` anywhere, or a *top-level*
+#:   ``head``/``output``/``fc_out`` (no component before it except the wrapper attributes
+#:   ``model``, ``module``, ``_orig_mod``, ``_forward_module``, as in a LightningModule's
+#:   ``self.model``). So ``head.weight`` and ``model.head.weight`` go to AdamW, but hidden
+#:   layers named ``output`` (``encoder.layer.0.output.dense.weight``,
+#:   ``blocks.0.attn.output.weight``) stay on Muon.
 DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
-    r"(^|\.)[^.]*emb[^.]*(\.|$)",
-    r"(^|\.)(wte|wpe|lm_head|head|output|classifier)(\.|$)",
+    r"(^|[._])(emb|embed|embedding)s?([._]|$)",
+    r"(^|\.)(wte|wpe|lm_head|classifier)(\.|$)",
+    r"^((model|module|_orig_mod|_forward_module)\.)*(head|output|fc_out)(\.|$)",
 )
 
 _MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
@@ -236,6 +250,39 @@ def _zeros_state_like(p: Tensor) -> Tensor:
     return torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
+def _state_to_param_layout(p: Tensor, value: Any, key: str, name: str) -> Any:
+    """A loaded state ``value`` of parameter ``p`` in ``p``'s layout (see ``load_state_dict``)."""
+    if key == "step" or not isinstance(value, Tensor):
+        return value
+    if tuple(value.shape) != tuple(p.shape):
+        kind = "a DTensor of" if _is_dtensor(value) else "a tensor of"
+        raise ValueError(
+            f"Muon.load_state_dict: state {key!r} of parameter {name} is {kind} shape "
+            f"{tuple(value.shape)}, but the parameter's (global) shape is {tuple(p.shape)}. "
+            "States must be full-shape tensors (as a single-process Muon saves them) or DTensors "
+            "of the parameter's shape (as a sharded one does); was the state saved for another "
+            "model or another parameter order?")
+    if _is_dtensor(value):
+        if _is_dtensor(p) and tuple(value.placements) == tuple(p.placements) and \
+                value.device_mesh == p.device_mesh:
+            return value
+        value = value.full_tensor()  # another layout: gather (every rank loads), slice below
+    if not _is_dtensor(p):
+        return value
+    value = value.detach().to(device=p.device, dtype=p.dtype)
+    placements = tuple(p.placements)
+    if all(isinstance(pl, Replicate) for pl in placements):
+        return DTensor.from_local(value.clone(), p.device_mesh, placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
+    if len(placements) == 1 and isinstance(placements[0], RaggedShard) and p.device_mesh.ndim == 1:
+        start, end = placements[0].local_range(p.shape, p.device_mesh.get_local_rank(0))
+        return ragged_from_local(value.reshape(-1)[start:end].clone(), p.device_mesh,
+                                 placements[0], p.shape, p.stride())
+    raise TypeError(f"Muon.load_state_dict: parameter {name} is a DTensor with placements "
+                    f"{placements}; supported are Replicate and (RaggedShard(...),) on a 1-D "
+                    "mesh.")
+
+
 def _matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
     """2-D view of a Muon parameter: ``(shape[0], prod(shape[1:]))``."""
     return int(shape[0]), math.prod(int(s) for s in shape[1:])
@@ -300,7 +347,11 @@ class Muon(torch.optim.Optimizer):
         muon_patterns: regexes (``re.search`` on the name) forcing a >= 2-D parameter to Muon;
             checked first.
         adamw_patterns: regexes routing a parameter to AdamW (default
-            :data:`DEFAULT_ADAMW_PATTERNS`: embeddings and output heads).
+            :data:`DEFAULT_ADAMW_PATTERNS`: embeddings, i.e. name components with an
+            ``emb``/``embed``/``embedding`` word and GPT-2's ``wte``/``wpe``, and the output
+            head, i.e. ``lm_head``/``classifier`` or a top-level ``head``/``output``/``fc_out``,
+            optionally behind ``model.``/``module.``; hidden layers named ``output`` inside
+            blocks stay on Muon).
         bucket_cap_mb: upper bound on the bfloat16 size of the whole matrices moved by one
             all-to-all (a larger matrix gets its own bucket). Smaller buckets overlap
             communication with Newton–Schulz more finely.
@@ -472,6 +523,35 @@ class Muon(torch.optim.Optimizer):
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     state["exp_avg"] = _zeros_state_like(p)
                     state["exp_avg_sq"] = _zeros_state_like(p)
+
+    # -- state dict ------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.load_state_dict``, converting states to the parameters'
+        layout first.
+
+        For a ``DTensor`` parameter a state may be a ``DTensor`` with its placement (kept), a
+        ``DTensor`` with another placement (gathered, then sliced: a collective, so every rank
+        must load) or a plain full-shape tensor, e.g. from a single-process run (sliced to this
+        rank's range and wrapped with the parameter's placement). For a plain parameter a
+        ``DTensor`` state is gathered. Any other shape raises ``ValueError`` naming the
+        parameter, before anything is loaded.
+        """
+        params, names = [], []
+        for g in self.param_groups:
+            for i, p in enumerate(g["params"]):
+                names.append(repr(g["param_names"][i]) if g.get("param_names")
+                             else f"#{len(params)}")
+                params.append(p)
+        saved_ids = [i for g in state_dict.get("param_groups", ()) for i in g["params"]]
+        if len(saved_ids) == len(params):  # else torch raises its own error below
+            index = dict(zip(saved_ids, range(len(params))))
+            state_dict = dict(state_dict)
+            state_dict["state"] = {
+                k: ({key: _state_to_param_layout(params[index[k]], v, key, names[index[k]])
+                     for key, v in st.items()} if k in index and isinstance(st, dict) else st)
+                for k, st in state_dict.get("state", {}).items()
+            }
+        super().load_state_dict(state_dict)
 
     # -- step ------------------------------------------------------------------------------------
     @torch.no_grad()

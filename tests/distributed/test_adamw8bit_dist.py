@@ -85,7 +85,12 @@ def _set_grads(params, layouts, grads, gbuf=None, offsets=None, flat_buffer=Fals
                                     stride=p.stride())
 
 
-def _same_data_body(steps: int, seed: int, flat_buffer: bool):
+# (param index, flat positions, values) put into the step-1 gradients by nonfinite=True
+NON_FINITE = [(0, [5, 300, 3000, 6100], [float("inf"), float("-inf"), float("nan"), float("inf")]),
+              (4, [100, 8000], [float("nan"), float("-inf")])]
+
+
+def _same_data_body(steps: int, seed: int, flat_buffer: bool, nonfinite: bool = False):
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
     full = _full(SHAPES)
@@ -98,6 +103,9 @@ def _same_data_body(steps: int, seed: int, flat_buffer: bool):
     opt = AdamW8bit(params, chunk_size=1024, **HP)
     for t in range(steps):
         grads = _grads(SHAPES, t)
+        if nonfinite and t == 1:
+            for i, where, values in NON_FINITE:
+                grads[i].view(-1)[where] = torch.tensor(values)
         for p, g in zip(ref, grads):
             p.grad = g.clone()
         _set_grads(params, layouts, grads, gbuf, offsets, flat_buffer)
@@ -151,6 +159,33 @@ def test_same_data_bitwise_equals_single_process(worlds, world, flat_buffer):
                     assert torch.equal(st[k], rst[k].reshape(-1)[s:e]), (rank, i, k)
         if flat_buffer:  # the fast path ran: one moment buffer for the group's quantized params
             assert out["shared_state_buffers"] <= 1, out["shared_state_buffers"]
+
+
+def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_non_finite_gradients_stay_in_their_elements_and_exact(worlds, world):
+    """inf/NaN gradient elements (some near shard bounds, fast path on): each makes only its
+    own parameter element NaN, and the sharded run still equals the single process bitwise."""
+    outs = worlds(world).run(_same_data_body, 3, 7 * world, True, nonfinite=True)
+    ref, ref_state = outs[0]["ref"], outs[0]["ref_state"]
+    for i, where, _ in NON_FINITE:
+        assert ref[i].reshape(-1).isnan().nonzero().flatten().tolist() == sorted(where)
+        assert all(bool(v.isfinite().all()) for v in ref_state[i].values())
+    for rank, out in enumerate(outs):
+        assert all(out["exported_full_equal"])
+        for i, (s, e) in enumerate(out["ranges"]):
+            assert _equal_nan(out["local"][i], ref[i].reshape(-1)[s:e]), (rank, i)
+            if "exp_avg_codes" in ref_state[i]:
+                b0, b1 = s // B, num_blocks(e, B) if e > s else s // B
+                for k in ("exp_avg_codes", "exp_avg_sq_codes"):
+                    assert torch.equal(out["state"][i][k], ref_state[i][k].reshape(-1)[s:e])
+                for k in ("exp_avg_absmax", "exp_avg_sq_absmax"):
+                    assert torch.equal(out["state"][i][k], ref_state[i][k][b0:b1])
+        assert out["shared_state_buffers"] <= 1
 
 
 # -- different data per rank: data-parallel training of a tiny MLP ------------------------------

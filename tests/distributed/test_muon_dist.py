@@ -249,6 +249,92 @@ def test_state_dict_round_trip(worlds, world_size):
         assert kinds["exp_avg"] == ("DTensor", True) and kinds["exp_avg_sq"] == ("DTensor", True)
 
 
+def _single_process_state_body(seed, steps_before, steps_after):
+    """A single-process Muon's state dict (plain full tensors) loaded into the sharded Muon."""
+    import copy
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    layouts = _layouts(SHAPES, world, seed)
+    torch.manual_seed(0)
+    single = {n: torch.nn.Parameter(torch.randn(s)) for n, s in SHAPES.items()}
+    opt1 = Muon(list(single.items()), bucket_cap_mb=1e-4, **HP)
+
+    def step_single(step):
+        for n, g in _grads(SHAPES, step, seed).items():
+            single[n].grad = g.clone()
+        opt1.step()
+        opt1.zero_grad()
+
+    for step in range(steps_before):
+        step_single(step)
+    sd = copy.deepcopy(opt1.state_dict())
+
+    def make_params(layouts):
+        return {n: torch.nn.Parameter(ragged_from_local(
+            single[n].detach().reshape(-1)[slice(*layouts[n].local_range(s, rank))].clone(),
+            mesh, layouts[n], s)) for n, s in SHAPES.items()}
+
+    def step_sharded(opt, params, layouts, step):
+        for n, g in _grads(SHAPES, step, seed).items():
+            a, b = layouts[n].local_range(SHAPES[n], rank)
+            params[n].grad = ragged_from_local(g.reshape(-1)[a:b].clone(), mesh, layouts[n],
+                                               SHAPES[n])
+        opt.step()
+        opt.zero_grad()
+
+    # a rank-local (flat) tensor is not a full single-process state: refused, naming it
+    bad = copy.deepcopy(sd)
+    idx = next(i for g in sd["param_groups"] for i, n in zip(g["params"], g["param_names"])
+               if n == "blocks.0.mlp.weight")
+    bad["state"][idx]["momentum_buffer"] = bad["state"][idx]["momentum_buffer"].reshape(-1)[:5]
+    try:
+        Muon(list(make_params(layouts).items()), **HP).load_state_dict(bad)
+        err = None
+    except ValueError as e:
+        err = str(e)
+
+    params = make_params(layouts)
+    opt2 = Muon(list(params.items()), bucket_cap_mb=1e-4, **HP)
+    opt2.load_state_dict(sd)
+    kinds = {k: (type(v).__name__, tuple(getattr(v, "placements", ())) == tuple(p.placements))
+             for p, st in opt2.state.items() for k, v in st.items() if k != "step"}
+    step = steps_before
+    for step in range(steps_before, steps_before + steps_after):
+        step_single(step)
+        step_sharded(opt2, params, layouts, step)
+    ref = {n: p.detach().clone() for n, p in single.items()}
+    locals_ = {n: p.detach().to_local() for n, p in params.items()}
+    eq = _compare(SHAPES, layouts, locals_, ref, exact=True)
+    # and that sharded state (DTensors) into other layouts: gathered, then sliced
+    other = _layouts(SHAPES, world, seed + 1)
+    params3 = make_params(other)
+    opt3 = Muon(list(params3.items()), bucket_cap_mb=1e-4, **HP)
+    opt3.load_state_dict(opt2.state_dict())
+    step_single(step + 1)
+    step_sharded(opt3, params3, other, step + 1)
+    locals3 = {n: p.detach().to_local() for n, p in params3.items()}
+    eq3 = _compare(SHAPES, other, locals3, {n: p.detach() for n, p in single.items()}, True)
+    return eq, eq3, kinds, err
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_single_process_state_dict_loads_into_sharded_params(worlds, world_size):
+    """Resume a single-process run on sharded parameters: plain full-shape states are sliced to
+    each rank's range and wrapped with the parameter's placement; the run continues bitwise.
+    A state of any other shape is refused at load time, naming the parameter; DTensor states
+    of other layouts are gathered and re-sliced (still bitwise)."""
+    outs = worlds(world_size).run(_single_process_state_body, 8, 2, 3)
+    for rank, (eq, eq_other_layout, kinds, err) in enumerate(outs):
+        assert all(eq.values()), f"rank {rank}: {[n for n, v in eq.items() if not v]}"
+        assert all(eq_other_layout.values()), \
+            f"rank {rank}: {[n for n, v in eq_other_layout.items() if not v]}"
+        assert kinds["momentum_buffer"] == ("DTensor", True)
+        assert kinds["exp_avg"] == ("DTensor", True) and kinds["exp_avg_sq"] == ("DTensor", True)
+        assert err is not None and "'blocks.0.mlp.weight'" in err and "(5,)" in err \
+            and "(6, 20)" in err
+
+
 # -- end to end through fully_shard ----------------------------------------------------------------
 def _fully_shard_body(steps):
     import copy

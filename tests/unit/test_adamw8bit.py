@@ -132,6 +132,95 @@ def test_bad_arguments():
         AdamW8bit(p, min_8bit_size=-1)
 
 
+@pytest.mark.parametrize("group,match", [
+    ({"block_size": 0}, "param group #1: block_size must be a positive int, got block_size=0"),
+    ({"block_size": 256.0}, "block_size must be a positive int"),
+    ({"chunk_size": 100}, "chunk_size=100 must be >= block_size=256"),
+    ({"amsgrad": True}, "param group #1: amsgrad=True is not supported"),
+    ({"betas": (0.9,)}, r"betas=\(0.9,\); it must be a pair"),
+    ({"betas": (0.9, 1.5)}, "each must be in"),
+    ({"lr": -1.0}, "lr=-1.0; it must be >= 0"),
+    ({"eps": None}, "eps=None; it must be a number"),
+    ({"weight_decay": -0.1}, "weight_decay"),
+    ({"min_8bit_size": -1}, "min_8bit_size"),
+])
+def test_added_groups_are_checked_like_the_constructor(group, match):
+    p, q = _params([(5000,), (5000,)])
+    opt = AdamW8bit([p])
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group({"params": [q], **group})
+    assert len(opt.param_groups) == 1  # nothing was added
+    with pytest.raises(ValueError, match=match.replace("param group #1", "param group #0")):
+        AdamW8bit([{"params": [q], **group}])
+
+
+def test_betas_must_be_a_pair():
+    p = _params([(3,)])
+    for betas in ((0.9,), (0.9, 0.99, 0.999), 0.9):
+        with pytest.raises(ValueError, match="must be a pair"):
+            AdamW8bit(p, betas=betas)
+
+
+def test_loads_a_torch_adamw_state_dict():
+    """torch.optim.AdamW's state dict (no block_size etc. in its groups) loads: the groups get
+    this optimizer's settings and the moments of quantized parameters are quantized."""
+    shapes = [(64, 80), (50,)]
+    for dtype in (torch.float32, torch.bfloat16):
+        pt = _params(shapes, dtype=dtype)
+        ot = torch.optim.AdamW(pt, **HP)
+        _run(ot, pt, shapes, 2)
+        p8 = [torch.nn.Parameter(p.detach().clone()) for p in pt]
+        o8 = AdamW8bit(p8, block_size=128, **HP)
+        o8.load_state_dict(_save_load(ot.state_dict()))
+        g = o8.param_groups[0]
+        assert (g["block_size"], g["min_8bit_size"], g["amsgrad"]) == (128, 4096, False)
+        st, small = o8.state[p8[0]], o8.state[p8[1]]
+        assert st["exp_avg_codes"].dtype == torch.uint8 and "exp_avg" not in st
+        assert st["exp_avg_absmax"].numel() == 5120 // 128 and st["step"].item() == 2.0
+        assert small["exp_avg"].dtype == torch.float32  # small: fp32 moments, as AdamW8bit's
+        m_ref = ot.state[pt[0]]["exp_avg"].float().reshape(-1)
+        assert torch.equal(o8.dequantized_state(p8[0])["exp_avg"], dequantize_blockwise(
+            *quantize_blockwise(m_ref, signed_code_map(), 128), signed_code_map(), 128))
+        # it continues like AdamW (8-bit moments: close, not equal; bf16 AdamW computes in bf16)
+        _run(o8, p8, shapes, 3, start=2)
+        _run(ot, pt, shapes, 3, start=2)
+        for a, b in zip(p8, pt):
+            if dtype == torch.float32:
+                torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=2e-3)
+            assert bool(a.isfinite().all())
+    # an amsgrad=True AdamW state is refused before anything is loaded
+    pt = _params(shapes)
+    sd = torch.optim.AdamW(pt, amsgrad=True).state_dict()
+    with pytest.raises(ValueError, match="saved param group #0: amsgrad=True"):
+        AdamW8bit(pt).load_state_dict(sd)
+
+
+def test_non_finite_gradient_element_stays_in_its_element():
+    """One inf (or NaN) gradient element makes only its own parameter element NaN, as with
+    torch.optim.AdamW; the other 255 elements of its quantization block stay finite and keep
+    following AdamW."""
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        shapes = [(8192,)]
+        p8, pt = _params(shapes), _params(shapes)
+        o8, ot = AdamW8bit(p8, **HP), torch.optim.AdamW(pt, **HP)
+        for t in range(3):
+            grads = _grads(shapes, t)
+            if t == 0:
+                grads[0][300] = bad
+            for p, g in zip(p8 + pt, grads + grads):
+                p.grad = g.clone()
+            o8.step()
+            ot.step()
+        a, b = p8[0].detach(), pt[0].detach()
+        assert a.isnan().nonzero().flatten().tolist() == [300] == \
+            b.isnan().nonzero().flatten().tolist()
+        st = o8.dequantized_state(p8[0])
+        assert all(bool(v.isfinite().all()) for v in st.values())
+        keep = torch.ones(8192, dtype=torch.bool)
+        keep[300] = False
+        torch.testing.assert_close(a[keep], b[keep], rtol=0, atol=2e-3)  # updates: ~4e-2
+
+
 def test_chunk_size_and_noncontiguous_do_not_change_results():
     shapes = [(40, 300)]  # 12000 elements: 46 full blocks + a 224-element tail
     pa, pb = _params(shapes), _params(shapes)

@@ -217,6 +217,73 @@ def test_routing_overrides_patterns_and_groups():
     assert sum(len(x["params"]) for x in opt.param_groups if x["use_muon"]) == 5
 
 
+# Hidden matrices whose names contain "output", "head" or "emb" as part of another word: Muon.
+MUST_BE_MUON = [
+    "bert.encoder.layer.0.attention.output.dense.weight",
+    "bert.encoder.layer.0.output.dense.weight",
+    "bert.encoder.layer.0.intermediate.dense.weight",
+    "blocks.0.attn.output.weight",
+    "model.blocks.0.attn.output.weight",
+    "model.ensemble.0.weight",
+    "assembler.proj.weight",
+    "membrane.linear.weight",
+    "decoder.output_proj.weight",
+    "transformer.h.0.mlp.c_proj.weight",
+    "blocks.0.attn.heads.weight",
+    "layers.3.head.weight",  # a per-layer "head" module, not the model's output head
+    "model.layers.0.mlp.down_proj.weight",
+]
+# Embeddings and the model's output head: AdamW.
+MUST_BE_ADAMW = [
+    "tok_emb.weight", "pos_emb.weight", "model.tok_emb.weight", "model.pos_emb.weight",
+    "tok_embeddings.weight", "model.embed_tokens.weight", "embedding.weight",
+    "bert.embeddings.word_embeddings.weight", "bert.embeddings.position_embeddings.weight",
+    "transformer.wte.weight", "transformer.wpe.weight",
+    "lm_head.weight", "model.lm_head.weight", "classifier.weight", "bert.classifier.weight",
+    "head.weight", "model.head.weight", "_orig_mod.head.weight", "module.model.head.weight",
+    "output.weight", "fc_out.weight",
+]
+
+
+def test_default_routing_of_common_names():
+    ps = [(n, nn.Parameter(torch.zeros(4, 4))) for n in MUST_BE_MUON + MUST_BE_ADAMW]
+    r = _routes(Muon(ps))
+    assert [n for n in MUST_BE_MUON if not r[n]] == []
+    assert [n for n in MUST_BE_ADAMW if r[n]] == []
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("prefix", ["", "model."])
+def test_default_routing_of_the_example_gpt(tie, prefix):
+    """examples/gpt.py (as is, and as a LightningModule's ``self.model``): embeddings and head on
+    AdamW, every other matrix on Muon."""
+    from examples.gpt import GPT, GPTConfig
+
+    gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, tie_weights=tie))
+    named = [(prefix + n, p) for n, p in gpt.named_parameters()]
+    r = _routes(Muon(named))
+    adamw = {n for n, p in named if p.ndim < 2} | {prefix + "tok_emb.weight",
+                                                   prefix + "pos_emb.weight"}
+    if not tie:
+        adamw.add(prefix + "head.weight")
+    assert {n for n, muon in r.items() if not muon} == adamw
+    assert all(r[n] for n, p in named if n not in adamw)
+
+
+def test_load_state_dict_of_another_shape_is_named():
+    torch.manual_seed(0)
+    a, b = nn.Linear(6, 4), nn.Linear(6, 5)
+    opt_a = Muon([("fc.weight", a.weight), ("fc.bias", a.bias)])
+    a(torch.randn(2, 6)).sum().backward()
+    opt_a.step()
+    opt_b = Muon([("fc.weight", b.weight), ("fc.bias", b.bias)])
+    before = copy.deepcopy(opt_b.state_dict())
+    with pytest.raises(ValueError, match=r"'momentum_buffer' of parameter 'fc.weight'.*\(4, 6\)"
+                                         r".*\(5, 6\)"):
+        opt_b.load_state_dict(opt_a.state_dict())
+    assert opt_b.state_dict() == before  # nothing was loaded
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(lr=-1.0), "lr must be >= 0"),
     (dict(momentum=-0.1), "momentum"),

@@ -96,6 +96,40 @@ def test_zero_block_and_short_tail():
     assert y[-1].item() == 3.0
 
 
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_element_leaves_its_block_intact(signed, bad):
+    """An inf/NaN element does not set its block's scale: the other 255 elements of the block
+    quantize exactly as without it (finite), +-inf saturates, NaN gets the code of 0.0."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1000, generator=g)
+    if not signed:
+        x = x.abs()
+    book = codebook(signed)
+    clean = x.clone()
+    clean[300] = 0.0
+    c0, s0 = quantize_blockwise(clean, book, 256)
+    dirty = clean.clone()
+    dirty[300] = bad
+    c1, s1 = quantize_blockwise(dirty, book, 256)
+    assert torch.equal(s1, s0) and bool(s1.isfinite().all())
+    others = torch.ones(1000, dtype=torch.bool)
+    others[300] = False
+    assert torch.equal(c1[others], c0[others])
+    y = dequantize_blockwise(c1, s1, book, 256)
+    assert bool(y.isfinite().all())
+    assert torch.equal(y[256:512][others[256:512]], dequantize_blockwise(c0, s0, book, 256)[
+        256:512][others[256:512]])
+    want = {float("inf"): book.code[-1], float("-inf"): book.code[0]}.get(bad, 0.0)
+    if not signed and bad < 0:
+        want = 0.0  # the unsigned map has no negative codes
+    assert book.code[c1[300].long()].item() == want
+    # a block of nothing but non-finite values gets scale 0 and dequantizes to 0
+    c2, s2 = quantize_blockwise(torch.full((256,), bad), book, 256)
+    assert s2.item() == 0.0 and torch.equal(dequantize_blockwise(c2, s2, book, 256),
+                                            torch.zeros(256))
+
+
 def test_block_independence_slices_match():
     """A block-aligned slice quantizes to exactly the slice of the whole tensor's codes/scales."""
     x = torch.randn(256 * 7 + 100)
