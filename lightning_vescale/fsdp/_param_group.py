@@ -22,11 +22,15 @@ Gradients land directly in the grad buffer: before the first gradient of a backw
 parameter (a tensor hook on the unsharded leaf, which runs before ``AccumulateGrad``), the group
 materialises ``grad_full`` (one zero kernel) and points every unsharded parameter's ``.grad`` at
 its view. ``AccumulateGrad`` then adds in place (``grad += new``) instead of allocating. A
-post-accumulate-grad hook counts arrivals; when every trainable parameter has its gradient the
-group is complete and reduce-scatters the buffer as a whole. With gradient sync off, grads stay
-in ``grad_full`` across backwards and are reduced at the first synced one. After the
-reduce-scatter each parameter that received a gradient gets ``sharded.grad`` = a DTensor view
-into the sharded gradient; parameters that received none keep ``grad=None`` (like DDP).
+post-accumulate-grad hook records the arrival (it times the backward prefetch only). When the
+group's backward is complete (a structural point, the same on every rank: design note
+[fsdp-schedule]) every buffer holding trainable parameters is reduce-scattered as a whole,
+with zeros where this rank received no gradient, so the collectives never depend on local
+data. With gradient sync off, grads stay in ``grad_full`` across backwards and are reduced at
+the first synced one. After the backward, each parameter that received a gradient on *any*
+rank gets ``sharded.grad`` = a DTensor view into the sharded gradient
+(:meth:`ParamGroup.publish_grads`); parameters that received none anywhere keep ``grad=None``,
+as in single-process training.
 
 Parameters that are frozen when the group is built (``requires_grad=False``: a frozen base
 model under LoRA, say) go into a DBuffer of their own, which never allocates a gradient buffer
@@ -128,7 +132,9 @@ class ParamGroup:
         self._reduce: list[CommHandle] | None = None  # in-flight reduce-scatters
         self._arrived = 0
         self._grads_ready = False  # grad_full materialised and unsharded .grads point at it
-        self.on_complete: Callable[[ParamGroup], None] | None = None
+        # Structural per-iteration flags (design note [fsdp-grads]): the same on every rank.
+        self.needs_reduce = False  # forward ran with grad since the last reduce-scatter
+        self.reduced = False  # reduce-scattered in the current backward
         self.on_first_grad: Callable[[ParamGroup], None] | None = None
         self.on_half: Callable[[ParamGroup], None] | None = None
         self._num_trainable = 0
@@ -288,6 +294,14 @@ class ParamGroup:
             group = gref()
             if group is None:
                 return
+            if group.reduced:
+                name = f"{group.fqn}.{mp.name}" if group.fqn else mp.name
+                raise RuntimeError(
+                    f"fully_shard: parameter {name!r} received its gradient after its group was "
+                    "reduce-scattered, i.e. after the gradients of its module's inputs were "
+                    "computed. A parameter's gradient must be computed within its module's "
+                    "backward: use the parameter in a computation that involves the module's "
+                    "inputs, or move it to a group (module) of its own.")
             if torch.is_grad_enabled():
                 # backward(create_graph=True): AccumulateGrad then writes `grad + new` out of
                 # place, so the gradient would leave the grad buffer and be lost.
@@ -313,9 +327,7 @@ class ParamGroup:
             group._arrived += 1
             n = group._num_trainable
             if group._arrived == max(1, n // 2) and group.on_half is not None:
-                group.on_half(group)
-            if group._arrived == n and group.on_complete is not None:
-                group.on_complete(group)
+                group.on_half(group)  # early backward prefetch (timing only, never a reduce)
         return hook
 
     @property
@@ -345,19 +357,22 @@ class ParamGroup:
                             view.add_(g)
                     mp.unsharded.grad = view
 
-    @property
-    def has_pending_grads(self) -> bool:
-        """Whether ``grad_full`` holds gradients that were not reduce-scattered yet."""
-        return any(mp.got_grad for mp in self.params)
-
     def reduce_scatter(self, async_op: bool = True, op: str = "avg") -> None:
-        """Launch the reduce-scatter of every buffer holding new gradients."""
+        """Launch the reduce-scatter of every buffer that holds trainable parameters.
+
+        Every such buffer is reduced, whether or not this rank received gradients for it (a
+        rank without any contributes zeros): which collectives run must not depend on local
+        data (design note [fsdp-grads]). Sharded gradients are published later, by
+        :meth:`publish_grads`, once every rank's arrivals are known.
+        """
         assert self._reduce is None, "a reduce-scatter is already in flight"
         handles = []
         for buf in self.buffers.values():
             mps = [mp for mp in self.params if mp.buffer is buf and mp.requires_grad]
-            if not buf.is_grad_materialized or not any(mp.got_grad for mp in mps):
-                continue
+            if not mps:
+                continue  # parameters frozen at build time: no gradient buffer
+            if not buf.is_grad_materialized or buf._grad_fresh:
+                buf.materialize_grad()  # zeros: no local gradient reached this buffer
             # Accumulate onto the grad shard if ANY parameter of the buffer still holds a
             # gradient (no zero_grad since the last reduce), not only those with a new one: a
             # plain reduce-scatter overwrites the whole shard, kept gradients included.
@@ -367,16 +382,16 @@ class ParamGroup:
                 self._prepare_accumulate(mps)
             handles.append(buf.reduce_scatter(async_op=async_op, op=op, accumulate=accumulate))
         self._reduce = handles
+        self.reduced = True
+        self.needs_reduce = False
         if not async_op:
             self.wait_for_reduce()
 
     def _prepare_accumulate(self, mps: list[ManagedParam]) -> None:
         # Rare path: the user kept sharded grads from an earlier step (no zero_grad or
-        # zero_grad(set_to_none=False)). Regions that start fresh are zeroed; foreign grads are
-        # folded into the buffer so the reduce adds onto the right values.
+        # zero_grad(set_to_none=False)). Regions without a kept gradient start from zero;
+        # foreign grads are folded into the buffer so the reduce adds onto the right values.
         for mp in mps:
-            if not mp.got_grad:
-                continue
             assert mp.sharded is not None and mp.buffer is not None
             view = mp.buffer.grad_local_view(mp.name)
             g = mp.sharded.grad
@@ -398,7 +413,7 @@ class ParamGroup:
                 and local.untyped_storage().data_ptr() == view.untyped_storage().data_ptr())
 
     def wait_for_reduce(self) -> None:
-        """Finish in-flight reduce-scatters, free ``grad_full``, publish sharded grads."""
+        """Finish in-flight reduce-scatters and free ``grad_full``."""
         if self._reduce is None:
             return
         handles, self._reduce = self._reduce, None
@@ -408,17 +423,30 @@ class ParamGroup:
             buf.free_grad()
         self._grads_ready = False
         for mp in self.params:
-            if not mp.got_grad:
-                continue
+            if mp.unsharded is not None:
+                mp.unsharded.grad = None  # its storage is gone; re-pointed next backward
+
+    def trainable(self) -> list[ManagedParam]:
+        """The parameters that take part in reduce-scatters (a fixed order on every rank)."""
+        return [mp for mp in self.params if mp.requires_grad and mp.buffer is not None]
+
+    def publish_grads(self, received: list[bool]) -> None:
+        """Give each parameter that received a gradient on ANY rank its sharded gradient.
+
+        ``received[i]`` is that global fact for ``trainable()[i]`` (an all-reduce over ranks,
+        done once per backward by the root). A parameter no rank computed a gradient for keeps
+        ``grad=None`` (or the gradient kept from before), as in single-process training.
+        """
+        for mp, got in zip(self.trainable(), received):
             mp.got_grad = False
+            if not got:
+                continue
             assert mp.sharded is not None and mp.buffer is not None
             g = mp.sharded.grad
             if g is None or not self._is_our_grad(mp, g):
                 view = mp.buffer.grad_local_view(mp.name)
                 mp.sharded.grad = make_dtensor(view, self.mesh, mp.buffer.placement(mp.name),
                                                mp.shape)
-            if mp.unsharded is not None:
-                mp.unsharded.grad = None  # its storage is gone; re-pointed next backward
 
     def release_unused_grad_shards(self) -> None:
         """Free sharded-gradient storage of buffers whose parameters all have ``grad=None``.
@@ -435,3 +463,4 @@ class ParamGroup:
 
     def reset_arrivals(self) -> None:
         self._arrived = 0
+        self.reduced = False

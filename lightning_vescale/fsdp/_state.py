@@ -16,18 +16,37 @@ hook on every output that requires grad: the group's *pre-backward*.
 Backward: the pre-backward re-gathers the group (or waits for its prefetch); once half of the
 group's gradients arrived, the next group in the recorded backward order is prefetched (late
 enough not to coincide with the activation peak at the start of the group's backward, early
-enough to overlap its second half). Gradient arrival is tracked per group (design note
-[fsdp-grads]); a complete group first reshards (its parameters are no longer needed) and then
-reduce-scatters: asynchronously on accelerators (the previous one is waited first, so at most
-one is in flight, bounding memory), synchronously on CPU. A final autograd-engine
-callback, queued by the root at the first backward hook, reduces groups that never completed
-(unused parameters, grads kept from no-sync steps), waits for everything and reshards all.
+enough to overlap its second half).
 
-Execution orders are recorded on the first iteration. A group with frozen parameters defers
-its backward reshard to the final callback (frozen parameters have no ``AccumulateGrad`` that
-would tell us their last use). A forward that runs *inside* backward (activation-checkpointing
-recompute, detected with ``torch._C._current_graph_task_id()``) leaves the group unsharded and
-registers nothing. No-grad/inference forwards reshard every group at the root's post-forward.
+When a group's backward is *complete* must not depend on which gradients a rank received: a
+parameter may get a gradient on one rank and none on another (data-dependent routing, e.g. an
+MoE expert inside a block), and if the ranks then reduce-scattered different groups at
+different times, their collectives would pair wrongly. So completion is structural, as in
+FSDP2: the pre-forward wraps the module's forward inputs that require grad in
+:class:`_PostBackward`, an identity whose backward runs once the gradients of those inputs
+are complete. That needs the module's whole backward, and it is the same point in the backward
+pass on every rank. (With several forwards of one module, the last one's backward counts.) The
+gradient arrivals only time the early prefetch; if that has not fired by completion, it is
+issued then, before the reduce-scatter, so every rank's collectives come in the same order.
+A complete group first reshards (its parameters are no longer needed, frozen ones included)
+and then reduce-scatters every buffer holding trainable parameters, with zeros where the rank
+got no gradient: asynchronously on accelerators (the previous one is waited first, so at most
+one is in flight, bounding memory), synchronously on CPU.
+
+A final autograd-engine callback, queued by the root at the first backward hook, handles the
+groups without a structural completion (the root, whose inputs are token ids; a block whose
+input does not require grad), in tree order: it reduce-scatters each group that ran forward
+with grad since its last reduce-scatter, waits for everything and reshards all. Then one small
+all-reduce (MAX) of the "received a gradient" flags tells every rank which parameters received
+one on *any* rank: exactly those get a sharded gradient, as in single-process training over the
+global batch (:meth:`FSDPState._publish_grads`). Forward and backward orders are recorded on
+the first iteration. A forward that runs *inside* backward (activation-checkpointing recompute,
+detected with ``torch._C._current_graph_task_id()``) leaves the group unsharded and registers
+nothing. No-grad/inference forwards reshard every group at the root's post-forward.
+
+Limits: a module whose forward runs on some ranks and not on others in the same iteration (an
+expert *module* that is its own group and gets no tokens on one rank) is still not supported:
+only the ranks that ran it have its completion. Run it on an empty batch instead.
 
 Design note [fsdp-reentrant]
 ----------------------------
@@ -46,9 +65,10 @@ import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_vescale.fsdp._param_group import ParamGroup
 
@@ -72,6 +92,31 @@ def states_in(module: nn.Module) -> list["FSDPState"]:
         if st is not None:
             out.append(st)
     return out
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's forward inputs whose backward marks the module's backward done.
+
+    Autograd runs it once the gradients of the module's inputs are complete, which needs the
+    whole backward of the module: a point in the backward pass that is the same on every rank,
+    whatever gradients each rank's parameters received (design note [fsdp-schedule]).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, state: "FSDPState", *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # Weakly: the autograd node lives in C++ and may outlive the iteration (a loss tensor
+        # kept by the user keeps its grad_fn chain); a strong reference would keep the state,
+        # its DBuffers and the process group alive until that node dies, possibly during
+        # interpreter shutdown.
+        ctx.state_ref = weakref.ref(state)
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        state = ctx.state_ref()
+        if state is not None:
+            state._post_backward()
+        return (None, *grads)
 
 
 def _in_backward() -> bool:
@@ -107,13 +152,16 @@ class FSDPState:
         # an accelerator's streams make that real overlap; synchronously on CPU, where the
         # in-flight gradient buffer would only add to peak memory (FSDP2 is synchronous there).
         self.async_reduce: bool | None = None
-        # per-iteration
+        # per-iteration (reset by the final callback)
         self._pre_bwd_done = False
+        self._bwd_done = False  # the group's backward completed (reshard + reduce issued)
+        self._bwd_prefetched = False
+        self._post_bwd_expected = 0  # forwards that registered a _PostBackward
+        self._post_bwd_seen = 0
         # How many calls of this module's forward are running (design note [fsdp-reentrant]).
         self._forward_depth = 0
         self._handles: list[Any] = []
         if group is not None:
-            group.on_complete = self._on_group_complete
             group.on_first_grad = self._on_first_grad
             group.on_half = self._on_half_grads
         module.__dict__[_ATTR] = self
@@ -200,7 +248,22 @@ class FSDPState:
             def cast(x: Any) -> Any:
                 return x.to(dt) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+        if self.group is not None and torch.is_grad_enabled():
+            if self.group.num_trainable:
+                self.group.needs_reduce = True
+            args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
+
+    def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return args, kwargs  # no input gradient: the final callback completes the group
+        outs = _PostBackward.apply(self, *(flat[i] for i in idx))
+        for i, t in zip(idx, outs):
+            flat[i] = t
+        self._post_bwd_expected += 1
+        return tree_unflatten(flat, spec)
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         root = self.root
@@ -267,6 +330,7 @@ class FSDPState:
             self.group.wait_for_unshard()
         if root.bwd_recorded and root.prefetch and (
                 self.group is None or self.group.num_trainable == 0):
+            self._bwd_prefetched = True
             self._prefetch(root.bwd_order, backward=True)  # else deferred to _on_half_grads
 
     def _on_half_grads(self, group: ParamGroup) -> None:
@@ -275,18 +339,33 @@ class FSDPState:
         # alive at the start of the group's backward, where activation memory peaks.
         root = self.root
         assert root is not None
-        if root.bwd_recorded and root.prefetch:
+        if root.bwd_recorded and root.prefetch and not self._bwd_prefetched and not self._bwd_done:
+            self._bwd_prefetched = True
             self._prefetch(root.bwd_order, backward=True)
 
     def _on_first_grad(self, group: ParamGroup) -> None:
         self._queue_final_callback()
 
-    def _on_group_complete(self, group: ParamGroup) -> None:
-        root = self.root
-        assert root is not None
-        if not group.has_frozen:
-            group.reshard()  # parameters are done: free them before the reduce-scatter runs
-        if self.requires_gradient_sync:
+    def _post_backward(self) -> None:
+        self._post_bwd_seen += 1
+        if self._post_bwd_seen == self._post_bwd_expected:  # the last use's backward is done
+            self._complete_backward()
+
+    def _complete_backward(self) -> None:
+        """The group's backward is over (on every rank at this point): reshard, then reduce.
+
+        A backward prefetch that the gradient arrivals did not trigger yet is issued first, so
+        every rank issues the next group's all-gather before this reduce-scatter.
+        """
+        group, root = self.group, self.root
+        if group is None or root is None or self._bwd_done:
+            return
+        self._bwd_done = True
+        if root.bwd_recorded and root.prefetch and not self._bwd_prefetched:
+            self._bwd_prefetched = True
+            self._prefetch(root.bwd_order, backward=True)
+        group.reshard()  # parameters are done: free them before the reduce-scatter runs
+        if self.requires_gradient_sync and group.needs_reduce:
             root._finish_reduce()  # at most one reduce-scatter in flight
             async_op = root.async_reduce
             if async_op is None:
@@ -303,17 +382,48 @@ class FSDPState:
     def _final_callback(self) -> None:
         self.final_cb_queued = False
         self._finish_reduce()
-        for st in self.tree:
+        for st in self.tree:  # groups without a structural completion, in the same order
             g = st.group
             if g is None:
                 continue
-            if st.requires_gradient_sync and g.has_pending_grads:
+            if not st._bwd_done and st.requires_gradient_sync and g.needs_reduce:
                 g.reduce_scatter(async_op=False)
             g.reshard()
-            g.reset_arrivals()
-            st._pre_bwd_done = False
+        self._publish_grads()
+        for st in self.tree:
+            if st.group is not None:
+                st.group.reset_arrivals()
+            st._pre_bwd_done = st._bwd_done = st._bwd_prefetched = False
+            st._post_bwd_expected = st._post_bwd_seen = 0
         if self.bwd_order:
             self.bwd_recorded = True
+
+    def _publish_grads(self) -> None:
+        """Publish the sharded gradients of the groups reduced in this backward.
+
+        Whether a parameter has a gradient must not depend on the rank (rank 1 may compute none
+        for an expert rank 0 routed tokens to): one all-reduce (MAX) of the "received a
+        gradient" flags of every reduced group's trainable parameters gives the global answer.
+        Which groups were reduced is the same on every rank, so is the message.
+        """
+        groups = [st.group for st in self.tree if st.group is not None and st.group.reduced]
+        if not groups:
+            return
+        per_group = [g.trainable() for g in groups]
+        local = bytes(int(mp.got_grad) for mps in per_group for mp in mps)
+        flags = list(local)
+        mesh = groups[0].mesh
+        if mesh.size() > 1 and local:
+            # frombuffer: no ATen op (the zero-copy tests count copy operators)
+            t = torch.frombuffer(bytearray(local), dtype=torch.uint8)
+            device = next(iter(groups[0].buffers.values())).device
+            t = t.to(device) if device.type != "cpu" else t
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group())
+            flags = t.tolist()
+        i = 0
+        for g, mps in zip(groups, per_group):
+            g.publish_grads([bool(f) for f in flags[i:i + len(mps)]])
+            i += len(mps)
 
     # -- teardown --------------------------------------------------------------------------------
     def remove_hooks(self) -> None:

@@ -259,3 +259,72 @@ def test_frozen_parameters_get_no_gradient_buffer_and_no_reduce(worlds):
         assert set(got2) == set(want2) and "0.base.weight" in got2
         for n in want2:
             torch.testing.assert_close(got2[n], want2[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+class RoutedBlock(nn.Module):
+    """A trunk and three experts; ``route`` picks the expert (data-dependent, per rank)."""
+
+    def __init__(self, d: int = 12) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(d, d)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, route: int) -> torch.Tensor:
+        return x + self.experts[route](torch.tanh(self.trunk(x)))
+
+
+class Routed(nn.Module):
+    def __init__(self, d: int = 12) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, d)
+        self.blocks = nn.ModuleList(RoutedBlock(d) for _ in range(3))
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor, route: int) -> torch.Tensor:
+        h = self.inp(x)
+        for blk in self.blocks:
+            h = blk(h, route)
+        return self.out(h).square().mean()
+
+
+def _routed_body(opt_kind: str, steps: int):
+    from lightning_vescale.fsdp import fully_shard
+    from lightning_vescale.optim import Muon
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Routed()
+    ref = copy.deepcopy(model)
+    for blk in model.blocks:
+        fully_shard(blk)
+    fully_shard(model)
+
+    def make(params):
+        if opt_kind == "adamw":
+            return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        return Muon(params, lr=2e-2, adamw_lr=1e-2)
+
+    opt, ref_opt = make(model.named_parameters()), make(ref.named_parameters())
+    if opt_kind == "adamw":
+        opt, ref_opt = make(model.parameters()), make(ref.parameters())
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        xs = [torch.randn(4, 5, generator=g) for _ in range(world)]
+        # Rank r routes to expert r % 2: on 3 ranks expert 0 is used by ranks 0 and 2 only;
+        # expert 2 is used by no rank (its parameters must keep grad=None and stay untouched).
+        model(xs[rank], rank % 2).backward()
+        opt.step()
+        opt.zero_grad()
+        sum(ref(x, r % 2) for r, x in enumerate(xs)).div(world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return local_pieces(model), {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("opt_kind", ["adamw", "muon"])
+def test_parameters_used_on_some_ranks_only_match_single_process(worlds, world_size, opt_kind):
+    res = worlds(world_size).run(_routed_body, opt_kind, 3)
+    got, want = assemble([r[0] for r in res]), res[0][1]
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-5, msg=n)

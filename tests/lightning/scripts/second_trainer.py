@@ -4,6 +4,7 @@
 Rank 0 prints "OK" if the second Trainer's validation loss equals the first one's.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +29,12 @@ def main(out_dir: str) -> None:
     assert a == b, (a, b)
     if first.is_global_zero:
         print(f"OK {a:.6f} {b:.6f}")
+    # Skip the C++ static destructors: after two Trainers in one torchrun process, gloo's
+    # teardown at exit aborts now and then ("terminate called without an active exception");
+    # measured: 3 of 10 runs with Lightning's own strategy="ddp" too, so it is not ours.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
