@@ -99,6 +99,15 @@ def _reference(shapes: dict, steps: int, grads_fn, **hp) -> dict[str, torch.Tens
     return {n: params[n].detach().reshape(shapes[n]) for n in shapes}
 
 
+def _set_sharded_grads(params, layouts, shapes, full_grads, mesh) -> None:
+    """Give each sharded parameter this rank's slice of its full gradient."""
+    rank = mesh.get_local_rank(0)
+    for n, g in full_grads.items():
+        a, b = layouts[n].local_range(shapes[n], rank)
+        params[n].grad = ragged_from_local(g.reshape(-1)[a:b].clone(), mesh, layouts[n],
+                                           shapes[n])
+
+
 def _sharded_run(shapes, layouts, steps, grads_fn, *, reload_at=None, **opt_kw):
     """Run distributed Muon on this rank; return {name: local flat slice}, optimizer."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -125,10 +134,7 @@ def _sharded_run(shapes, layouts, steps, grads_fn, *, reload_at=None, **opt_kw):
             params = new_params
             opt = Muon(list(params.items()), **opt_kw)
             opt.load_state_dict(sd)
-        for n, g in grads_fn(step).items():
-            a, b = layouts[n].local_range(shapes[n], rank)
-            params[n].grad = ragged_from_local(g.reshape(-1)[a:b].clone(), mesh, layouts[n],
-                                               shapes[n])
+        _set_sharded_grads(params, layouts, shapes, grads_fn(step), mesh)
         opt.step()
         opt.zero_grad()
     locals_ = {n: p.detach().to_local().clone() for n, p in params.items()}
@@ -276,10 +282,7 @@ def _single_process_state_body(seed, steps_before, steps_after):
             mesh, layouts[n], s)) for n, s in SHAPES.items()}
 
     def step_sharded(opt, params, layouts, step):
-        for n, g in _grads(SHAPES, step, seed).items():
-            a, b = layouts[n].local_range(SHAPES[n], rank)
-            params[n].grad = ragged_from_local(g.reshape(-1)[a:b].clone(), mesh, layouts[n],
-                                               SHAPES[n])
+        _set_sharded_grads(params, layouts, SHAPES, _grads(SHAPES, step, seed), mesh)
         opt.step()
         opt.zero_grad()
 
@@ -409,10 +412,7 @@ def _dcp_load_body(path, full, steps_before, steps_after, seed):
     dcp.load(sd, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
     opt.load_state_dict(sd["optim"])
     for step in range(steps_before, steps_before + steps_after):
-        for n, g in _grads(SHAPES, step, seed).items():
-            a, b = layouts[n].local_range(SHAPES[n], rank)
-            params[n].grad = ragged_from_local(g.reshape(-1)[a:b].clone(), mesh, layouts[n],
-                                               SHAPES[n])
+        _set_sharded_grads(params, layouts, SHAPES, _grads(SHAPES, step, seed), mesh)
         opt.step()
         opt.zero_grad()
     ref = _reference(SHAPES, steps_before + steps_after, lambda s: _grads(SHAPES, s, seed), **HP)
