@@ -210,10 +210,6 @@ class ParamGroup:
             assert mp.sharded is not None
             yield mp.name, mp.sharded
 
-    @property
-    def has_frozen(self) -> bool:
-        return any(not mp.requires_grad for mp in self.params)
-
     def memory_bytes(self) -> dict[str, int]:
         """Sum of :meth:`DBuffer.memory_bytes` over the group's buffers."""
         out: dict[str, int] = {}
