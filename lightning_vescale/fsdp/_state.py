@@ -35,8 +35,12 @@ one is in flight, bounding memory), synchronously on CPU.
 
 A final autograd-engine callback, queued by the root at the first backward hook, handles the
 groups without a structural completion (the root, whose inputs are token ids; a block whose
-input does not require grad), in tree order: it reduce-scatters each group that ran forward
-with grad since its last reduce-scatter, waits for everything and reshards all. Then one small
+input does not require grad; a block under reentrant activation checkpointing), in tree order:
+it reduce-scatters each group that needs it, waits for everything and reshards all. A group
+needs a reduce when, since its last one, its forward ran with grad, its forward was recomputed
+with grad inside backward (reentrant checkpointing), or a gradient reached its outputs (a second
+backward through a retained graph). All three are structural, so every rank reduces the same
+groups. Then one small
 all-reduce (MAX) of the "received a gradient" flags tells every rank which parameters received
 one on *any* rank: exactly those get a sharded gradient, as in single-process training over the
 global batch (:meth:`FSDPState._publish_grads`). Forward and backward orders are recorded on
@@ -220,10 +224,14 @@ class FSDPState:
         assert root is not None
         if _in_backward():
             # forward re-run inside backward (activation checkpointing recompute): parameters
-            # are already unsharded for backward; no recording, prefetch or hooks
+            # are already unsharded for backward; no recording, prefetch or hooks. With
+            # reentrant checkpointing the original forward ran under no_grad, so this recompute
+            # is the group's only forward with grad: the final callback must reduce it.
             if self.group is not None:
                 self.group.unshard()
                 self.group.wait_for_unshard()
+                if torch.is_grad_enabled() and self.group.num_trainable:
+                    self.group.needs_reduce = True
             return args, kwargs
         self._forward_depth += 1
         if self._forward_depth > 1:
@@ -320,6 +328,11 @@ class FSDPState:
         self._queue_final_callback()
         if self._pre_bwd_done:
             return
+        if self.group is not None and self.group.num_trainable:
+            # A gradient flows into this group's outputs in this backward (structural: the same
+            # on every rank), e.g. a second backward through a retained graph after the first
+            # one reduced the group: this backward's gradients must be reduced too.
+            self.group.needs_reduce = True
         self._pre_bwd_done = True
         root = self.root
         assert root is not None

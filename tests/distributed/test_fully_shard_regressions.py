@@ -328,3 +328,115 @@ def test_parameters_used_on_some_ranks_only_match_single_process(worlds, world_s
     got, want = assemble([r[0] for r in res]), res[0][1]
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+class _Checkpointed(nn.Module):
+    """Activation checkpointing around a whole sharded block (``checkpoint_wrapper`` style)."""
+
+    def __init__(self, inner: nn.Module, use_reentrant: bool) -> None:
+        super().__init__()
+        self.inner = inner
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, x, use_reentrant=self.use_reentrant)
+
+
+def _checkpointed_blocks_body(use_reentrant: bool):
+    from lightning_vescale.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = build("gpt"), build("gpt")
+    for i, blk in enumerate(model.blocks):
+        fully_shard(blk)
+        model.blocks[i] = _Checkpointed(blk, use_reentrant)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in batches("gpt", 2, 2 * world):
+        model(micro(x, rank, world), micro(y, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        ref(x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    got = {n.replace(".inner.", "."): p for n, p in local_pieces(model).items()}
+    return got, {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_around_sharded_blocks(worlds, use_reentrant):
+    res = worlds(2).run(_checkpointed_blocks_body, use_reentrant)
+    got, want = assemble([r[0] for r in res]), res[0][1]
+    assert set(got) == set(want)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+def _two_backwards_body():
+    """Two losses from one forward, backpropagated separately through the retained graph."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, ref = build("gpt"), build("gpt")
+    shard(model)
+    x, y = batches("gpt", 1, 2 * world)[0]
+    first = model(micro(x, rank, world), micro(y, rank, world))
+    first.backward(retain_graph=True)
+    (0.5 * first).backward()
+    ref_first = ref(x, y)
+    ref_first.backward(retain_graph=True)
+    (0.5 * ref_first).backward()
+    got = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return got, {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+
+def test_second_backward_through_a_retained_graph_is_reduced(worlds):
+    for got, want in worlds(2).run(_two_backwards_body):
+        assert set(got) == set(want)
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+class _SharedTwice(nn.Module):
+    """One sharded block applied twice per forward (weight sharing, ALBERT-style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.shared = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.shared(torch.tanh(self.shared(self.inp(x)))))
+        return self.out(h).square().mean()
+
+
+def _shared_twice_body():
+    from lightning_vescale.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _SharedTwice()
+    ref = copy.deepcopy(model)
+    fully_shard(model.shared)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        xs = torch.randn(2 * world, 6, generator=g)
+        model(xs[2 * rank:2 * rank + 2]).backward()
+        opt.step()
+        opt.zero_grad()
+        ref(xs).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return local_pieces(model), {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+
+def test_a_block_applied_twice_per_forward(worlds):
+    res = worlds(2).run(_shared_twice_body)
+    got, want = assemble([r[0] for r in res]), res[0][1]
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=n)
