@@ -29,6 +29,20 @@ from tests.distributed.test_fully_shard_parity import (
 )
 
 
+def _step(loss: torch.Tensor, opt: torch.optim.Optimizer) -> None:
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _assert_params_match_reference(res, *, rtol: float, atol: float) -> None:
+    """``res``: per-rank ``(local_pieces(model), reference parameters)`` of one world."""
+    got, want = assemble([r[0] for r in res]), res[0][1]
+    assert set(got) == set(want)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=rtol, atol=atol, msg=n)
+
+
 class TwoHeads(nn.Module):
     """``head`` selects which head a step uses: the other one gets no gradient that step."""
 
@@ -177,21 +191,15 @@ def _extra_forward_body():
     for x, y in batches("gpt", 2, 2 * world):
         with torch.no_grad():
             model(micro(x, rank, world), micro(y, rank, world))  # an evaluation in between
-        model(micro(x, rank, world), micro(y, rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
-        ref(x, y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step(model(micro(x, rank, world), micro(y, rank, world)), opt)
+        _step(ref(x, y), ref_opt)
     return local_pieces(model), {n: p.detach().clone() for n, p in ref.named_parameters()}
 
 
 def test_parity_still_holds_after_an_extra_forward(worlds):
     """The reshard at the root's pre-forward costs nothing in a normal loop: same parameters."""
     res = worlds(2).run(_extra_forward_body)
-    got, want = assemble([r[0] for r in res]), res[0][1]
-    for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-5, msg=n)
+    _assert_params_match_reference(res, rtol=1e-4, atol=1e-5)
 
 
 class LoRALinear(nn.Module):
@@ -312,12 +320,8 @@ def _routed_body(opt_kind: str, steps: int):
         xs = [torch.randn(4, 5, generator=g) for _ in range(world)]
         # Rank r routes to expert r % 2: on 3 ranks expert 0 is used by ranks 0 and 2 only;
         # expert 2 is used by no rank (its parameters must keep grad=None and stay untouched).
-        model(xs[rank], rank % 2).backward()
-        opt.step()
-        opt.zero_grad()
-        sum(ref(x, r % 2) for r, x in enumerate(xs)).div(world).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step(model(xs[rank], rank % 2), opt)
+        _step(sum(ref(x, r % 2) for r, x in enumerate(xs)).div(world), ref_opt)
     return local_pieces(model), {n: p.detach().clone() for n, p in ref.named_parameters()}
 
 
@@ -325,9 +329,7 @@ def _routed_body(opt_kind: str, steps: int):
 @pytest.mark.parametrize("opt_kind", ["adamw", "muon"])
 def test_parameters_used_on_some_ranks_only_match_single_process(worlds, world_size, opt_kind):
     res = worlds(world_size).run(_routed_body, opt_kind, 3)
-    got, want = assemble([r[0] for r in res]), res[0][1]
-    for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-5, msg=n)
+    _assert_params_match_reference(res, rtol=1e-4, atol=1e-5)
 
 
 class _Checkpointed(nn.Module):
@@ -356,12 +358,8 @@ def _checkpointed_blocks_body(use_reentrant: bool):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for x, y in batches("gpt", 2, 2 * world):
-        model(micro(x, rank, world), micro(y, rank, world)).backward()
-        opt.step()
-        opt.zero_grad()
-        ref(x, y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step(model(micro(x, rank, world), micro(y, rank, world)), opt)
+        _step(ref(x, y), ref_opt)
     got = {n.replace(".inner.", "."): p for n, p in local_pieces(model).items()}
     return got, {n: p.detach().clone() for n, p in ref.named_parameters()}
 
@@ -369,10 +367,7 @@ def _checkpointed_blocks_body(use_reentrant: bool):
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_activation_checkpointing_around_sharded_blocks(worlds, use_reentrant):
     res = worlds(2).run(_checkpointed_blocks_body, use_reentrant)
-    got, want = assemble([r[0] for r in res]), res[0][1]
-    assert set(got) == set(want)
-    for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-5, msg=n)
+    _assert_params_match_reference(res, rtol=1e-4, atol=1e-5)
 
 
 def _two_backwards_body():
@@ -426,17 +421,11 @@ def _shared_twice_body():
     g = torch.Generator().manual_seed(2)
     for _ in range(3):
         xs = torch.randn(2 * world, 6, generator=g)
-        model(xs[2 * rank:2 * rank + 2]).backward()
-        opt.step()
-        opt.zero_grad()
-        ref(xs).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _step(model(xs[2 * rank:2 * rank + 2]), opt)
+        _step(ref(xs), ref_opt)
     return local_pieces(model), {n: p.detach().clone() for n, p in ref.named_parameters()}
 
 
 def test_a_block_applied_twice_per_forward(worlds):
     res = worlds(2).run(_shared_twice_body)
-    got, want = assemble([r[0] for r in res]), res[0][1]
-    for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=n)
+    _assert_params_match_reference(res, rtol=1e-4, atol=1e-6)
