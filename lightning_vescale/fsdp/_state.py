@@ -341,20 +341,22 @@ class FSDPState:
         if self.group is not None:
             self.group.unshard()
             self.group.wait_for_unshard()
-        if root.bwd_recorded and root.prefetch and (
-                self.group is None or self.group.num_trainable == 0):
+        if self.group is None or self.group.num_trainable == 0:
+            self._backward_prefetch_once()  # else deferred to _on_half_grads
+
+    def _backward_prefetch_once(self) -> None:
+        """All-gather the next group in the recorded backward order, once per backward."""
+        root = self.root
+        assert root is not None
+        if root.bwd_recorded and root.prefetch and not self._bwd_prefetched:
             self._bwd_prefetched = True
-            self._prefetch(root.bwd_order, backward=True)  # else deferred to _on_half_grads
+            self._prefetch(root.bwd_order, backward=True)
 
     def _on_half_grads(self, group: ParamGroup) -> None:
         # Backward prefetch of the next group, issued once half of this group's gradients
         # arrived: it still overlaps the second half of this group's backward, but it is not
         # alive at the start of the group's backward, where activation memory peaks.
-        root = self.root
-        assert root is not None
-        if root.bwd_recorded and root.prefetch and not self._bwd_prefetched and not self._bwd_done:
-            self._bwd_prefetched = True
-            self._prefetch(root.bwd_order, backward=True)
+        self._backward_prefetch_once()
 
     def _on_first_grad(self, group: ParamGroup) -> None:
         self._queue_final_callback()
@@ -374,9 +376,7 @@ class FSDPState:
         if group is None or root is None or self._bwd_done:
             return
         self._bwd_done = True
-        if root.bwd_recorded and root.prefetch and not self._bwd_prefetched:
-            self._bwd_prefetched = True
-            self._prefetch(root.bwd_order, backward=True)
+        self._backward_prefetch_once()
         group.reshard()  # parameters are done: free them before the reduce-scatter runs
         if self.requires_gradient_sync and group.needs_reduce:
             root._finish_reduce()  # at most one reduce-scatter in flight
