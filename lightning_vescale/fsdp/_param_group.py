@@ -340,7 +340,7 @@ class ParamGroup:
         self._grads_ready = True
         trainable = {id(mp.buffer) for mp in self.params if mp.requires_grad}
         for buf in self.buffers.values():
-            if id(buf) in trainable and (not buf.is_grad_materialized or buf._grad_fresh):
+            if id(buf) in trainable:
                 buf.materialize_grad()  # a buffer of frozen parameters never gets one
         for mp in self.params:
             if mp.requires_grad:
@@ -367,8 +367,7 @@ class ParamGroup:
             mps = [mp for mp in self.params if mp.buffer is buf and mp.requires_grad]
             if not mps:
                 continue  # parameters frozen at build time: no gradient buffer
-            if not buf.is_grad_materialized or buf._grad_fresh:
-                buf.materialize_grad()  # zeros: no local gradient reached this buffer
+            buf.materialize_grad()  # no-op if gradients arrived; zeros if none did on this rank
             # Accumulate onto the grad shard if ANY parameter of the buffer still holds a
             # gradient (no zero_grad since the last reduce), not only those with a new one: a
             # plain reduce-scatter overwrites the whole shard, kept gradients included.
