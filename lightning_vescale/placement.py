@@ -35,6 +35,7 @@ __all__ = [
     "ragged_ranges",
     "flat_range_to_boxes",
     "ragged_from_local",
+    "local_slice",
     "overlap_matrix",
     "overlap_splits",
     "chunk_bounds",
@@ -346,6 +347,18 @@ def ragged_from_local(
         local, mesh, (placement,), run_check=False, shape=torch.Size(shape),
         stride=tuple(int(s) for s in stride),
     )
+
+
+def local_slice(full: torch.Tensor, placement: RaggedShard, rank: int) -> torch.Tensor:
+    """``rank``'s part of the full tensor ``full`` under ``placement``, flattened to 1-D.
+
+    The one way to cut a full (unsharded) value down to a ``RaggedShard`` target: loading a full
+    state dict into a DBuffer shard, a checkpoint into a sharded parameter, an optimizer state
+    into its parameter's layout. A view of ``full`` when ``full`` is contiguous (copy it into the
+    target, or ``.clone()`` it to own it).
+    """
+    start, end = placement.local_range(tuple(full.shape), rank)
+    return full.reshape(-1)[start:end]
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:

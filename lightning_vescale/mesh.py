@@ -1,0 +1,140 @@
+"""Layer 0: ``MeshInfo``, the one place that knows which process groups shard and replicate.
+
+Design note [mesh-info]
+-----------------------
+Every layer above needs the same three facts about the data-parallel mesh: the group that
+shards (all-gather / reduce-scatter run in it), this rank's index in that group, and (for HSDP)
+the group that replicates (gradient shards are all-reduced across it). FSDP2 keeps them in
+``FSDPMeshInfo`` / ``HSDPMeshInfo``; we keep them in one frozen :class:`MeshInfo` that
+``fully_shard`` builds once per group and hands to ``ParamGroup``, ``DBuffer``, the optimizers,
+checkpoints and precision, instead of a bare process group or ``dist.group.WORLD``. The
+mesh-dimension convention (FSDP2's: on a 2-D mesh dim 0 replicates and dim 1 shards) and the
+1-D-only restriction of this version live here and nowhere else.
+
+:func:`init_mesh` is the one factory for the default data-parallel mesh; the strategies and
+``fully_shard(mesh=None)`` both use it, so they name the dimension the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["MeshInfo", "init_mesh", "DP_SHARD_DIM_NAME"]
+
+#: Name of the shard dimension of the meshes this package creates.
+DP_SHARD_DIM_NAME = "dp_shard"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class MeshInfo:
+    """The data-parallel mesh of one sharding group, and the groups derived from it.
+
+    Build it with :meth:`from_mesh`. Attributes are read-only; ``eq=False`` because two
+    ``MeshInfo`` objects over the same mesh are interchangeable but a ``DeviceMesh`` compares by
+    its ranks only.
+
+    Attributes:
+        mesh: the data-parallel ``DeviceMesh`` the parameters' DTensors live on.
+        shard_mesh_dim: the mesh dimension that shards.
+        replicate_mesh_dim: the mesh dimension that replicates (HSDP), or ``None``.
+    """
+
+    mesh: DeviceMesh
+    shard_mesh_dim: int
+    replicate_mesh_dim: int | None = None
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh) -> "MeshInfo":
+        """Read the shard (and replicate) dimension off ``mesh``.
+
+        Raises:
+            TypeError: ``mesh`` is not a ``DeviceMesh``.
+            NotImplementedError: a mesh with more than one dimension (HSDP is not supported in
+                this version).
+        """
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {mesh!r}")
+        if mesh.ndim != 1:
+            raise NotImplementedError(
+                f"lightning_vescale shards over 1-D device meshes only; got a {mesh.ndim}-D mesh "
+                f"of shape {tuple(mesh.shape)}. Pass a 1-D mesh (e.g. "
+                f"init_device_mesh(device_type, ({mesh.size()},)))."
+            )
+        return cls(mesh=mesh, shard_mesh_dim=0)
+
+    # -- derived facts (cheap: DeviceMesh caches its groups and coordinates) --------------------
+    @property
+    def device_type(self) -> str:
+        return self.mesh.device_type
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        """The process group collectives of a sharding group run in."""
+        return self.mesh.get_group(self.shard_mesh_dim)
+
+    @property
+    def shard_size(self) -> int:
+        return self.mesh.size(self.shard_mesh_dim)
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank's index inside the shard group (the ``r`` of ``RaggedShard.local_range``)."""
+        return self.mesh.get_local_rank(self.shard_mesh_dim)
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        if self.replicate_mesh_dim is None:
+            return None
+        return self.mesh.get_group(self.replicate_mesh_dim)
+
+    @property
+    def replicate_size(self) -> int:
+        return 1 if self.replicate_mesh_dim is None else self.mesh.size(self.replicate_mesh_dim)
+
+    def __repr__(self) -> str:
+        return (f"MeshInfo(mesh={tuple(self.mesh.shape)} {self.mesh.device_type}, "
+                f"shard_mesh_dim={self.shard_mesh_dim}, "
+                f"replicate_mesh_dim={self.replicate_mesh_dim})")
+
+
+# Keyed on the world size too: a child forked from a process that built a mesh, or a new
+# init_process_group() after destroy_process_group(), may have another world size. (A 1-D world
+# mesh looks its group up by name, so it follows a re-initialised default group by itself.)
+_MESHES: dict[tuple[str, int], DeviceMesh] = {}
+
+
+def init_mesh(device_type: str, world_size: int | None = None) -> DeviceMesh:
+    """The 1-D data-parallel mesh over the default process group (cached).
+
+    Args:
+        device_type: ``"cuda"``, ``"cpu"``, ... (take it from the strategy or the parameters).
+        world_size: defaults to the default group's size; must equal it.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "lightning_vescale needs torch.distributed to be initialised (init_process_group), "
+            "even for world_size=1; or pass mesh=... explicitly.")
+    size = dist.get_world_size()
+    if world_size is not None and world_size != size:
+        raise ValueError(
+            f"init_mesh(world_size={world_size}) does not match the default process group's "
+            f"size {size}.")
+    key = (device_type, size)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, (size,), mesh_dim_names=(DP_SHARD_DIM_NAME,))
+    return _MESHES[key]
+
+
+def default_device_type(device: torch.device | None = None) -> str:
+    """The mesh device type for ``device`` (or, without one, for the default backend)."""
+    if device is not None and device.type != "meta":
+        return device.type
+    backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is not None and backend != "gloo":
+        return acc.type
+    return "cpu"
