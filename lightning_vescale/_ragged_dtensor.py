@@ -413,11 +413,8 @@ class _FromLocal0d(torch.autograd.Function):
         return grad.to_local(), None
 
 
-def from_local_0d(local: torch.Tensor, mesh, placement: RaggedShard) -> DTensor:
-    """Wrap a 0-d tensor's local part (1 element on its owner, 0 elsewhere); no checks."""
-    from torch.distributed.tensor._dtensor_spec import TensorMeta
-
-    spec = DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(torch.Size(()), (), local.dtype))
+def from_local_0d(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """Differentiable wrap of a 0-d tensor's local part (1 element on its owner, 0 elsewhere)."""
     return _FromLocal0d.apply(local, spec)
 
 

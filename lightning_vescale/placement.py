@@ -295,8 +295,11 @@ def ragged_from_local(
     placement: RaggedShard | Sequence[RaggedShard],
     shape: Sequence[int],
     stride: Sequence[int] | None = None,
+    *,
+    autograd: bool = True,
+    check: bool = True,
 ) -> DTensor:
-    """``DTensor.from_local`` for a ``RaggedShard``, with the checks torch does not do.
+    """The one way to build a ``RaggedShard`` DTensor from this rank's flat slice.
 
     Args:
         local: this rank's flat 1-D slice (``numel == placement.local_numel(shape, rank)``);
@@ -304,6 +307,12 @@ def ragged_from_local(
         mesh: a 1-D ``DeviceMesh``.
         placement: the ``RaggedShard`` (or a one-element sequence holding it).
         shape: the global shape. ``stride``: the global stride (default: contiguous).
+        autograd: ``True`` (default) behaves like ``DTensor.from_local``: differentiable, the
+            gradient flows back to ``local``. ``False`` makes ``local`` itself the local tensor of
+            a new leaf DTensor with no autograd history: what sharded parameters and gradients
+            that live in a DBuffer need (their storage must stay the buffer's).
+        check: validate placement, mesh and local size (cheap, but ``O(world size)``); the
+            engine's per-step paths, whose inputs come from a plan, pass ``False``.
 
     Raises:
         ValueError: bad placement for ``shape``/mesh, or a local tensor of the wrong size/rank.
@@ -316,36 +325,42 @@ def ragged_from_local(
                 f"ragged_from_local: placement must be a RaggedShard, got {placement!r}"
             )
         placement = placements[0]
-    if mesh.ndim != 1:
-        raise NotImplementedError(
-            f"RaggedShard supports 1-D device meshes only (the FSDP case); got a "
-            f"{mesh.ndim}-D mesh {tuple(mesh.shape)}. Flatten the mesh or use a 1-D sub-mesh."
-        )
     shape = tuple(int(s) for s in shape)
-    placement.validate(shape, mesh.size(0))
-    if not isinstance(local, torch.Tensor):
-        raise TypeError(f"ragged_from_local: local must be a torch.Tensor, got {type(local)}")
-    rank = mesh.get_local_rank(0)
-    expected = placement.local_numel(shape, rank)
-    if local.dim() != 1 or local.numel() != expected:
-        raise ValueError(
-            f"ragged_from_local: rank {rank} of {placement!r} on shape {shape} expects a flat "
-            f"1-D local tensor of {expected} elements, got shape {tuple(local.shape)} "
-            f"({local.numel()} elements); pass this rank's flat slice "
-            f"(full.reshape(-1)[start:end] with (start, end) = "
-            f"placement.local_range(shape, rank))."
-        )
-    if stride is None:
-        stride = _contiguous_stride(shape)
-    if len(shape) == 0:
-        # torch's from_local treats shape=() as "not given" (it is falsy) and then asks a C++
-        # helper that rejects RaggedShard; 0-d tensors take an equivalent path instead.
+    if check:
+        if mesh.ndim != 1:
+            raise NotImplementedError(
+                f"RaggedShard supports 1-D device meshes only (the FSDP case); got a "
+                f"{mesh.ndim}-D mesh {tuple(mesh.shape)}. Flatten the mesh or use a 1-D sub-mesh."
+            )
+        placement.validate(shape, mesh.size(0))
+        if not isinstance(local, torch.Tensor):
+            raise TypeError(
+                f"ragged_from_local: local must be a torch.Tensor, got {type(local)}")
+        rank = mesh.get_local_rank(0)
+        expected = placement.local_numel(shape, rank)
+        if local.dim() != 1 or local.numel() != expected:
+            raise ValueError(
+                f"ragged_from_local: rank {rank} of {placement!r} on shape {shape} expects a flat "
+                f"1-D local tensor of {expected} elements, got shape {tuple(local.shape)} "
+                f"({local.numel()} elements); pass this rank's flat slice "
+                f"(local_slice(full, placement, rank))."
+            )
+    stride = _contiguous_stride(shape) if stride is None else tuple(int(s) for s in stride)
+    if not autograd or len(shape) == 0:
+        # The DTensor constructor: no view, no graph. torch's from_local also treats shape=()
+        # as "not given" (it is falsy) and then asks a C++ helper that rejects RaggedShard, so
+        # 0-d tensors take this path too, wrapped in a differentiable function when asked.
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        spec = DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(
+            torch.Size(shape), stride, local.dtype))
+        if not autograd:
+            return DTensor(local, spec, requires_grad=False)
         from lightning_vescale._ragged_dtensor import from_local_0d
 
-        return from_local_0d(local, mesh, placement)
+        return from_local_0d(local, spec)
     return DTensor.from_local(
-        local, mesh, (placement,), run_check=False, shape=torch.Size(shape),
-        stride=tuple(int(s) for s in stride),
+        local, mesh, (placement,), run_check=False, shape=torch.Size(shape), stride=stride,
     )
 
 

@@ -51,10 +51,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 import lightning_vescale._ragged_ops  # noqa: F401  (element-wise DTensor ops on RaggedShard)
 from lightning_vescale.dbuffer import CommHandle, DBuffer
+from lightning_vescale.placement import ragged_from_local
 from lightning_vescale.planner import plan_layout
 
 __all__ = ["ManagedParam", "ParamGroup"]
@@ -72,14 +72,8 @@ def set_param(module: nn.Module, attr: str, param: nn.Parameter) -> None:
 
 def make_dtensor(local: torch.Tensor, mesh: DeviceMesh, placement: Any,
                  shape: tuple[int, ...]) -> DTensor:
-    """A RaggedShard DTensor whose local tensor *is* ``local`` (no view_as, no autograd).
-
-    Built with the DTensor constructor because ``DTensor.from_local`` cannot take a 0-d global
-    shape (an empty ``shape`` means "infer", which a custom placement does not support).
-    """
-    spec = DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(
-        torch.Size(shape), contiguous_stride(tuple(shape)), local.dtype))
-    return DTensor(local, spec, requires_grad=False)
+    """A RaggedShard DTensor whose local tensor *is* ``local`` (no view_as, no autograd)."""
+    return ragged_from_local(local, mesh, placement, shape, autograd=False, check=False)
 
 
 def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
