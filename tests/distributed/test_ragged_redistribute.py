@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from lightning_vescale.placement import RaggedShard, ragged_from_local
+from lightning_vescale.placement import RaggedShard, install, ragged_from_local
 
 SHAPE = (6, 5, 3)  # P = 6 over dims (0,), 30 over (0, 1), 90 over (0, 1, 2)
 
@@ -318,12 +318,10 @@ def test_bad_input_raises_clear_errors(worlds, world):
 def test_install_is_idempotent_and_reaches_every_binding():
     from torch.distributed.tensor import _api, _dispatch, _redistribute
 
-    from lightning_vescale import _ragged_dtensor
-
     before = (_redistribute.redistribute_local_tensor, _api._ToTorchTensor,
               DTensor.__create_chunk_list__)
-    _ragged_dtensor.install()
-    _ragged_dtensor.install()
+    install()
+    install()
     assert (_redistribute.redistribute_local_tensor, _api._ToTorchTensor,
             DTensor.__create_chunk_list__) == before
     wrapped = _redistribute.redistribute_local_tensor
