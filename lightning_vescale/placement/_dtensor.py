@@ -151,7 +151,8 @@ def _redistribute(local_tensor, src, dst, shape, group, rank) -> torch.Tensor:
         if isinstance(dst, Replicate):
             return _ragged_to_replicate(flat, src, shape, group, rank).view(shape)
         if type(dst) is Shard:
-            return _ragged_to_shard(flat, src, shape, _norm_dim(dst.dim, shape), group, rank)
+            dim = _nonnegative_dim(dst.dim, shape)
+            return _ragged_to_shard(flat, src, shape, dim, group, rank)
         if isinstance(dst, Partial):
             return _ragged_to_partial(flat, src, shape, dst, rank)
     elif isinstance(dst, RaggedShard):
@@ -160,7 +161,7 @@ def _redistribute(local_tensor, src, dst, shape, group, rank) -> torch.Tensor:
             return local_tensor.reshape(-1)[start:end].clone()
         if type(src) is Shard:
             return _shard_to_ragged(
-                local_tensor, _norm_dim(src.dim, shape), dst, shape, group, rank
+                local_tensor, _nonnegative_dim(src.dim, shape), dst, shape, group, rank
             )
         if isinstance(src, Partial):
             return _partial_to_ragged(local_tensor, src, dst, shape, group, rank)
@@ -170,7 +171,7 @@ def _redistribute(local_tensor, src, dst, shape, group, rank) -> torch.Tensor:
     )
 
 
-def _norm_dim(dim: int, shape: tuple[int, ...]) -> int:
+def _nonnegative_dim(dim: int, shape: tuple[int, ...]) -> int:
     return dim + len(shape) if dim < 0 else dim
 
 

@@ -29,9 +29,8 @@ How torch 2.13 dispatches a DTensor op (``torch/csrc/autograd/python_variable.cp
 ``argmin``/``argmax``/``convolution*`` custom handlers so ragged inputs raise (they assume
 Shard/Replicate and would mis-handle a ragged layout); (b) :func:`wrap_slow_path` replaces the
 bound ``_propagate_op_sharding_dispatch_slow_path`` on the ``DTensor._op_dispatcher`` instance.
-Why (b): it is the single point every uncached DTensor op passes through,
-it sees the op's ``OpSchema`` (placements of every argument) and it may answer with either a
-sharding or a result. For schemas with no ``RaggedShard`` it calls the original unchanged, so
+Why (b): it is the single point every uncached DTensor op passes through, it sees the op's
+``OpSchema`` (placements of every argument) and it may answer with either a sharding or a result. For schemas with no ``RaggedShard`` it calls the original unchanged, so
 ordinary DTensors keep the normal path. For ragged schemas:
 
 * element-wise ops (``torch.Tag.pointwise``, their ``_foreach_*`` forms, copies, casts,
@@ -293,8 +292,8 @@ def _copy_across_layouts(op, args, kwargs):
     slice from Replicate, one all-to-all from Shard/RaggedShard), then copies locally. Returns
     ``None`` when the element-wise rule applies instead (same layout or a scalar-like ``src``).
     """
-    b = bind_args(op, args, kwargs)
-    dst, src = b["self"], b["src"]
+    bound = bind_args(op, args, kwargs)
+    dst, src = bound["self"], bound["src"]
     if not (isinstance(dst, DTensor) and isinstance(src, DTensor)):
         return None
     if same_layout(dst._spec, src._spec) or is_scalar_like(src._spec):
@@ -302,7 +301,7 @@ def _copy_across_layouts(op, args, kwargs):
     if tuple(dst.shape) != tuple(src.shape) or dst.device_mesh != src.device_mesh:
         return None
     moved = src.redistribute(dst.device_mesh, dst.placements)
-    dst._local_tensor.copy_(moved._local_tensor, non_blocking=bool(b["non_blocking"]))
+    dst._local_tensor.copy_(moved._local_tensor, non_blocking=bool(bound["non_blocking"]))
     return dst
 
 

@@ -136,25 +136,25 @@ def _norm_reduction(op: object, x: DTensor, ord: float, dtype, power_sum: bool =
                       out_shape=keep_shape, root=None if power_sum else 1.0 / p)
 
 
-def _all_reduce_many(reds: Sequence[_Reduction]) -> list[torch.Tensor]:
+def _all_reduce_many(reductions: Sequence[_Reduction]) -> list[torch.Tensor]:
     """Combine many partials with one collective per (groups, combine, dtype) bucket."""
     buckets: dict[tuple, list[int]] = {}
-    for i, r in enumerate(reds):
+    for i, r in enumerate(reductions):
         key = (tuple(id(g) for g in r.groups), r.combine, r.partial.dtype, r.partial.device)
         buckets.setdefault(key, []).append(i)
-    totals: list[torch.Tensor | None] = [None] * len(reds)
+    totals: list[torch.Tensor | None] = [None] * len(reductions)
     for members in buckets.values():
-        first = reds[members[0]]
-        flat = torch.cat([reds[i].partial.reshape(-1) for i in members])
+        first = reductions[members[0]]
+        flat = torch.cat([reductions[i].partial.reshape(-1) for i in members])
         for g in first.groups:
             flat = _combine_across(flat, first.combine, g)
         offset = 0
         for i in members:
-            n = reds[i].partial.numel()
+            n = reductions[i].partial.numel()
             totals[i] = flat[offset:offset + n]
             offset += n
     out = []
-    for r, t in zip(reds, totals):
+    for r, t in zip(reductions, totals):
         assert t is not None
         if r.root is not None:
             t = t.pow(r.root)
@@ -196,41 +196,43 @@ def _keep_shape(x: DTensor, keepdim: bool) -> tuple[int, ...]:
     return (1,) * x.ndim if keepdim else ()
 
 
-def _reduce_one(red: _Reduction, like: DTensor) -> DTensor:
+def _reduce_one(reduction: _Reduction, like: DTensor) -> DTensor:
     """Combine one tensor's partial across ranks: the Replicate DTensor result."""
-    return _replicate(_all_reduce_many([red])[0], like)
+    return _replicate(_all_reduce_many([reduction])[0], like)
 
 
 # ---------------------------------------------------------------------------------------------
 # Handlers: (op, args, kwargs) -> the op's result, for REDUCTION_HANDLERS.
 # ---------------------------------------------------------------------------------------------
 def _vector_norm(op, args, kwargs):
-    b = bind_args(op, args, kwargs)
-    x = b["self"]
-    _check_full(op, x, b["dim"])
-    red = _norm_reduction(op, x, b["ord"], b["dtype"], keep_shape=_keep_shape(x, b["keepdim"]))
-    return _reduce_one(red, x)
+    bound = bind_args(op, args, kwargs)
+    x = bound["self"]
+    _check_full(op, x, bound["dim"])
+    reduction = _norm_reduction(
+        op, x, bound["ord"], bound["dtype"], keep_shape=_keep_shape(x, bound["keepdim"])
+    )
+    return _reduce_one(reduction, x)
 
 
 def _foreach_reduction(op, args, kwargs, make):
     """Reduce each list item; ragged items share collectives, others take DTensor's path."""
-    b = bind_args(op, args, kwargs)
-    tensors = b["self"]
-    reds, where, out = [], [], [None] * len(tensors)
+    bound = bind_args(op, args, kwargs)
+    tensors = bound["self"]
+    reductions, where, out = [], [], [None] * len(tensors)
     for i, t in enumerate(tensors):
         if isinstance(t, DTensor) and has_ragged(t._spec):
-            reds.append(make(t, b))
+            reductions.append(make(t, bound))
             where.append(i)
         else:
-            out[i] = _dense_fallback(op, t, b)
-    for i, total in zip(where, _all_reduce_many(reds)):
+            out[i] = _dense_fallback(op, t, bound)
+    for i, total in zip(where, _all_reduce_many(reductions)):
         out[i] = _replicate(total, tensors[i])
     return out
 
 
-def _dense_fallback(op, t, b):
+def _dense_fallback(op, t, bound):
     # A non-ragged item of a list that also holds ragged ones: DTensor's own path for it.
-    rest = {k: v for k, v in b.items() if k != "self"}
+    rest = {k: v for k, v in bound.items() if k != "self"}
     return op([t], **rest)[0]
 
 
@@ -239,7 +241,7 @@ def _foreach_norm(op, args, kwargs):
     if fast is not None:
         return fast
     return _foreach_reduction(
-        op, args, kwargs, lambda t, b: _norm_reduction(op, t, b["ord"], b["dtype"])
+        op, args, kwargs, lambda t, bound: _norm_reduction(op, t, bound["ord"], bound["dtype"])
     )
 
 
@@ -250,8 +252,8 @@ def _foreach_norm_batched(op, args, kwargs):
     This is the path ``clip_grad_norm_(foreach=True)`` takes every step, so per-item Python is
     kept out of it. Returns ``None`` when the general per-item path must be used instead.
     """
-    b = bind_args(op, args, kwargs)
-    tensors, p, dtype = b["self"], float(b["ord"]), b["dtype"]
+    bound = bind_args(op, args, kwargs)
+    tensors, p, dtype = bound["self"], float(bound["ord"]), bound["dtype"]
     if not tensors or not p > 0:
         return None
     first = tensors[0]
@@ -287,9 +289,9 @@ def _foreach_norm_batched(op, args, kwargs):
         if p != 1:
             partial = partial.pow(p)
         combine, root = "sum", (None if p == 1 else 1.0 / p)
-    red = _Reduction(partial=partial, combine=combine, groups=groups, out_dtype=out_dtype,
-                     out_shape=(len(locals_),), root=root)
-    total = _all_reduce_many([red])[0]
+    reduction = _Reduction(partial=partial, combine=combine, groups=groups, out_dtype=out_dtype,
+                           out_shape=(len(locals_),), root=root)
+    total = _all_reduce_many([reduction])[0]
     spec = DTensorSpec(
         mesh, (Replicate(),) * mesh.ndim, tensor_meta=TensorMeta((), (), out_dtype)
     )
@@ -299,7 +301,7 @@ def _foreach_norm_batched(op, args, kwargs):
 def _foreach_powsum(op, args, kwargs):
     return _foreach_reduction(
         op, args, kwargs,
-        lambda t, b: _norm_reduction(op, t, b["ord"], b["dtype"], power_sum=True),
+        lambda t, bound: _norm_reduction(op, t, bound["ord"], bound["dtype"], power_sum=True),
     )
 
 
@@ -328,28 +330,30 @@ def _extremum_reduction(op, x: DTensor, combine: str, keep_shape=(), as_bool=Fal
 
 
 def _foreach_max(op, args, kwargs):
-    return _foreach_reduction(op, args, kwargs, lambda t, b: _extremum_reduction(op, t, "max"))
+    return _foreach_reduction(
+        op, args, kwargs, lambda t, bound: _extremum_reduction(op, t, "max")
+    )
 
 
 def _max_min(combine: str, as_bool: bool = False):
     def handler(op, args, kwargs):
-        b = bind_args(op, args, kwargs)
-        x = b["self"]
-        if "dim" in b:  # amax / amin: dim=[] means all dims
-            _check_full(op, x, b["dim"])
-        keep = _keep_shape(x, bool(b.get("keepdim", False)))
-        red = _extremum_reduction(op, x, combine, keep, as_bool=as_bool)
-        return _reduce_one(red, x)
+        bound = bind_args(op, args, kwargs)
+        x = bound["self"]
+        if "dim" in bound:  # amax / amin: dim=[] means all dims
+            _check_full(op, x, bound["dim"])
+        keep = _keep_shape(x, bool(bound.get("keepdim", False)))
+        reduction = _extremum_reduction(op, x, combine, keep, as_bool=as_bool)
+        return _reduce_one(reduction, x)
 
     return handler
 
 
 def _sum_mean(mean: bool):
     def handler(op, args, kwargs):
-        b = bind_args(op, args, kwargs)
-        x = b["self"]
-        _check_full(op, x, b.get("dim"))
-        local, dtype = x._local_tensor, b["dtype"]
+        bound = bind_args(op, args, kwargs)
+        x = bound["self"]
+        _check_full(op, x, bound.get("dim"))
+        local, dtype = x._local_tensor, bound["dtype"]
         if dtype is not None:
             out_dtype = dtype
         elif mean or local.dtype.is_floating_point or local.dtype.is_complex:
@@ -361,20 +365,20 @@ def _sum_mean(mean: bool):
                 f"{op}: mean needs a floating point or complex dtype, got {out_dtype}"
             )
         acc = torch.float32 if out_dtype in _LOW_PRECISION else out_dtype
-        red = _Reduction(
+        reduction = _Reduction(
             partial=local.sum(dtype=acc), combine="sum", groups=_reduce_groups(op, x),
-            out_dtype=out_dtype, out_shape=_keep_shape(x, bool(b.get("keepdim", False))),
+            out_dtype=out_dtype, out_shape=_keep_shape(x, bool(bound.get("keepdim", False))),
             mean_of=math.prod(x.shape) if mean else None,
         )
-        return _reduce_one(red, x)
+        return _reduce_one(reduction, x)
 
     return handler
 
 
 def _compare(op, args, kwargs):
     """``equal`` / ``allclose``: local comparison, then a logical AND over the ragged ranks."""
-    b = bind_args(op, args, kwargs)
-    a, o = b["self"], b["other"]
+    bound = bind_args(op, args, kwargs)
+    a, o = bound["self"], bound["other"]
     if not (isinstance(a, DTensor) and isinstance(o, DTensor)):
         raise unsupported(op, [getattr(a, "_spec", a), getattr(o, "_spec", o)])
     if tuple(a.shape) != tuple(o.shape):
@@ -386,7 +390,9 @@ def _compare(op, args, kwargs):
     if op is aten.equal.default:
         ok = torch.equal(a._local_tensor, o._local_tensor)
     else:
-        ok = torch.allclose(a._local_tensor, o._local_tensor, b["rtol"], b["atol"], b["equal_nan"])
+        ok = torch.allclose(
+            a._local_tensor, o._local_tensor, bound["rtol"], bound["atol"], bound["equal_nan"]
+        )
     flag = torch.tensor(int(ok), device=a._local_tensor.device)
     groups = _reduce_groups(op, a)
     with record_function("vescale::ragged_reduce"):

@@ -315,6 +315,21 @@ def test_bad_input_raises_clear_errors(worlds, world):
         assert "1-D device meshes" in errors["mesh2d"]
 
 
+def _body_profiler_labels():
+    """The names under ``vescale::`` in a profiler trace of a redistribution and a norm."""
+    mesh, world, rank = _setup()
+    dt = _ragged(_dense(), mesh, RaggedShard((0,), (1, 2)))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        dt.redistribute(mesh, [Replicate()])
+        torch.linalg.vector_norm(dt)
+    return sorted({e.name for e in prof.events() if e.name.startswith("vescale::")})
+
+
+def test_profiler_trace_shows_ragged_collectives(worlds):
+    assert worlds(2).run(_body_profiler_labels) == [
+        ["vescale::ragged_redistribute", "vescale::ragged_reduce"]] * 2
+
+
 def test_install_is_idempotent_and_reaches_every_binding():
     from torch.distributed.tensor import _api, _dispatch, _redistribute
 
