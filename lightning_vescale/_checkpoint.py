@@ -10,7 +10,7 @@ Two formats, both keyed by the module's ``state_dict()`` names (FQNs):
 * ``<dir>/.metadata`` + ``<dir>/__<rank>_0.distcp``: the tensors. Top-level keys are
   ``"state_dict"`` (the module's state dict: ``RaggedShard`` ``DTensor`` parameters, whose DCP
   chunks are the at most ``2d - 1`` rectangles of each rank's flat range, see
-  ``_ragged_dtensor.py`` E3) and ``"optimizer_<i>"`` (the optimizer's own ``state_dict()``
+  ``placement/_dtensor.py`` E3) and ``"optimizer_<i>"`` (the optimizer's own ``state_dict()``
   re-keyed from parameter indices to FQNs, so the file does not depend on parameter order).
   DCP records global shapes and chunk offsets, so any world size / layout can load it
   (resharding is DCP's read planning).
@@ -57,7 +57,6 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-import lightning_vescale.placement  # noqa: F401  (installs DTensor support for RaggedShard)
 from lightning_vescale.placement import RaggedShard
 
 __all__ = [

@@ -51,7 +51,6 @@ from torch import Tensor, nn
 from torch.nn import Module
 from torch.optim import Optimizer
 
-import lightning_vescale._ragged_ops  # noqa: F401  (torch ops/optimizers on RaggedShard DTensors)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -33,7 +33,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-import lightning_vescale._ragged_ops  # noqa: F401  (torch ops/optimizers on RaggedShard DTensors)
 from lightning_vescale import _checkpoint as ckpt
 from lightning_vescale._sharding import (
     DEFAULT_MIN_BLOCK_NUMEL,

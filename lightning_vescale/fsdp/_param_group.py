@@ -52,7 +52,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-import lightning_vescale._ragged_ops  # noqa: F401  (element-wise DTensor ops on RaggedShard)
 from lightning_vescale.dbuffer import CommHandle, DBuffer
 from lightning_vescale.placement import ragged_from_local
 from lightning_vescale.planner import plan_layout

@@ -6,12 +6,12 @@ Design note [fsdp-state-dict]
 parameters, so the state dict holds them (detached, still views of the DBuffer shard).
 
 ``load_state_dict`` copies each value into the existing parameter with ``param.copy_(value)``;
-for RaggedShard DTensors that is an element-wise op on the local views (``_ragged_ops``), so the
+for RaggedShard DTensors that is an element-wise op on the local views (``placement._ops``), so the
 data lands in the DBuffer shard and the parameters are never replaced. A pre-hook on each
 sharded module converts values first, so that the copy always sees the parameter's own layout:
 
 * a RaggedShard DTensor with the same placement: as is;
-* any other DTensor: ``redistribute`` to the parameter's placement (``_ragged_dtensor``);
+* any other DTensor: ``redistribute`` to the parameter's placement (``placement._dtensor``);
 * a plain tensor of the global shape (a full, unsharded checkpoint): each rank takes its own
   range (one copy of the owned elements).
 

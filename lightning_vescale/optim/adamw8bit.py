@@ -23,7 +23,7 @@ flattened tensor (block ``k`` = elements ``[k*B, (k+1)*B)``), so every rank's fl
 start on a multiple of ``B`` and end on one or at the tensor's end. Then each rank's codes and
 scales are exactly the matching slice of a single-process run's. Supported placements on a 1-D
 mesh: ``RaggedShard`` (local tensor = the rank's flat slice of the row-major tensor, see
-``placement.py``) and ``Replicate``. A misaligned shard raises ``ValueError`` on every rank (the
+``placement``) and ``Replicate``. A misaligned shard raises ``ValueError`` on every rank (the
 check uses all ranks' ranges, which are pure functions of the placement) naming the fix: a
 sharding granularity that is a multiple of ``block_size``.
 

@@ -1,4 +1,4 @@
-"""Operators on RaggedShard DTensors (``lightning_vescale._ragged_ops``) against dense tensors.
+"""Operators on RaggedShard DTensors (``lightning_vescale.placement``) against dense tensors.
 
 Every case builds the dense tensors in each rank from one seed, shards them into RaggedShard
 DTensors (zero units on some ranks, one-hot units, prime sizes, multi-dim units), runs the same
@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, init_device_mesh
 
-import lightning_vescale._ragged_ops  # noqa: F401  (installs the handlers; idempotent)
-from lightning_vescale.placement import RaggedShard, ragged_from_local
+from lightning_vescale.placement import RaggedShard, install, ragged_from_local
 
 WORLD_SIZES = [1, 2, 3, 4]
 
@@ -469,13 +468,11 @@ def test_non_ragged_dtensors_use_the_normal_path(worlds, ws):
 
 
 def test_install_is_idempotent():
-    from lightning_vescale import _ragged_ops
-
     dispatcher = DTensor._op_dispatcher
     hook = dispatcher._propagate_op_sharding_dispatch_slow_path
     guarded = dispatcher._custom_op_handlers[torch.ops.aten.argmax.default]
-    _ragged_ops.install()
-    _ragged_ops.install()
+    install()
+    install()
     assert dispatcher._propagate_op_sharding_dispatch_slow_path is hook
     assert dispatcher._custom_op_handlers[torch.ops.aten.argmax.default] is guarded
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from lightning_vescale.placement import RaggedShard, ragged_from_local
+from lightning_vescale.placement import RaggedShard, install, ragged_from_local
 
 SHAPE = (6, 5, 3)  # P = 6 over dims (0,), 30 over (0, 1), 90 over (0, 1, 2)
 
@@ -315,15 +315,28 @@ def test_bad_input_raises_clear_errors(worlds, world):
         assert "1-D device meshes" in errors["mesh2d"]
 
 
+def _body_profiler_labels():
+    """The names under ``vescale::`` in a profiler trace of a redistribution and a norm."""
+    mesh, world, rank = _setup()
+    dt = _ragged(_dense(), mesh, RaggedShard((0,), (1, 2)))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        dt.redistribute(mesh, [Replicate()])
+        torch.linalg.vector_norm(dt)
+    return sorted({e.name for e in prof.events() if e.name.startswith("vescale::")})
+
+
+def test_profiler_trace_shows_ragged_collectives(worlds):
+    assert worlds(2).run(_body_profiler_labels) == [
+        ["vescale::ragged_redistribute", "vescale::ragged_reduce"]] * 2
+
+
 def test_install_is_idempotent_and_reaches_every_binding():
     from torch.distributed.tensor import _api, _dispatch, _redistribute
 
-    from lightning_vescale import _ragged_dtensor
-
     before = (_redistribute.redistribute_local_tensor, _api._ToTorchTensor,
               DTensor.__create_chunk_list__)
-    _ragged_dtensor.install()
-    _ragged_dtensor.install()
+    install()
+    install()
     assert (_redistribute.redistribute_local_tensor, _api._ToTorchTensor,
             DTensor.__create_chunk_list__) == before
     wrapped = _redistribute.redistribute_local_tensor

@@ -100,6 +100,18 @@ def test_identity_and_pickle():
     assert RaggedShard((), (0, 1)).is_one_hot and not a.is_one_hot
 
 
+def test_pickles_use_the_public_path_and_fx_repr_evaluates():
+    import pickle
+
+    a = RaggedShard((0, 1), (1, 0, 2))
+    for obj in (a, ragged_ranges((3, 2), a), flat_range_to_boxes((3, 2), 1, 5)):
+        data = pickle.dumps(obj)
+        assert b"lightning_vescale.placement" in data and b"_ragged_shard" not in data
+        assert pickle.loads(data) == obj
+    source, names = a.__fx_repr__()  # torch's opaque-object contract: (evaluable str, globals)
+    assert eval(source, dict(names)) == a
+
+
 # -- ragged_ranges ---------------------------------------------------------------------------------
 @given(shape_and_placement())
 def test_ragged_ranges_partition_in_rank_order(sp):

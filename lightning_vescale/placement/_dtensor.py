@@ -1,4 +1,4 @@
-"""The one module that teaches torch's DTensor internals about ``RaggedShard``.
+"""How torch's DTensor internals learn about ``RaggedShard``: redistribution, to_local, DCP.
 
 Design note [ragged-dtensor]
 ----------------------------
@@ -6,28 +6,31 @@ On torch 2.13 a direct ``Placement`` subclass gets ``DTensor.from_local`` / ``to
 but DTensor's redistribution planner only knows ``Shard``/``Replicate``/``Partial`` and raises
 "redistribute from X to R not supported yet", and distributed checkpoint (DCP) describes every
 DTensor shard as *one* rectangle, which a flat ragged range is not. This module adds exactly
-three extension points, installed once (idempotently) when ``lightning_vescale.placement`` is
-imported:
+three extension points; :func:`lightning_vescale.placement.install` (run once, idempotently,
+when the package is imported) registers them, this module only defines them:
 
 E1. ``redistribute_local_tensor`` -- the function every redistribution goes through: explicit
     ``DTensor.redistribute``/``full_tensor`` (``Redistribute.forward``), its autograd backward
     (``_redistribute_backward``), ``from_local``'s backward and the op dispatcher. We wrap it so
     that a spec pair involving ``RaggedShard`` goes to :func:`redistribute_ragged_local`; every
-    other spec pair goes untouched to torch's function. Because torch's own ``Redistribute``
-    autograd function calls it for forward *and* backward, gradients flow back through
-    ``redistribute`` to the original placement with no extra autograd code. The wrapper is
-    bound in each module that imported the function by name (``_redistribute``, ``_api``,
-    ``_dispatch``), because rebinding one module attribute does not reach ``from x import f``.
+    other spec pair goes untouched to torch's function (:func:`wrap_redistribute`). Because
+    torch's own ``Redistribute`` autograd function calls it for forward *and* backward,
+    gradients flow back through ``redistribute`` to the original placement with no extra
+    autograd code. The wrapper is bound in each module that imported the function by name
+    (``_redistribute``, ``_api``, ``_dispatch``), because rebinding one module attribute does
+    not reach ``from x import f``.
 E2. ``_api._ToTorchTensor`` -- the autograd function behind ``to_local()``/``full_tensor()``.
     Its backward derives the gradient's global stride from the *local* gradient through a C++
     helper that rejects unknown placements ("placement type RaggedShard not supported!").
     A subclass overrides only ``backward`` for specs that involve ``RaggedShard`` (the gradient
-    has the forward tensor's global shape and stride); everything else calls torch's backward.
+    has the forward tensor's global shape and stride); everything else calls torch's backward
+    (:func:`make_to_torch_tensor`).
 E3. ``DTensor.__create_write_items__`` / ``__create_chunk_list__`` / ``__get_tensor_shard__`` --
     DCP's ``_Checkpointable`` protocol. For a ``RaggedShard`` DTensor we report the rank's flat
     range as the at most ``2d - 1`` rectangles of :func:`flat_range_to_boxes` (each one a
     contiguous view of the flat local tensor, so loads write straight into it); DCP's own
-    resharding then handles any other layout, world size, ``Replicate`` or plain tensor.
+    resharding then handles any other layout, world size, ``Replicate`` or plain tensor
+    (:func:`wrap_checkpoint_hook`, one per name in :data:`CHECKPOINT_HOOKS`).
 
 Communication per path (1-D mesh of ``P`` ranks; ``n`` = tensor numel, ``n_r`` = rank r's share):
 
@@ -48,41 +51,52 @@ Communication per path (1-D mesh of ``P`` ranks; ``n`` = tensor numel, ``n_r`` =
                                    zero-padded local values, no communication.
 =================================  =======================================================
 
-Only 1-D meshes are supported (the FSDP case); a ``RaggedShard`` on a multi-dim mesh raises
+Every redistribution of a ``RaggedShard`` runs under
+``record_function("vescale::ragged_redistribute")``, so that a profiler trace shows it. Only 1-D
+meshes are supported (the FSDP case); a ``RaggedShard`` on a multi-dim mesh raises
 ``NotImplementedError``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor import _api as _dt_api
-from torch.distributed.tensor import _dispatch as _dt_dispatch
-from torch.distributed.tensor import _redistribute as _dt_redistribute
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.profiler import record_function
 
-from lightning_vescale.placement import (
+from lightning_vescale.placement._common import all_gather_flat, has_ragged_placement
+from lightning_vescale.placement._ragged_shard import (
+    Box,
+    FlatRange,
     RaggedShard,
     box_numel,
     chunk_bounds,
     flat_range_to_boxes,
     overlap_splits,
     ragged_ranges,
+    require_1d_mesh,
     slab_pieces,
 )
 
-__all__ = ["install", "redistribute_ragged_local"]
-
-_MARK = "__lightning_vescale_ragged__"
-_ORIGINAL: dict[str, Any] = {}
-
-
-def _has_ragged(placements) -> bool:
-    return placements is not None and any(isinstance(p, RaggedShard) for p in placements)
+__all__ = [
+    "CHECKPOINT_HOOKS",
+    "make_to_torch_tensor",
+    "redistribute_ragged_local",
+    "wrap_checkpoint_hook",
+    "wrap_redistribute",
+]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -99,21 +113,18 @@ def redistribute_ragged_local(
     mesh = current_spec.mesh
     if mesh != target_spec.mesh:
         raise NotImplementedError("Cross device mesh comm not supported yet!")
-    if mesh.ndim != 1:
-        raise NotImplementedError(
-            f"RaggedShard redistribution supports 1-D device meshes only (the FSDP case); got a "
-            f"{mesh.ndim}-D mesh {tuple(mesh.shape)} with {current_spec.placements} -> "
-            f"{target_spec.placements}."
-        )
+    require_1d_mesh(
+        mesh,
+        f"RaggedShard redistribution ({current_spec.placements} -> {target_spec.placements})",
+    )
     if not mesh._is_current_rank_part_of_mesh():  # same convention as torch
         return local_tensor
     src, dst = current_spec.placements[0], target_spec.placements[0]
     shape = tuple(current_spec.shape)
-    num_ranks = mesh.size(0)
     rank = mesh.get_local_rank(0)
     for p in (src, dst):
         if isinstance(p, RaggedShard):
-            p.validate(shape, num_ranks)
+            p.validate(shape, mesh.size(0))
     if isinstance(src, RaggedShard):
         expected = src.local_numel(shape, rank)
         if local_tensor.numel() != expected:
@@ -125,8 +136,12 @@ def redistribute_ragged_local(
             )
     if src == dst:
         return local_tensor
-    group = mesh.get_group(0)
+    with record_function("vescale::ragged_redistribute"):
+        return _redistribute(local_tensor, src, dst, shape, mesh.get_group(0), rank)
 
+
+def _redistribute(local_tensor, src, dst, shape, group, rank) -> torch.Tensor:
+    """The path of the table in the module docstring for ``src -> dst`` (validated, distinct)."""
     if isinstance(src, RaggedShard):
         flat = local_tensor.reshape(-1)
         if isinstance(dst, RaggedShard):
@@ -136,26 +151,27 @@ def redistribute_ragged_local(
         if isinstance(dst, Replicate):
             return _ragged_to_replicate(flat, src, shape, group, rank).view(shape)
         if type(dst) is Shard:
-            return _ragged_to_shard(flat, src, shape, _norm_dim(dst.dim, shape), group, rank)
+            dim = _nonnegative_dim(dst.dim, shape)
+            return _ragged_to_shard(flat, src, shape, dim, group, rank)
         if isinstance(dst, Partial):
-            return _ragged_to_partial(flat, src, shape, dst, num_ranks, rank)
+            return _ragged_to_partial(flat, src, shape, dst, rank)
     elif isinstance(dst, RaggedShard):
         if isinstance(src, Replicate):
             start, end = dst.local_range(shape, rank)
             return local_tensor.reshape(-1)[start:end].clone()
         if type(src) is Shard:
             return _shard_to_ragged(
-                local_tensor, _norm_dim(src.dim, shape), dst, shape, group, rank
+                local_tensor, _nonnegative_dim(src.dim, shape), dst, shape, group, rank
             )
         if isinstance(src, Partial):
-            return _partial_to_ragged(local_tensor, src, dst, shape, group, rank, num_ranks)
+            return _partial_to_ragged(local_tensor, src, dst, shape, group, rank)
     raise NotImplementedError(
         f"redistribute from {src} to {dst} is not supported for RaggedShard (supported: "
         "RaggedShard <-> Replicate / Shard(d) / RaggedShard, Partial -> RaggedShard)."
     )
 
 
-def _norm_dim(dim: int, shape: tuple[int, ...]) -> int:
+def _nonnegative_dim(dim: int, shape: tuple[int, ...]) -> int:
     return dim + len(shape) if dim < 0 else dim
 
 
@@ -186,15 +202,22 @@ def _exchange_ranges(flat, src_ranges, dst_ranges, group, rank) -> torch.Tensor:
                        nothing_moves=list(src_ranges) == list(dst_ranges))
 
 
-def _shard_layout(shape: tuple[int, ...], dim: int, num_ranks: int):
-    """Per-rank row bounds of ``Shard(dim)``, and its flat ranges if the rows are contiguous."""
+class _ShardLayout(NamedTuple):
+    """``Shard(dim)`` on ``P`` ranks: each rank's row bounds of ``dim`` and, when every slab of
+    rows is one flat range (nothing before ``dim`` but size-1 dims), those flat ranges."""
+
+    row_bounds: list[tuple[int, int]]
+    flat_ranges: list[FlatRange] | None
+
+
+def _shard_layout(shape: tuple[int, ...], dim: int, num_ranks: int) -> _ShardLayout:
     if not 0 <= dim < len(shape):
         raise ValueError(f"Shard(dim={dim}) is out of range for a tensor of shape {shape}")
     bounds = chunk_bounds(shape[dim], num_ranks)
     if math.prod(shape[:dim]) == 1:  # the slab of rows [lo, hi) is one flat range
         inner = math.prod(shape[dim + 1:])
-        return bounds, [(lo * inner, hi * inner) for lo, hi in bounds]
-    return bounds, None
+        return _ShardLayout(bounds, [FlatRange(lo * inner, hi * inner) for lo, hi in bounds])
+    return _ShardLayout(bounds, None)
 
 
 def _block_shape(shape, dim, lo, hi) -> tuple[int, ...]:
@@ -206,17 +229,24 @@ def _slab_count(shape, rng: tuple[int, int], dim: int, rows: tuple[int, int]) ->
     return sum(box_numel(b) for b in slab_pieces(shape, *rng, dim, *rows))
 
 
-def _range_box_views(flat: torch.Tensor, shape, start: int, end: int):
-    """``(box, view)`` for each box of the flat range, ``view`` aliasing ``flat``."""
+class _BoxView(NamedTuple):
+    """A box of a flat range and the view of the flat local tensor that holds it."""
+
+    box: Box
+    view: torch.Tensor
+
+
+def _range_box_views(flat: torch.Tensor, shape, start: int, end: int) -> list[_BoxView]:
+    """A :class:`_BoxView` for each box of the flat range, each view aliasing ``flat``."""
     out, pos = [], 0
     for box in flat_range_to_boxes(shape, start, end):
         n = box_numel(box)
-        out.append((box, flat[pos:pos + n].view(box[1])))
+        out.append(_BoxView(box, flat[pos:pos + n].view(box.sizes)))
         pos += n
     return out
 
 
-def _slab_views(box_views, dim: int, lo: int, hi: int) -> list[torch.Tensor]:
+def _slab_views(box_views: list[_BoxView], dim: int, lo: int, hi: int) -> list[torch.Tensor]:
     """Views of the parts of ``box_views`` in rows ``[lo, hi)`` of ``dim``, in flat order.
 
     Mirrors :func:`slab_pieces` (same boxes, same order), so sender and receiver agree.
@@ -232,11 +262,11 @@ def _slab_views(box_views, dim: int, lo: int, hi: int) -> list[torch.Tensor]:
 def _ragged_to_shard(flat, src: RaggedShard, shape, dim, group, rank) -> torch.Tensor:
     num_ranks = len(src.local_units)
     ranges = ragged_ranges(shape, src)
-    bounds, shard_ranges = _shard_layout(shape, dim, num_ranks)
-    lo, hi = bounds[rank]
-    block = _block_shape(shape, dim, lo, hi)
-    if shard_ranges is not None:  # zero-copy: both layouts are flat ranges
-        return _exchange_ranges(flat, ranges, shard_ranges, group, rank).view(block)
+    layout = _shard_layout(shape, dim, num_ranks)
+    bounds = layout.row_bounds
+    block = _block_shape(shape, dim, *bounds[rank])
+    if layout.flat_ranges is not None:  # zero-copy: both layouts are flat ranges
+        return _exchange_ranges(flat, ranges, layout.flat_ranges, group, rank).view(block)
     send_splits = [_slab_count(shape, ranges[rank], dim, b) for b in bounds]
     recv_splits = [_slab_count(shape, rng, dim, bounds[rank]) for rng in ranges]
     views = _range_box_views(flat, shape, *ranges[rank])
@@ -253,18 +283,19 @@ def _ragged_to_shard(flat, src: RaggedShard, shape, dim, group, rank) -> torch.T
 def _shard_to_ragged(local, dim, dst: RaggedShard, shape, group, rank) -> torch.Tensor:
     num_ranks = len(dst.local_units)
     ranges = ragged_ranges(shape, dst)
-    bounds, shard_ranges = _shard_layout(shape, dim, num_ranks)
-    lo, hi = bounds[rank]
-    if tuple(local.shape) != _block_shape(shape, dim, lo, hi):
+    layout = _shard_layout(shape, dim, num_ranks)
+    bounds = layout.row_bounds
+    block = _block_shape(shape, dim, *bounds[rank])
+    if tuple(local.shape) != block:
         raise ValueError(
             f"rank {rank}: Shard({dim}) local tensor of a {shape} DTensor must have shape "
-            f"{_block_shape(shape, dim, lo, hi)}, got {tuple(local.shape)}"
+            f"{block}, got {tuple(local.shape)}"
         )
     # My block in row-major order is ascending in global flat order, and the destination ranges
     # ascend with the rank, so the message to each rank is one contiguous run: send as is.
     send = local.contiguous().view(-1)
-    if shard_ranges is not None:
-        return _exchange_ranges(send, shard_ranges, ranges, group, rank)
+    if layout.flat_ranges is not None:
+        return _exchange_ranges(send, layout.flat_ranges, ranges, group, rank)
     send_splits = [_slab_count(shape, rng, dim, bounds[rank]) for rng in ranges]
     recv_splits = [_slab_count(shape, ranges[rank], dim, b) for b in bounds]
     recv = _all_to_all(send, send_splits, recv_splits, group, rank,
@@ -273,7 +304,7 @@ def _shard_to_ragged(local, dim, dst: RaggedShard, shape, group, rank) -> torch.
     out = send.new_empty(end - start)
     views = _range_box_views(out, shape, start, end)
     pos = 0
-    for r, (rlo, rhi) in enumerate(bounds):
+    for rlo, rhi in bounds:
         for v in _slab_views(views, dim, rlo, rhi):
             n = v.numel()
             v.copy_(recv[pos:pos + n].view(v.shape))
@@ -283,8 +314,7 @@ def _shard_to_ragged(local, dim, dst: RaggedShard, shape, group, rank) -> torch.
 
 
 def _ragged_to_replicate(flat, src: RaggedShard, shape, group, rank) -> torch.Tensor:
-    ranges = ragged_ranges(shape, src)
-    sizes = [e - s for s, e in ranges]
+    sizes = [end - start for start, end in ragged_ranges(shape, src)]
     numel = math.prod(shape)
     num_ranks = len(sizes)
     if num_ranks == 1:
@@ -296,15 +326,14 @@ def _ragged_to_replicate(flat, src: RaggedShard, shape, group, rank) -> torch.Te
         dist.broadcast(out, src=dist.get_global_rank(group, owner), group=group)
         return out
     width = max(sizes)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     if all(n == width for n in sizes):  # even: gather straight into the result
         out = flat.new_empty(numel)
-        gather(out, flat.contiguous(), group=group)
+        all_gather_flat(out, flat.contiguous(), group=group)
         return out
     padded = flat.new_zeros(width)
     padded[: sizes[rank]].copy_(flat)
     buf = flat.new_empty(num_ranks * width)
-    gather(buf, padded, group=group)
+    all_gather_flat(buf, padded, group=group)
     buf = buf.view(num_ranks, width)
     return torch.cat([buf[r, :n] for r, n in enumerate(sizes)])
 
@@ -313,12 +342,13 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
                "product": dist.ReduceOp.PRODUCT}
 
 
-def _partial_to_ragged(local, src: Partial, dst: RaggedShard, shape, group, rank, num_ranks):
+def _partial_to_ragged(local, src: Partial, dst: RaggedShard, shape, group, rank):
     op_name = src.reduce_op
     if op_name not in _REDUCE_OPS and op_name != "avg":
         raise NotImplementedError(
             f"Partial({op_name!r}) -> RaggedShard is not supported (sum, avg, max, min, product)"
         )
+    num_ranks = len(dst.local_units)
     ranges = ragged_ranges(shape, dst)
     full = local.contiguous().view(-1)
     start, end = ranges[rank]
@@ -335,7 +365,7 @@ def _partial_to_ragged(local, src: Partial, dst: RaggedShard, shape, group, rank
     return out
 
 
-def _ragged_to_partial(flat, src: RaggedShard, shape, dst: Partial, num_ranks, rank):
+def _ragged_to_partial(flat, src: RaggedShard, shape, dst: Partial, rank):
     # Only reached internally: the backward of Partial -> RaggedShard (torch turns the
     # analogous Shard -> Partial backward into Shard -> Replicate, but it cannot rewrite an
     # unknown placement). A value is "pending sum" if each rank holds its own range and zeros
@@ -348,17 +378,21 @@ def _ragged_to_partial(flat, src: RaggedShard, shape, dst: Partial, num_ranks, r
     out = flat.new_zeros(math.prod(shape))
     out[start:end].copy_(flat)
     if dst.reduce_op == "avg":
-        out.mul_(num_ranks)
+        out.mul_(len(src.local_units))
     return out.view(shape)
 
 
-def _wrap_redistribute(original: Callable) -> Callable:
+def wrap_redistribute(original: Callable) -> Callable:
+    """E1: torch's ``redistribute_local_tensor`` with RaggedShard spec pairs sent to
+    :func:`redistribute_ragged_local` (``__wrapped__`` is ``original``)."""
+
     def redistribute_local_tensor(local_tensor, current_spec, target_spec, *args, **kwargs):
-        if _has_ragged(current_spec.placements) or _has_ragged(target_spec.placements):
+        if has_ragged_placement(current_spec.placements) or has_ragged_placement(
+            target_spec.placements
+        ):
             return redistribute_ragged_local(local_tensor, current_spec, target_spec)
         return original(local_tensor, current_spec, target_spec, *args, **kwargs)
 
-    setattr(redistribute_local_tensor, _MARK, True)
     redistribute_local_tensor.__wrapped__ = original  # type: ignore[attr-defined]
     redistribute_local_tensor.__doc__ = original.__doc__
     return redistribute_local_tensor
@@ -367,7 +401,9 @@ def _wrap_redistribute(original: Callable) -> Callable:
 # ------------------------------------------------------------------------------------------------
 # to_local / full_tensor backward (E2)
 # ------------------------------------------------------------------------------------------------
-def _make_to_torch_tensor(base: type) -> type:
+def make_to_torch_tensor(base: type) -> type:
+    """E2: a subclass of torch's ``_ToTorchTensor`` ``base`` whose backward accepts RaggedShard."""
+
     class _ToTorchTensor(base):  # type: ignore[misc, valid-type]
         """torch's ``_ToTorchTensor`` with a backward that accepts ``RaggedShard`` specs."""
 
@@ -376,13 +412,13 @@ def _make_to_torch_tensor(base: type) -> type:
             spec = ctx.dtensor_spec
             grad_placements = ctx.grad_placements
             if grad_output is None or not (
-                _has_ragged(spec.placements) or _has_ragged(grad_placements)
+                has_ragged_placement(spec.placements) or has_ragged_placement(grad_placements)
             ):
                 return base.backward(ctx, grad_output)
             if grad_placements is None:
                 grad_placements = _dt_api._normalize_placements_for_grad(spec.placements)
             meta = spec.tensor_meta
-            if _has_ragged(grad_placements):
+            if has_ragged_placement(grad_placements):
                 stride = meta.stride  # the gradient has the forward tensor's global layout
             else:
                 _, stride = _dt_api.compute_global_tensor_info(
@@ -394,53 +430,22 @@ def _make_to_torch_tensor(base: type) -> type:
             )
             return grad, None
 
-    setattr(_ToTorchTensor, _MARK, True)
     return _ToTorchTensor
-
-
-class _FromLocal0d(torch.autograd.Function):
-    """``DTensor.from_local`` for a 0-d global shape (torch's treats ``shape=()`` as missing)."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, spec: DTensorSpec):  # type: ignore[override]
-        ctx.spec = spec
-        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        if grad.placements != ctx.spec.placements:
-            grad = grad.redistribute(ctx.spec.mesh, ctx.spec.placements)
-        return grad.to_local(), None
-
-
-def from_local_0d(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
-    """Differentiable wrap of a 0-d tensor's local part (1 element on its owner, 0 elsewhere)."""
-    return _FromLocal0d.apply(local, spec)
 
 
 # ------------------------------------------------------------------------------------------------
 # Distributed checkpoint (E3)
 # ------------------------------------------------------------------------------------------------
-def _ragged_local_boxes(dt: DTensor):
-    """``(box, view)`` pairs covering this rank's range of a RaggedShard DTensor."""
-    if dt.device_mesh.ndim != 1:
-        raise NotImplementedError("checkpointing RaggedShard DTensors needs a 1-D mesh")
+def _ragged_local_boxes(dt: DTensor) -> list[_BoxView]:
+    """A :class:`_BoxView` for each box of this rank's range of a RaggedShard DTensor."""
+    require_1d_mesh(dt.device_mesh, "checkpointing RaggedShard DTensors")
     placement = dt.placements[0]
     shape = tuple(dt.shape)
     start, end = placement.local_range(shape, dt.device_mesh.get_local_rank(0))
     return _range_box_views(dt._local_tensor.reshape(-1), shape, start, end)
 
 
-def _create_write_items(self: DTensor, fqn: str, object: Any):
-    if not _has_ragged(self.placements):
-        return _ORIGINAL["__create_write_items__"](self, fqn, object)
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        MetadataIndex,
-        TensorProperties,
-    )
-    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
+def _ragged_write_items(self: DTensor, fqn: str, object: Any) -> list[WriteItem]:
     properties = TensorProperties.create_from_tensor(self._local_tensor)
     items = []
     for (offsets, sizes), _ in _ragged_local_boxes(self):
@@ -457,58 +462,46 @@ def _create_write_items(self: DTensor, fqn: str, object: Any):
     return items
 
 
-def _create_chunk_list(self: DTensor):
-    if not _has_ragged(self.placements):
-        return _ORIGINAL["__create_chunk_list__"](self)
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-
+def _ragged_chunk_list(self: DTensor) -> list[ChunkStorageMetadata]:
     return [
         ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
         for (offsets, sizes), _ in _ragged_local_boxes(self)
     ]
 
 
-def _get_tensor_shard(self: DTensor, index):
-    if not _has_ragged(self.placements):
-        return _ORIGINAL["__get_tensor_shard__"](self, index)
-    boxes = _ragged_local_boxes(self)
-    if index.offset is None and len(boxes) == 1:
-        return boxes[0][1]
+def _ragged_tensor_shard(self: DTensor, index: MetadataIndex) -> torch.Tensor:
+    box_views = _ragged_local_boxes(self)
+    if index.offset is None and len(box_views) == 1:
+        return box_views[0].view
     offsets = tuple(index.offset) if index.offset is not None else None
-    for (box_offsets, _), view in boxes:
-        if tuple(box_offsets) == offsets:
-            return view
+    for bv in box_views:
+        if tuple(bv.box.offsets) == offsets:
+            return bv.view
     raise ValueError(
         f"{index.fqn}: no chunk at offsets {offsets} on this rank of {self.placements[0]!r} "
         f"(shape {tuple(self.shape)})"
     )
 
 
-# ------------------------------------------------------------------------------------------------
-# Installation
-# ------------------------------------------------------------------------------------------------
-def install() -> None:
-    """Install E1-E3 (see the module docstring). Idempotent; called on import."""
-    # E1: every binding of redistribute_local_tensor that can see a RaggedShard spec.
-    for module in (_dt_redistribute, _dt_api, _dt_dispatch):
-        current = module.redistribute_local_tensor
-        if not getattr(current, _MARK, False):
-            _ORIGINAL.setdefault("redistribute_local_tensor", current)
-            module.redistribute_local_tensor = _wrap_redistribute(current)
-    # E2: the autograd function behind to_local()/full_tensor().
-    if not getattr(_dt_api._ToTorchTensor, _MARK, False):
-        _ORIGINAL["_ToTorchTensor"] = _dt_api._ToTorchTensor
-        _dt_api._ToTorchTensor = _make_to_torch_tensor(_dt_api._ToTorchTensor)
-    # E3: DCP's _Checkpointable protocol on DTensor.
-    for name, impl in (("__create_write_items__", _create_write_items),
-                       ("__create_chunk_list__", _create_chunk_list),
-                       ("__get_tensor_shard__", _get_tensor_shard)):
-        current = getattr(DTensor, name)
-        if not getattr(current, _MARK, False):
-            _ORIGINAL[name] = current
-            setattr(impl, _MARK, True)
-            impl.__doc__ = current.__doc__
-            setattr(DTensor, name, impl)
+#: E3: DCP's ``_Checkpointable`` methods of ``DTensor`` -> their RaggedShard implementation.
+CHECKPOINT_HOOKS: dict[str, Callable[..., Any]] = {
+    "__create_write_items__": _ragged_write_items,
+    "__create_chunk_list__": _ragged_chunk_list,
+    "__get_tensor_shard__": _ragged_tensor_shard,
+}
 
 
-install()
+def wrap_checkpoint_hook(name: str, original: Callable) -> Callable:
+    """E3: ``DTensor``'s method ``name`` (``original``) with RaggedShard DTensors sent to
+    ``CHECKPOINT_HOOKS[name]``; every other DTensor keeps torch's implementation."""
+    ragged_impl = CHECKPOINT_HOOKS[name]
+
+    def hook(self: DTensor, *args: Any) -> Any:
+        if has_ragged_placement(self.placements):
+            return ragged_impl(self, *args)
+        return original(self, *args)
+
+    hook.__name__ = hook.__qualname__ = name
+    hook.__doc__ = original.__doc__
+    hook.__wrapped__ = original  # type: ignore[attr-defined]
+    return hook

@@ -18,32 +18,52 @@ rectangles for distributed-checkpoint metadata, and the split sizes of the all-t
 redistribute a ragged layout (``overlap_splits``, ``chunk_bounds``, ``slab_pieces``). The one
 exception is :func:`ragged_from_local`, the checked way to build a ``RaggedShard`` DTensor.
 
-How DTensor learns to redistribute and compute on this placement lives in one place:
-``lightning_vescale._ragged_dtensor`` (see design notes there).
+How DTensor learns to redistribute, checkpoint and compute on this placement is registered in one
+place, ``lightning_vescale.placement.install`` (design notes [ragged-dtensor], [ragged-ops] and
+[ragged-reductions] in the package's ``_dtensor``, ``_ops`` and ``_reductions`` modules). This
+module imports none of them.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 __all__ = [
+    "Box",
+    "FlatRange",
     "RaggedShard",
-    "ragged_ranges",
+    "box_numel",
+    "chunk_bounds",
     "flat_range_to_boxes",
-    "ragged_from_local",
     "local_slice",
     "overlap_matrix",
     "overlap_splits",
-    "chunk_bounds",
+    "ragged_from_local",
+    "ragged_ranges",
+    "require_1d_mesh",
     "slab_pieces",
-    "box_numel",
 ]
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of a rectangle
+
+class FlatRange(NamedTuple):
+    """A flat (row-major) element range ``[start, end)`` of a tensor."""
+
+    start: int
+    end: int
+
+
+class Box(NamedTuple):
+    """A rectangle of a tensor: per-dim ``offsets`` and ``sizes`` (DCP chunk metadata's form)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
 
 
 class RaggedShard(Placement):
@@ -101,8 +121,9 @@ class RaggedShard(Placement):
     def __str__(self) -> str:
         return f"RS({self.dims}, {self.local_units})"
 
-    def __fx_repr__(self) -> str:
-        return repr(self)
+    def __fx_repr__(self) -> tuple[str, dict[str, type]]:
+        # torch's opaque-object contract (as Shard's): an evaluable string and its globals.
+        return repr(self), {"RaggedShard": RaggedShard}
 
     def __reduce__(self):  # picklable (DeviceMesh specs and checkpoints carry placements)
         return (RaggedShard, (self.dims, self.local_units))
@@ -154,7 +175,7 @@ class RaggedShard(Placement):
         p = math.prod(shape[: len(self.dims)])
         return (p // self.num_units) * math.prod(shape[len(self.dims):])
 
-    def local_range(self, shape: Sequence[int], rank: int) -> tuple[int, int]:
+    def local_range(self, shape: Sequence[int], rank: int) -> FlatRange:
         """The flat element range ``[start, end)`` that ``rank`` holds."""
         return ragged_ranges(shape, self)[rank]
 
@@ -164,7 +185,7 @@ class RaggedShard(Placement):
         return end - start
 
 
-def ragged_ranges(shape: Sequence[int], placement: RaggedShard) -> list[tuple[int, int]]:
+def ragged_ranges(shape: Sequence[int], placement: RaggedShard) -> list[FlatRange]:
     """Per-rank flat element ranges ``[start, end)`` of a tensor of ``shape``, in rank order.
 
     The ranges are contiguous, disjoint, in rank order, and cover ``[0, numel)`` exactly.
@@ -172,9 +193,9 @@ def ragged_ranges(shape: Sequence[int], placement: RaggedShard) -> list[tuple[in
     unit = placement.unit_numel(shape)
     ranges = []
     start = 0
-    for u in placement.local_units:
-        end = start + u * unit
-        ranges.append((start, end))
+    for units in placement.local_units:
+        end = start + units * unit
+        ranges.append(FlatRange(start, end))
         start = end
     return ranges
 
@@ -182,10 +203,10 @@ def ragged_ranges(shape: Sequence[int], placement: RaggedShard) -> list[tuple[in
 def flat_range_to_boxes(shape: Sequence[int], start: int, end: int) -> list[Box]:
     """Decompose the row-major flat range ``[start, end)`` of ``shape`` into rectangles.
 
-    Returns ``(offsets, sizes)`` boxes in flat order whose concatenation (each box flattened
-    row-major) is exactly the range. A d-dim tensor needs at most ``2d - 1`` boxes (a partial
-    head, a block of whole slices, a partial tail at each level), which is within the ``2^d - 1``
-    bound that distributed-checkpoint chunk metadata allows for. An empty range gives ``[]``.
+    Returns boxes in flat order whose concatenation (each box flattened row-major) is exactly
+    the range. A d-dim tensor needs at most ``2d - 1`` boxes (a partial head, a block of whole
+    slices, a partial tail at each level), which is within the ``2^d - 1`` bound that
+    distributed-checkpoint chunk metadata allows for. An empty range gives ``[]``.
     """
     shape = tuple(int(s) for s in shape)
     numel = math.prod(shape)
@@ -194,7 +215,7 @@ def flat_range_to_boxes(shape: Sequence[int], start: int, end: int) -> list[Box]
     if start == end:
         return []
     if len(shape) == 0:
-        return [((), ())]
+        return [Box((), ())]
     return _boxes(shape, start, end)
 
 
@@ -202,30 +223,31 @@ def _boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
     # Invariant: 0 <= start < end <= prod(shape), len(shape) >= 1.
     inner = math.prod(shape[1:])
     if len(shape) == 1:
-        return [((start,), (end - start,))]
-    r0, c0 = divmod(start, inner)
-    r1, c1 = divmod(end, inner)
+        return [Box((start,), (end - start,))]
+    first_row, first_col = divmod(start, inner)
+    end_row, end_col = divmod(end, inner)
     out: list[Box] = []
 
-    def prefixed(row: int, boxes: list[Box]) -> list[Box]:
-        return [((row, *off), (1, *size)) for off, size in boxes]
+    def in_row(row: int, boxes: list[Box]) -> list[Box]:
+        return [Box((row, *b.offsets), (1, *b.sizes)) for b in boxes]
 
-    if r0 == r1:  # within one slice of dim 0
-        return prefixed(r0, _boxes(shape[1:], c0, c1))
-    if c0 > 0:  # partial head slice
-        out += prefixed(r0, _boxes(shape[1:], c0, inner))
-        r0 += 1
-    if r1 > r0:  # whole slices
-        out.append(((r0,) + (0,) * (len(shape) - 1), (r1 - r0, *shape[1:])))
-    if c1 > 0:  # partial tail slice
-        out += prefixed(r1, _boxes(shape[1:], 0, c1))
+    if first_row == end_row:  # within one slice of dim 0
+        return in_row(first_row, _boxes(shape[1:], first_col, end_col))
+    if first_col > 0:  # partial head slice
+        out += in_row(first_row, _boxes(shape[1:], first_col, inner))
+        first_row += 1
+    if end_row > first_row:  # whole slices
+        out.append(Box((first_row,) + (0,) * (len(shape) - 1), (end_row - first_row, *shape[1:])))
+    if end_col > 0:  # partial tail slice
+        out += in_row(end_row, _boxes(shape[1:], 0, end_col))
     return out
 
 
-# -- pure helpers for redistribution (used by ``_ragged_dtensor``) --------------------------------
-def box_numel(box: Box) -> int:
-    """Number of elements in an ``(offsets, sizes)`` box."""
-    return math.prod(box[1])
+# -- pure helpers for redistribution (used by ``_dtensor``) ---------------------------------------
+def box_numel(box: tuple[Sequence[int], Sequence[int]]) -> int:
+    """Number of elements in a :class:`Box` (or a plain ``(offsets, sizes)`` pair)."""
+    _, sizes = box
+    return math.prod(sizes)
 
 
 def overlap_matrix(
@@ -282,16 +304,28 @@ def slab_pieces(
         a = max(offsets[dim], lo)
         b = min(offsets[dim] + sizes[dim], hi)
         if a < b:
-            out.append((
+            out.append(Box(
                 offsets[:dim] + (a,) + offsets[dim + 1:],
                 sizes[:dim] + (b - a,) + sizes[dim + 1:],
             ))
     return out
 
 
+def require_1d_mesh(mesh: DeviceMesh, what: str) -> None:
+    """Raise ``NotImplementedError`` unless ``mesh`` is 1-D (RaggedShard's one supported case).
+
+    ``what`` names the operation for the message (e.g. ``"RaggedShard redistribution"``).
+    """
+    if mesh.ndim != 1:
+        raise NotImplementedError(
+            f"{what} supports 1-D device meshes only (the FSDP case); got a {mesh.ndim}-D mesh "
+            f"{tuple(mesh.shape)}. Flatten the mesh or use a 1-D sub-mesh."
+        )
+
+
 def ragged_from_local(
     local: torch.Tensor,
-    mesh,
+    mesh: DeviceMesh,
     placement: RaggedShard | Sequence[RaggedShard],
     shape: Sequence[int],
     stride: Sequence[int] | None = None,
@@ -327,11 +361,7 @@ def ragged_from_local(
         placement = placements[0]
     shape = tuple(int(s) for s in shape)
     if check:
-        if mesh.ndim != 1:
-            raise NotImplementedError(
-                f"RaggedShard supports 1-D device meshes only (the FSDP case); got a "
-                f"{mesh.ndim}-D mesh {tuple(mesh.shape)}. Flatten the mesh or use a 1-D sub-mesh."
-            )
+        require_1d_mesh(mesh, "RaggedShard")
         placement.validate(shape, mesh.size(0))
         if not isinstance(local, torch.Tensor):
             raise TypeError(
@@ -350,18 +380,29 @@ def ragged_from_local(
         # The DTensor constructor: no view, no graph. torch's from_local also treats shape=()
         # as "not given" (it is falsy) and then asks a C++ helper that rejects RaggedShard, so
         # 0-d tensors take this path too, wrapped in a differentiable function when asked.
-        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
         spec = DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(
             torch.Size(shape), stride, local.dtype))
         if not autograd:
             return DTensor(local, spec, requires_grad=False)
-        from lightning_vescale._ragged_dtensor import from_local_0d
-
-        return from_local_0d(local, spec)
+        return _FromLocal0d.apply(local, spec)
     return DTensor.from_local(
         local, mesh, (placement,), run_check=False, shape=torch.Size(shape), stride=stride,
     )
+
+
+class _FromLocal0d(torch.autograd.Function):
+    """``DTensor.from_local`` for a 0-d global shape (1 element on its owner, 0 elsewhere)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: DTensorSpec):  # type: ignore[override]
+        ctx.spec = spec
+        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        if grad.placements != ctx.spec.placements:
+            grad = grad.redistribute(ctx.spec.mesh, ctx.spec.placements)
+        return grad.to_local(), None
 
 
 def local_slice(full: torch.Tensor, placement: RaggedShard, rank: int) -> torch.Tensor:
@@ -385,7 +426,8 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-# Teach DTensor to redistribute / checkpoint RaggedShard tensors (idempotent; see that module).
-import lightning_vescale._ragged_dtensor  # noqa: E402,F401  (installs on import)
-# Teach DTensor operators (pointwise, _foreach_*, norms, reductions) about RaggedShard (idempotent).
-import lightning_vescale._ragged_ops  # noqa: E402,F401  (installs on import)
+# The public classes are pickled (placements in specs and checkpoints, ranges in plans) under
+# the package's public path, so saved objects do not depend on this private module's name.
+for _public in (Box, FlatRange, RaggedShard):
+    _public.__module__ = "lightning_vescale.placement"
+del _public

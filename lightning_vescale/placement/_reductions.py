@@ -1,4 +1,4 @@
-"""Norms and full reductions of ``RaggedShard`` DTensors (private; hooked in by ``_ragged_ops``).
+"""Norms and full reductions of ``RaggedShard`` DTensors (private; answered by ``_ops``'s hook).
 
 Design note [ragged-reductions]
 -------------------------------
@@ -8,7 +8,7 @@ dim) is a local partial plus one collective over each mesh dimension the tensor 
 sharded reductions return after their collective. Partial-dim reductions would need the
 tensor's rows, which a ragged slice does not respect, so they raise.
 
-* Partials of many tensors are bucketed by (process groups, kind, dtype, device) and combined
+* Partials of many tensors are bucketed by (process groups, combine, dtype, device) and combined
   with one collective per bucket (:func:`_all_reduce_many`): ``_foreach_norm`` costs one
   all-reduce per *list*, so ``clip_grad_norm_(foreach=True)`` costs one all-reduce per step.
   Its hot path, same-layout items with ``ord > 0``, runs one ``_foreach_norm`` kernel on the
@@ -18,24 +18,34 @@ tensor's rows, which a ragged slice does not respect, so they raise.
   all-reduce, so NaN propagates exactly as in the dense kernel (``clip_grad_norm_`` relies on
   it). Ranks without elements contribute the neutral element.
 * ``equal``/``allclose`` compare locally, then AND the flags over the ragged ranks.
+* The collectives run under ``record_function("vescale::ragged_reduce")`` (profiler traces).
 
-:data:`REDUCTION_HANDLERS` maps each supported op to its handler; ``_ragged_ops``'s slow path
+:data:`REDUCTION_HANDLERS` maps each supported op to its handler; ``_ops``'s slow path
 calls it with the op's unwrapped ``(op, args, kwargs)`` and returns its result as is.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.profiler import record_function
 
-from lightning_vescale._ragged_common import aten, bind_args, has_ragged, same_layout, unsupported
-from lightning_vescale.placement import RaggedShard
+from lightning_vescale.placement._common import (
+    all_gather_flat,
+    aten,
+    bind_args,
+    has_ragged,
+    same_layout,
+    unsupported,
+)
+from lightning_vescale.placement._ragged_shard import RaggedShard
 
 __all__ = ["REDUCTION_HANDLERS"]
 
@@ -70,18 +80,26 @@ def _check_full(op: object, x: DTensor, dim: Any) -> None:
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class _Reduction:
     """One tensor's local partial (or a vector of them) and how to combine it across ranks.
 
-    ``kind`` is ``sum`` (all-reduce SUM), ``max`` or ``min``. ``root`` is ``1/p`` for p-norms
-    (applied after the sum), ``mean_of`` divides by the global element count.
+    Attributes:
+        partial: this rank's partial result (0-d, or 1-d for a batched ``_foreach_norm``).
+        combine: ``"sum"`` (all-reduce SUM), ``"max"`` or ``"min"`` (all-gather + amax/amin).
+        groups: the process groups to combine over (the mesh dims the tensor is ragged over).
+        out_dtype, out_shape: dtype and shape of the final result.
+        root: ``1/p`` for p-norms (applied after the sum), else ``None``.
+        mean_of: the global element count to divide by (``mean``), else ``None``.
     """
 
-    __slots__ = ("partial", "kind", "groups", "root", "mean_of", "out_dtype", "shape")
-
-    def __init__(self, partial, kind, groups, out_dtype, shape, root=None, mean_of=None):
-        self.partial, self.kind, self.groups = partial, kind, groups
-        self.out_dtype, self.shape, self.root, self.mean_of = out_dtype, shape, root, mean_of
+    partial: torch.Tensor
+    combine: Literal["sum", "max", "min"]
+    groups: tuple[dist.ProcessGroup, ...]
+    out_dtype: torch.dtype
+    out_shape: tuple[int, ...]
+    root: float | None = None
+    mean_of: int | None = None
 
 
 def _norm_reduction(op: object, x: DTensor, ord: float, dtype, power_sum: bool = False,
@@ -104,60 +122,64 @@ def _norm_reduction(op: object, x: DTensor, ord: float, dtype, power_sum: bool =
             partial = torch.full((), 0.0 if p > 0 else math.inf, dtype=acc, device=local.device)
         else:
             partial = torch.linalg.vector_norm(local, p, dtype=acc)
-        return _Reduction(partial, "max" if p > 0 else "min", groups, out_dtype, keep_shape)
+        return _Reduction(partial=partial, combine="max" if p > 0 else "min", groups=groups,
+                          out_dtype=out_dtype, out_shape=keep_shape)
     if p == 0 or p == 1:  # count of non-zeros / sum of |x|: no root
         partial = torch.linalg.vector_norm(local, p, dtype=acc)
-        return _Reduction(partial, "sum", groups, out_dtype, keep_shape)
+        return _Reduction(partial=partial, combine="sum", groups=groups, out_dtype=out_dtype,
+                          out_shape=keep_shape)
     if p > 0:
         partial = torch.linalg.vector_norm(local, p, dtype=acc).pow(p)
     else:
         partial = local.abs().to(acc).pow(p).sum()
-    return _Reduction(partial, "sum", groups, out_dtype, keep_shape,
-                      root=None if power_sum else 1.0 / p)
+    return _Reduction(partial=partial, combine="sum", groups=groups, out_dtype=out_dtype,
+                      out_shape=keep_shape, root=None if power_sum else 1.0 / p)
 
 
-# torch 2.13 deprecates ``all_gather_into_tensor`` in favour of ``all_gather_single``.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _all_reduce_many(reds: Sequence[_Reduction]) -> list[torch.Tensor]:
-    """Combine many partials with one collective per (groups, kind, dtype) bucket."""
+def _all_reduce_many(reductions: Sequence[_Reduction]) -> list[torch.Tensor]:
+    """Combine many partials with one collective per (groups, combine, dtype) bucket."""
     buckets: dict[tuple, list[int]] = {}
-    for i, r in enumerate(reds):
-        key = (tuple(id(g) for g in r.groups), r.kind, r.partial.dtype, r.partial.device)
+    for i, r in enumerate(reductions):
+        key = (tuple(id(g) for g in r.groups), r.combine, r.partial.dtype, r.partial.device)
         buckets.setdefault(key, []).append(i)
-    totals: list[torch.Tensor | None] = [None] * len(reds)
-    for idx in buckets.values():
-        r0 = reds[idx[0]]
-        flat = torch.cat([reds[i].partial.reshape(-1) for i in idx])
-        for g in r0.groups:
-            world = dist.get_world_size(g)
-            if world == 1:
-                continue
-            if r0.kind == "sum":
-                buf = torch.view_as_real(flat) if flat.is_complex() else flat
-                dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=g)
-            else:
-                # max/min via all-gather + local amax/amin: unlike a MAX all-reduce, this
-                # propagates NaN exactly like the dense kernel (clip_grad_norm_ relies on it).
-                gathered = flat.new_empty(world * flat.numel())
-                _all_gather_flat(gathered, flat.reshape(-1), group=g)
-                gathered = gathered.view(world, -1)
-                flat = gathered.amax(0) if r0.kind == "max" else gathered.amin(0)
+    totals: list[torch.Tensor | None] = [None] * len(reductions)
+    for members in buckets.values():
+        first = reductions[members[0]]
+        flat = torch.cat([reductions[i].partial.reshape(-1) for i in members])
+        for g in first.groups:
+            flat = _combine_across(flat, first.combine, g)
         offset = 0
-        for i in idx:
-            n = reds[i].partial.numel()
+        for i in members:
+            n = reductions[i].partial.numel()
             totals[i] = flat[offset:offset + n]
             offset += n
     out = []
-    for r, t in zip(reds, totals):
+    for r, t in zip(reductions, totals):
         assert t is not None
         if r.root is not None:
             t = t.pow(r.root)
         if r.mean_of is not None:
             t = t / r.mean_of
-        out.append(t.to(r.out_dtype).reshape(r.shape))
+        out.append(t.to(r.out_dtype).reshape(r.out_shape))
     return out
+
+
+def _combine_across(flat: torch.Tensor, combine: str, group: dist.ProcessGroup) -> torch.Tensor:
+    """The element-wise ``combine`` (sum/max/min) of ``flat`` over the ranks of ``group``."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return flat
+    with record_function("vescale::ragged_reduce"):
+        if combine == "sum":
+            buf = torch.view_as_real(flat) if flat.is_complex() else flat
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+            return flat
+        # max/min via all-gather + local amax/amin: unlike a MAX all-reduce, this propagates
+        # NaN exactly like the dense kernel (clip_grad_norm_ relies on it).
+        gathered = flat.new_empty(world * flat.numel())
+        all_gather_flat(gathered, flat.reshape(-1), group=group)
+        gathered = gathered.view(world, -1)
+        return gathered.amax(0) if combine == "max" else gathered.amin(0)
 
 
 def _replicate(result: torch.Tensor, like: DTensor) -> DTensor:
@@ -174,41 +196,43 @@ def _keep_shape(x: DTensor, keepdim: bool) -> tuple[int, ...]:
     return (1,) * x.ndim if keepdim else ()
 
 
-def _reduce_one(red: _Reduction, like: DTensor) -> DTensor:
+def _reduce_one(reduction: _Reduction, like: DTensor) -> DTensor:
     """Combine one tensor's partial across ranks: the Replicate DTensor result."""
-    return _replicate(_all_reduce_many([red])[0], like)
+    return _replicate(_all_reduce_many([reduction])[0], like)
 
 
 # ---------------------------------------------------------------------------------------------
 # Handlers: (op, args, kwargs) -> the op's result, for REDUCTION_HANDLERS.
 # ---------------------------------------------------------------------------------------------
 def _vector_norm(op, args, kwargs):
-    b = bind_args(op, args, kwargs)
-    x = b["self"]
-    _check_full(op, x, b["dim"])
-    red = _norm_reduction(op, x, b["ord"], b["dtype"], keep_shape=_keep_shape(x, b["keepdim"]))
-    return _reduce_one(red, x)
+    bound = bind_args(op, args, kwargs)
+    x = bound["self"]
+    _check_full(op, x, bound["dim"])
+    reduction = _norm_reduction(
+        op, x, bound["ord"], bound["dtype"], keep_shape=_keep_shape(x, bound["keepdim"])
+    )
+    return _reduce_one(reduction, x)
 
 
 def _foreach_reduction(op, args, kwargs, make):
     """Reduce each list item; ragged items share collectives, others take DTensor's path."""
-    b = bind_args(op, args, kwargs)
-    tensors = b["self"]
-    reds, where, out = [], [], [None] * len(tensors)
+    bound = bind_args(op, args, kwargs)
+    tensors = bound["self"]
+    reductions, where, out = [], [], [None] * len(tensors)
     for i, t in enumerate(tensors):
         if isinstance(t, DTensor) and has_ragged(t._spec):
-            reds.append(make(t, b))
+            reductions.append(make(t, bound))
             where.append(i)
         else:
-            out[i] = _dense_fallback(op, t, b)
-    for i, total in zip(where, _all_reduce_many(reds)):
+            out[i] = _dense_fallback(op, t, bound)
+    for i, total in zip(where, _all_reduce_many(reductions)):
         out[i] = _replicate(total, tensors[i])
     return out
 
 
-def _dense_fallback(op, t, b):
+def _dense_fallback(op, t, bound):
     # A non-ragged item of a list that also holds ragged ones: DTensor's own path for it.
-    rest = {k: v for k, v in b.items() if k != "self"}
+    rest = {k: v for k, v in bound.items() if k != "self"}
     return op([t], **rest)[0]
 
 
@@ -217,7 +241,7 @@ def _foreach_norm(op, args, kwargs):
     if fast is not None:
         return fast
     return _foreach_reduction(
-        op, args, kwargs, lambda t, b: _norm_reduction(op, t, b["ord"], b["dtype"])
+        op, args, kwargs, lambda t, bound: _norm_reduction(op, t, bound["ord"], bound["dtype"])
     )
 
 
@@ -228,8 +252,8 @@ def _foreach_norm_batched(op, args, kwargs):
     This is the path ``clip_grad_norm_(foreach=True)`` takes every step, so per-item Python is
     kept out of it. Returns ``None`` when the general per-item path must be used instead.
     """
-    b = bind_args(op, args, kwargs)
-    tensors, p, dtype = b["self"], float(b["ord"]), b["dtype"]
+    bound = bind_args(op, args, kwargs)
+    tensors, p, dtype = bound["self"], float(bound["ord"]), bound["dtype"]
     if not tensors or not p > 0:
         return None
     first = tensors[0]
@@ -259,14 +283,15 @@ def _foreach_norm_batched(op, args, kwargs):
         if idx:
             norms = torch._foreach_norm([locals_[i] for i in idx], p, dtype=acc)
             partial[idx] = torch.stack(norms)
-        kind, root = "max", None
+        combine, root = "max", None
     else:
         partial = torch.stack(torch._foreach_norm(locals_, p, dtype=acc))
         if p != 1:
             partial = partial.pow(p)
-        kind, root = "sum", (None if p == 1 else 1.0 / p)
-    red = _Reduction(partial, kind, groups, out_dtype, (len(locals_),), root=root)
-    total = _all_reduce_many([red])[0]
+        combine, root = "sum", (None if p == 1 else 1.0 / p)
+    reduction = _Reduction(partial=partial, combine=combine, groups=groups, out_dtype=out_dtype,
+                           out_shape=(len(locals_),), root=root)
+    total = _all_reduce_many([reduction])[0]
     spec = DTensorSpec(
         mesh, (Replicate(),) * mesh.ndim, tensor_meta=TensorMeta((), (), out_dtype)
     )
@@ -276,11 +301,11 @@ def _foreach_norm_batched(op, args, kwargs):
 def _foreach_powsum(op, args, kwargs):
     return _foreach_reduction(
         op, args, kwargs,
-        lambda t, b: _norm_reduction(op, t, b["ord"], b["dtype"], power_sum=True),
+        lambda t, bound: _norm_reduction(op, t, bound["ord"], bound["dtype"], power_sum=True),
     )
 
 
-def _extremum_reduction(op, x: DTensor, kind: str, keep_shape=(), as_bool=False) -> _Reduction:
+def _extremum_reduction(op, x: DTensor, combine: str, keep_shape=(), as_bool=False) -> _Reduction:
     """max/min (and any/all, which are max/min over ``bool``) of one tensor."""
     local = x._local_tensor
     if math.prod(x.shape) == 0:
@@ -290,42 +315,45 @@ def _extremum_reduction(op, x: DTensor, kind: str, keep_shape=(), as_bool=False)
     if work.dtype == torch.bool:  # collectives do not reduce bool: 0/1 in int32
         work = work.to(torch.int32)
     if work.numel():
-        partial = work.amax() if kind == "max" else work.amin()
+        partial = work.amax() if combine == "max" else work.amin()
     else:  # a rank without elements contributes the neutral element
         if dtype == torch.bool:
-            neutral = 0 if kind == "max" else 1
+            neutral = 0 if combine == "max" else 1
         elif work.dtype.is_floating_point:
-            neutral = -math.inf if kind == "max" else math.inf
+            neutral = -math.inf if combine == "max" else math.inf
         else:
             info = torch.iinfo(work.dtype)
-            neutral = info.min if kind == "max" else info.max
+            neutral = info.min if combine == "max" else info.max
         partial = torch.full((), neutral, dtype=work.dtype, device=local.device)
-    return _Reduction(partial, kind, _reduce_groups(op, x), dtype, keep_shape)
+    return _Reduction(partial=partial, combine=combine, groups=_reduce_groups(op, x),
+                      out_dtype=dtype, out_shape=keep_shape)
 
 
 def _foreach_max(op, args, kwargs):
-    return _foreach_reduction(op, args, kwargs, lambda t, b: _extremum_reduction(op, t, "max"))
+    return _foreach_reduction(
+        op, args, kwargs, lambda t, bound: _extremum_reduction(op, t, "max")
+    )
 
 
-def _max_min(kind: str, as_bool: bool = False):
+def _max_min(combine: str, as_bool: bool = False):
     def handler(op, args, kwargs):
-        b = bind_args(op, args, kwargs)
-        x = b["self"]
-        if "dim" in b:  # amax / amin: dim=[] means all dims
-            _check_full(op, x, b["dim"])
-        keep = _keep_shape(x, bool(b.get("keepdim", False)))
-        red = _extremum_reduction(op, x, kind, keep, as_bool=as_bool)
-        return _reduce_one(red, x)
+        bound = bind_args(op, args, kwargs)
+        x = bound["self"]
+        if "dim" in bound:  # amax / amin: dim=[] means all dims
+            _check_full(op, x, bound["dim"])
+        keep = _keep_shape(x, bool(bound.get("keepdim", False)))
+        reduction = _extremum_reduction(op, x, combine, keep, as_bool=as_bool)
+        return _reduce_one(reduction, x)
 
     return handler
 
 
 def _sum_mean(mean: bool):
     def handler(op, args, kwargs):
-        b = bind_args(op, args, kwargs)
-        x = b["self"]
-        _check_full(op, x, b.get("dim"))
-        local, dtype = x._local_tensor, b["dtype"]
+        bound = bind_args(op, args, kwargs)
+        x = bound["self"]
+        _check_full(op, x, bound.get("dim"))
+        local, dtype = x._local_tensor, bound["dtype"]
         if dtype is not None:
             out_dtype = dtype
         elif mean or local.dtype.is_floating_point or local.dtype.is_complex:
@@ -337,20 +365,20 @@ def _sum_mean(mean: bool):
                 f"{op}: mean needs a floating point or complex dtype, got {out_dtype}"
             )
         acc = torch.float32 if out_dtype in _LOW_PRECISION else out_dtype
-        red = _Reduction(
-            local.sum(dtype=acc), "sum", _reduce_groups(op, x), out_dtype,
-            _keep_shape(x, bool(b.get("keepdim", False))),
+        reduction = _Reduction(
+            partial=local.sum(dtype=acc), combine="sum", groups=_reduce_groups(op, x),
+            out_dtype=out_dtype, out_shape=_keep_shape(x, bool(bound.get("keepdim", False))),
             mean_of=math.prod(x.shape) if mean else None,
         )
-        return _reduce_one(red, x)
+        return _reduce_one(reduction, x)
 
     return handler
 
 
 def _compare(op, args, kwargs):
     """``equal`` / ``allclose``: local comparison, then a logical AND over the ragged ranks."""
-    b = bind_args(op, args, kwargs)
-    a, o = b["self"], b["other"]
+    bound = bind_args(op, args, kwargs)
+    a, o = bound["self"], bound["other"]
     if not (isinstance(a, DTensor) and isinstance(o, DTensor)):
         raise unsupported(op, [getattr(a, "_spec", a), getattr(o, "_spec", o)])
     if tuple(a.shape) != tuple(o.shape):
@@ -362,14 +390,18 @@ def _compare(op, args, kwargs):
     if op is aten.equal.default:
         ok = torch.equal(a._local_tensor, o._local_tensor)
     else:
-        ok = torch.allclose(a._local_tensor, o._local_tensor, b["rtol"], b["atol"], b["equal_nan"])
+        ok = torch.allclose(
+            a._local_tensor, o._local_tensor, bound["rtol"], bound["atol"], bound["equal_nan"]
+        )
     flag = torch.tensor(int(ok), device=a._local_tensor.device)
-    for g in _reduce_groups(op, a):
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=g)
+    groups = _reduce_groups(op, a)
+    with record_function("vescale::ragged_reduce"):
+        for g in groups:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=g)
     return bool(flag.item())
 
 
-#: Norms, full reductions and comparisons of ragged DTensors; ``_ragged_ops``'s slow path answers
+#: Norms, full reductions and comparisons of ragged DTensors; ``_ops``'s slow path answers
 #: these ops with the handler's result (never cached: each call needs its collective).
 REDUCTION_HANDLERS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
     aten.linalg_vector_norm.default: _vector_norm,

@@ -1,29 +1,32 @@
-"""Shared helpers of the RaggedShard DTensor operator support (private).
+"""Shared helpers of the RaggedShard DTensor extension (private to the placement package).
 
-Used by :mod:`lightning_vescale._ragged_ops` (the dispatch hook, element-wise ops) and
-:mod:`lightning_vescale._ragged_reductions` (norms, reductions): recognising ragged operand
-specs, comparing layouts, binding an op's arguments by name, and the one error message that
-lists what RaggedShard DTensors support. Its own module so that the two users import it
-one-way (``_ragged_ops`` -> ``_ragged_reductions`` -> ``_ragged_common``), like FSDP2's
+Used by ``_dtensor`` (redistribution, checkpoint chunks), ``_ops`` (the dispatch hook,
+element-wise ops) and ``_reductions`` (norms, reductions): recognising ragged placements and
+operand specs, comparing layouts, binding an op's arguments by name, and the one error message
+that lists what RaggedShard DTensors support. Its own module so that its users import it one-way
+(``_ragged_shard`` <- ``_common`` <- ``_dtensor`` / ``_reductions`` <- ``_ops``), like FSDP2's
 ``_fsdp_common``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from lightning_vescale.placement import RaggedShard
+from lightning_vescale.placement._ragged_shard import RaggedShard
 
 __all__ = [
     "SUPPORTED_FAMILIES",
+    "all_gather_flat",
     "aten",
     "bind_args",
     "has_ragged",
+    "has_ragged_placement",
     "is_scalar_like",
     "same_layout",
     "spec_str",
@@ -31,6 +34,7 @@ __all__ = [
 ]
 
 aten = torch.ops.aten
+
 
 #: What RaggedShard DTensors support, quoted by every "not supported" error.
 SUPPORTED_FAMILIES = (
@@ -43,11 +47,14 @@ SUPPORTED_FAMILIES = (
 )
 
 
+def has_ragged_placement(placements: Iterable[object] | None) -> bool:
+    """True when some placement of ``placements`` (``None``: no placements) is a ``RaggedShard``."""
+    return placements is not None and any(isinstance(p, RaggedShard) for p in placements)
+
+
 def has_ragged(spec: object) -> bool:
     """True when ``spec`` is a ``DTensorSpec`` with a ``RaggedShard`` on some mesh dim."""
-    return isinstance(spec, DTensorSpec) and any(
-        type(p) is RaggedShard for p in spec.placements
-    )
+    return isinstance(spec, DTensorSpec) and has_ragged_placement(spec.placements)
 
 
 def spec_str(spec: object) -> str:
@@ -104,3 +111,14 @@ def bind_args(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str,
         else:
             out[a.name] = a.default_value if a.has_default_value() else None
     return out
+
+
+def all_gather_flat(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Gather every rank's equal-sized flat ``local`` into the flat ``output``, in rank order.
+
+    ``all_gather_single`` (torch 2.13 deprecates ``all_gather_into_tensor`` in its favour), or the
+    older name on a torch without it; looked up per call, so tests that count calls into
+    ``torch.distributed`` see it.
+    """
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, local, group=group)

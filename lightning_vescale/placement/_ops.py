@@ -24,13 +24,13 @@ How torch 2.13 dispatches a DTensor op (``torch/csrc/autograd/python_variable.cp
    either an ``OutputSharding`` (cached, then step 2's local compute runs) or *the op's final
    result* (returned as is, nothing cached; torch uses this for decompositions).
 
-**Extensions (the only patches of DTensor internals):** (a) ``install()`` wraps torch's
+**Extensions (the only patches of DTensor internals; defined here, registered by
+``lightning_vescale.placement.install()``):** (a) :func:`guard_custom_handler` wraps torch's
 ``argmin``/``argmax``/``convolution*`` custom handlers so ragged inputs raise (they assume
-Shard/Replicate and would mis-handle a ragged layout); (b) it replaces the bound
-``_propagate_op_sharding_dispatch_slow_path`` on the ``DTensor._op_dispatcher`` instance with
-:func:`_slow_path`. Why (b): it is the single point every uncached DTensor op passes through,
-it sees the op's ``OpSchema`` (placements of every argument) and it may answer with either a
-sharding or a result. For schemas with no ``RaggedShard`` it calls the original unchanged, so
+Shard/Replicate and would mis-handle a ragged layout); (b) :func:`wrap_slow_path` replaces the
+bound ``_propagate_op_sharding_dispatch_slow_path`` on the ``DTensor._op_dispatcher`` instance.
+Why (b): it is the single point every uncached DTensor op passes through, it sees the op's
+``OpSchema`` (placements of every argument) and it may answer with either a sharding or a result. For schemas with no ``RaggedShard`` it calls the original unchanged, so
 ordinary DTensors keep the normal path. For ragged schemas:
 
 * element-wise ops (``torch.Tag.pointwise``, their ``_foreach_*`` forms, copies, casts,
@@ -38,7 +38,7 @@ ordinary DTensors keep the normal path. For ragged schemas:
   placement and needs no redistribution. C++ caches it, so from the second call on (e.g. every
   optimizer step) the op costs exactly what it costs on a ``Replicate`` DTensor.
 * norms and full reductions (``REDUCTION_HANDLERS``, design note [ragged-reductions] in
-  :mod:`lightning_vescale._ragged_reductions`) are computed there and returned as ``Replicate``
+  the package's ``_reductions`` module) are computed there and returned as ``Replicate``
   DTensors (one collective per call, one per *list* for ``_foreach_norm``, so
   ``clip_grad_norm_(foreach=True)`` costs one all-reduce; its default for DTensors is the
   per-tensor loop, one all-reduce per gradient).
@@ -46,9 +46,10 @@ ordinary DTensors keep the normal path. For ragged schemas:
 * anything else raises :class:`NotImplementedError` naming the op and the supported families;
   operands whose layouts do not match raise ``ValueError`` naming the op and both layouts.
 
-Helpers both modules use (spec checks, argument binding, the "unsupported" error) live in
-:mod:`lightning_vescale._ragged_common`. Tested with torch 2.13's C++ DTensor dispatch; ``install()`` raises ``RuntimeError`` with an
-explanation on a torch without ``_propagate_op_sharding_dispatch_slow_path``.
+Helpers both modules use (spec checks, argument binding, the "unsupported" error) live in the
+package's ``_common`` module. Tested with torch 2.13's C++ DTensor dispatch; ``install()`` raises
+``RuntimeError`` with an explanation on a torch without
+``_propagate_op_sharding_dispatch_slow_path``.
 """
 
 from __future__ import annotations
@@ -63,8 +64,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor.placement_types import Partial
 
-from lightning_vescale._ragged_common import (
-    SUPPORTED_FAMILIES,
+from lightning_vescale.placement._common import (
     aten,
     bind_args,
     has_ragged,
@@ -73,9 +73,9 @@ from lightning_vescale._ragged_common import (
     spec_str,
     unsupported,
 )
-from lightning_vescale._ragged_reductions import REDUCTION_HANDLERS
+from lightning_vescale.placement._reductions import REDUCTION_HANDLERS
 
-__all__ = ["install", "is_elementwise_op", "SUPPORTED_FAMILIES"]
+__all__ = ["GUARDED_CUSTOM_OPS", "guard_custom_handler", "is_elementwise_op", "wrap_slow_path"]
 
 # Ops that are element-wise on a flat slice but carry no ``torch.Tag.pointwise``.
 _EXTRA_ELEMENTWISE = {
@@ -288,12 +288,12 @@ def _elementwise_sharding_cached(op: torch._ops.OpOverload, schema: OpSchema) ->
 def _copy_across_layouts(op, args, kwargs):
     """``dst.copy_(src)`` where exactly the layouts differ (e.g. Replicate/Shard -> RaggedShard).
 
-    Redistributes ``src`` to ``dst``'s placement (``_ragged_dtensor``'s redistribution: a local
+    Redistributes ``src`` to ``dst``'s placement (``_dtensor``'s redistribution: a local
     slice from Replicate, one all-to-all from Shard/RaggedShard), then copies locally. Returns
     ``None`` when the element-wise rule applies instead (same layout or a scalar-like ``src``).
     """
-    b = bind_args(op, args, kwargs)
-    dst, src = b["self"], b["src"]
+    bound = bind_args(op, args, kwargs)
+    dst, src = bound["self"], bound["src"]
     if not (isinstance(dst, DTensor) and isinstance(src, DTensor)):
         return None
     if same_layout(dst._spec, src._spec) or is_scalar_like(src._spec):
@@ -301,14 +301,17 @@ def _copy_across_layouts(op, args, kwargs):
     if tuple(dst.shape) != tuple(src.shape) or dst.device_mesh != src.device_mesh:
         return None
     moved = src.redistribute(dst.device_mesh, dst.placements)
-    dst._local_tensor.copy_(moved._local_tensor, non_blocking=bool(b["non_blocking"]))
+    dst._local_tensor.copy_(moved._local_tensor, non_blocking=bool(bound["non_blocking"]))
     return dst
 
 
 # ---------------------------------------------------------------------------------------------
-# The hook and its installation.
+# The hooks (registered by ``lightning_vescale.placement.install``).
 # ---------------------------------------------------------------------------------------------
-def _make_slow_path(original: Callable[..., object]) -> Callable[..., object]:
+def wrap_slow_path(original: Callable[..., object]) -> Callable[..., object]:
+    """torch's ``_propagate_op_sharding_dispatch_slow_path`` (``original``) with ragged schemas
+    answered here (design note [ragged-ops]); every other schema goes to ``original``."""
+
     def _slow_path(op_call, args, kwargs, op_info, try_cache):
         # Runs only on a C++ sharding-cache miss. Non-ragged schemas: untouched torch path.
         if not _schema_has_ragged(op_info):
@@ -334,11 +337,11 @@ def _make_slow_path(original: Callable[..., object]) -> Callable[..., object]:
                 return out
         raise unsupported(op_call, op_info.flat_args_schema)
 
-    _slow_path._lv_ragged_ops = True  # type: ignore[attr-defined]
+    _slow_path.__wrapped__ = original  # type: ignore[attr-defined]
     return _slow_path
 
 
-def _guard_handler(handler: Callable[..., object]) -> Callable[..., object]:
+def guard_custom_handler(handler: Callable[..., object]) -> Callable[..., object]:
     """Wrap a torch-provided custom op handler so that ragged inputs fail loudly."""
 
     def guarded(op_call, args, kwargs):
@@ -347,40 +350,15 @@ def _guard_handler(handler: Callable[..., object]) -> Callable[..., object]:
             raise unsupported(op_call, specs)
         return handler(op_call, args, kwargs)
 
-    guarded._lv_ragged_ops = True  # type: ignore[attr-defined]
+    guarded.__wrapped__ = handler  # type: ignore[attr-defined]
     return guarded
 
 
-# torch's own custom handlers that would mis-handle a ragged layout (they assume Shard/Replicate).
-_GUARDED_CUSTOM_OPS = (
+#: torch's own custom handlers that would mis-handle a ragged layout (they assume
+#: Shard/Replicate); :func:`guard_custom_handler` wraps each.
+GUARDED_CUSTOM_OPS = (
     aten.argmin.default,
     aten.argmax.default,
     aten.convolution.default,
     aten.convolution_backward.default,
 )
-
-
-def install() -> None:
-    """Teach DTensor's op dispatcher about ``RaggedShard`` (idempotent, process-wide).
-
-    See design note [ragged-ops] in this module for what is patched and why.
-    """
-    dispatcher = DTensor._op_dispatcher
-    current = getattr(dispatcher, "_propagate_op_sharding_dispatch_slow_path", None)
-    if current is None:
-        raise RuntimeError(
-            "lightning_vescale RaggedShard ops need torch's C++ DTensor dispatch "
-            "(OpDispatcher._propagate_op_sharding_dispatch_slow_path, torch >= 2.13); "
-            f"torch {torch.__version__} does not have it. Upgrade torch."
-        )
-    if getattr(current, "_lv_ragged_ops", False):
-        return
-    dispatcher._propagate_op_sharding_dispatch_slow_path = _make_slow_path(current)
-    handlers = dispatcher._custom_op_handlers
-    for op in _GUARDED_CUSTOM_OPS:
-        h = handlers.get(op)
-        if h is not None and not getattr(h, "_lv_ragged_ops", False):
-            handlers[op] = _guard_handler(h)
-
-
-install()

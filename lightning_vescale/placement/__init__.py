@@ -1,0 +1,53 @@
+"""Layer 0: the ``RaggedShard`` placement, its pure range math, and its DTensor support.
+
+``RaggedShard(dims, local_units)`` shards a tensor over contiguous memory in atomic units with
+uneven per-rank amounts (design note [ragged-shard] in ``_ragged_shard``). Build its DTensors
+with :func:`ragged_from_local`; cut a full tensor to a rank's part with :func:`local_slice`.
+
+Modules, each importing only those before it:
+
+* ``_ragged_shard``: the placement and the pure range math (ranges, checkpoint boxes, the split
+  sizes of redistribution), ``ragged_from_local``, ``local_slice``;
+* ``_common``: helpers shared by the DTensor extension (ragged specs, layouts, errors);
+* ``_dtensor``: redistribution (with autograd), ``to_local`` backward, DCP chunks (design note
+  [ragged-dtensor]); ``_reductions``: norms and full reductions ([ragged-reductions]);
+* ``_ops``: the operator dispatch hook (element-wise ops, copies; [ragged-ops]);
+* ``_install``: :func:`install`, the one place that registers all of it with DTensor.
+
+Importing this package calls :func:`install` (idempotent), so no other module needs an import for
+its side effect.
+"""
+
+from lightning_vescale.placement._install import install
+from lightning_vescale.placement._ragged_shard import (
+    Box,
+    FlatRange,
+    RaggedShard,
+    box_numel,
+    chunk_bounds,
+    flat_range_to_boxes,
+    local_slice,
+    overlap_matrix,
+    overlap_splits,
+    ragged_from_local,
+    ragged_ranges,
+    slab_pieces,
+)
+
+install()
+
+__all__ = [
+    "Box",
+    "FlatRange",
+    "RaggedShard",
+    "box_numel",
+    "chunk_bounds",
+    "flat_range_to_boxes",
+    "install",
+    "local_slice",
+    "overlap_matrix",
+    "overlap_splits",
+    "ragged_from_local",
+    "ragged_ranges",
+    "slab_pieces",
+]
