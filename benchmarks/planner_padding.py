@@ -29,9 +29,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_vescale._presets import PRESETS, num_params, transformer_groups  # noqa: E402
-from lightning_vescale._baselines import fsdp1_flat, fsdp2_even_rowwise  # noqa: E402
-from lightning_vescale.planner import DEFAULT_ALIGN, plan_layout  # noqa: E402
+from lightning_vescale.planner import (  # noqa: E402
+    DEFAULT_ALIGN,
+    PRESETS,
+    fsdp1_flat,
+    fsdp2_even_rowwise,
+    num_params,
+    plan_layout,
+    transformer_groups,
+)
 
 WORLD_SIZES = [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 GRANULARITIES = ["element", "row", "32rows", "128rows"]
