@@ -220,7 +220,7 @@ class LayoutPlan(PaddingFigures):
             units[owner] = 1
             result = RaggedShard((), units)
         else:
-            cuts = [self.local_range(name, r)[1] for r in ranks[:-1]]
+            cuts = [end for _, end in (self.local_range(name, r) for r in ranks[:-1])]
             unit = math.gcd(e, *cuts)
             k = 0  # shortest dims prefix whose trailing product divides the unit
             while unit % math.prod(shape[k:]) != 0:

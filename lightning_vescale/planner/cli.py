@@ -27,8 +27,13 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from lightning_vescale.planner._granularity import GRANULARITY_FORMS, check_granularity
+from lightning_vescale.planner._granularity import (
+    GRANULARITY_FORMS,
+    Granularity,
+    check_granularity,
+)
 from lightning_vescale.planner._layout import DEFAULT_ALIGN, LayoutPlan, plan_layout
 from lightning_vescale.planner.baselines import fsdp1_flat, fsdp2_even_rowwise
 from lightning_vescale.planner.presets import (
@@ -39,13 +44,16 @@ from lightning_vescale.planner.presets import (
     with_overrides,
 )
 
+if TYPE_CHECKING:
+    import torch.nn as nn
+
 __all__ = ["PlanSummary", "build_parser", "main", "model_groups", "module_groups", "summarize"]
 
 Group = list[tuple[str, tuple[int, ...]]]
 
 
 # -- model -> groups -------------------------------------------------------------------------------
-def module_groups(module, grouping: str = "block") -> list[tuple[str, Group]]:
+def module_groups(module: nn.Module, grouping: str = "block") -> list[tuple[str, Group]]:
     """Parameter shapes of ``module`` as sharding groups.
 
     ``grouping="block"``: each child of the ``nn.ModuleList`` holding the most parameters is a
@@ -146,7 +154,9 @@ class PlanSummary:
     seconds: float | None = None
 
 
-def summarize(groups: list[tuple[str, Group]], world_size: int, granularity, align: int):
+def summarize(
+    groups: list[tuple[str, Group]], world_size: int, granularity: Granularity | None, align: int
+) -> tuple[list[LayoutPlan], list[PlanSummary]]:
     """Plan every group; return ``(plans, [planner, lower bound, fsdp2, fsdp1] summaries)``."""
     t0 = time.perf_counter()
     plans = [plan_layout(params, world_size, granularity=granularity, align=align)
