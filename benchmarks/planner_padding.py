@@ -26,12 +26,19 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_vescale._presets import PRESETS, num_params, transformer_groups  # noqa: E402
-from lightning_vescale._baselines import fsdp1_flat, fsdp2_even_rowwise  # noqa: E402
-from lightning_vescale.planner import DEFAULT_ALIGN, plan_layout  # noqa: E402
+from lightning_vescale.planner import (  # noqa: E402
+    DEFAULT_ALIGN,
+    PRESETS,
+    fsdp1_flat,
+    fsdp2_even_rowwise,
+    num_params,
+    plan_layout,
+    transformer_groups,
+)
 
 WORLD_SIZES = [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 GRANULARITIES = ["element", "row", "32rows", "128rows"]
@@ -85,7 +92,19 @@ def format_padding(rows, markdown: bool) -> str:
     return "\n".join([fmt.format(*head)] + [fmt.format(*b) for b in body])
 
 
-def timing_rows(world_size: int, repeats: int, align: int):
+class TimingRow(NamedTuple):
+    """Planning time of one DeepSeek-V3 grouping and granularity (process CPU seconds)."""
+
+    grouping: str
+    groups: int
+    granularity: str
+    median: float
+    max: float
+    padding: float
+    lower_bound: float  # padding at the lower bound
+
+
+def timing_rows(world_size: int, repeats: int, align: int) -> list[TimingRow]:
     """Planning time (process CPU seconds, median of ``repeats``) of DeepSeek-V3."""
     out = []
     for grouping in ("block", "model"):
@@ -99,16 +118,19 @@ def timing_rows(world_size: int, repeats: int, align: int):
             total = sum(p.total_numel for p in plans)
             buf = sum(p.buffer_size for p in plans)
             lb = sum(p.lower_bound for p in plans) * world_size
-            out.append((grouping, len(groups), g, statistics.median(times), max(times),
-                        (buf - total) / buf, (lb - total) / lb))
+            out.append(TimingRow(
+                grouping=grouping, groups=len(groups), granularity=g,
+                median=statistics.median(times), max=max(times),
+                padding=(buf - total) / buf, lower_bound=(lb - total) / lb,
+            ))
     return out
 
 
 def format_timing(rows, markdown: bool) -> str:
     head = ["grouping", "groups", "granularity", "plan time (median)", "max", "padding",
             "lower bound"]
-    body = [[gp, str(n), g, f"{med:.3f} s", f"{mx:.3f} s", f"{100 * pad:.4f}%",
-             f"{100 * lb:.4f}%"] for gp, n, g, med, mx, pad, lb in rows]
+    body = [[r.grouping, str(r.groups), r.granularity, f"{r.median:.3f} s", f"{r.max:.3f} s",
+             f"{100 * r.padding:.4f}%", f"{100 * r.lower_bound:.4f}%"] for r in rows]
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         return "\n".join(lines + ["| " + " | ".join(b) + " |" for b in body])

@@ -14,17 +14,22 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_vescale._presets import PRESETS, transformer_groups
-from lightning_vescale._baselines import fsdp1_flat, fsdp2_even_rowwise
 from lightning_vescale.placement import RaggedShard
 from lightning_vescale.planner import (
     DEFAULT_ALIGN,
+    GRANULARITY_FORMS,
+    PRESETS,
     LayoutPlan,
     TensorSpec,
+    check_granularity,
+    fsdp1_flat,
+    fsdp2_even_rowwise,
     plan_layout,
     resolve_granularity,
     shard_size_lower_bound,
+    transformer_groups,
 )
+from lightning_vescale.planner import _search
 
 # -- strategies ----------------------------------------------------------------------------------
 _dims = st.integers(min_value=0, max_value=7)
@@ -121,15 +126,13 @@ def test_invariants_on_random_instances(inst):
 @given(instances(max_tensors=6))
 def test_guided_search_keeps_invariants(monkeypatch_inst):
     # Force the large-instance path (no exact scan): results must stay valid.
-    import lightning_vescale.planner as planner
-
     tensors, m, align, default = monkeypatch_inst
-    old = planner._SCAN_WORK
-    planner._SCAN_WORK = -1
+    old = _search.SCAN_WORK
+    _search.SCAN_WORK = -1
     try:
         plan = plan_layout(tensors, m, granularity=default, align=align)
     finally:
-        planner._SCAN_WORK = old
+        _search.SCAN_WORK = old
     check_plan(plan, tensors, m, align, default)
     assert not plan.exact
 
@@ -188,6 +191,41 @@ def test_resolve_granularity():
     assert resolve_granularity(9, (2, 2)) == 9
 
 
+def test_resolve_granularity_none_and_multiple_of():
+    # None: no constraint of its own; multiple_of: an optimizer block the result must align to
+    assert resolve_granularity(None, (4, 5)) == 1
+    assert resolve_granularity(None, (64, 256), multiple_of=256) == 256
+    assert resolve_granularity(1024, (64, 256), multiple_of=256) == 1024
+    assert resolve_granularity("row", (64, 96), multiple_of=256) == 768  # lcm(96, 256)
+    assert resolve_granularity("Row", (64, 96)) == 96 and resolve_granularity("2 rows", (3, 4)) == 8
+    with pytest.raises(ValueError, match="multiple_of"):
+        resolve_granularity("row", (4, 5), multiple_of=0)
+
+
+@pytest.mark.parametrize("value", [None, 1, 4096, "element", "row", "32rows", "4096"])
+def test_check_granularity_accepts_the_forms(value):
+    assert check_granularity(value) is value
+
+
+@pytest.mark.parametrize(
+    ("value", "exc", "match"),
+    [
+        (0, ValueError, "granularity must be >= 1"),
+        ("tiles", ValueError, "granularity='tiles' is not understood"),
+        ("0rows", ValueError, "not understood"),
+        (2.5, TypeError, "granularity must be an int"),
+        (True, TypeError, "granularity must be an int"),
+    ],
+)
+def test_check_granularity_errors_name_the_forms(value, exc, match):
+    with pytest.raises(exc, match=match) as info:
+        check_granularity(value)
+    if "not understood" in match or exc is TypeError:
+        assert GRANULARITY_FORMS in str(info.value)
+    with pytest.raises(exc, match="--granularity"):
+        check_granularity(value, name="--granularity")
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [
@@ -236,6 +274,11 @@ def test_baselines_match_torch_chunk(m):
     fs1 = fsdp1_flat(shapes, m)
     flat = torch.empty(total).chunk(m)
     assert fs1.shard_size == flat[0].numel() and fs1.padding == m * fs1.shard_size - total
+    # the same figures from named tuples and from TensorSpec records
+    specs = [TensorSpec(f"t{i}", shape) for i, shape in enumerate(shapes)]
+    assert fsdp2_even_rowwise(specs, m) == fs2
+    assert fsdp2_even_rowwise([(s.name, s.shape) for s in specs], m) == fs2
+    assert fsdp1_flat(specs, m) == fs1
 
 
 # -- the padding target ------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 The brute force knows nothing of the planner: for increasing ``S`` (multiples of ``align``) it
 tries every offset of every tensor (depth-first, optionally over every order) and checks the
-layout rules directly. Documented guarantees (design note [planner] in planner.py):
+layout rules directly. Documented guarantees (design note [planner] in
+lightning_vescale/planner/_layout.py):
 
 * ``plan.exact`` (the exact scan finished, always the case on tiny instances): ``S`` equals the
   optimum among layouts that keep the given order;
@@ -19,8 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import lightning_vescale.planner as planner
-from lightning_vescale.planner import plan_layout
+from lightning_vescale.planner import _search, plan_layout
 
 
 def _ok(off: int, e: int, g: int, s: int, m: int) -> bool:
@@ -95,9 +95,9 @@ def test_within_documented_bound_of_any_order_optimum(case):
     plan = _plan(items, m, align)
     opt_any = brute_force(items, m, align, any_order=True)
     assert plan.lower_bound <= opt_any <= plan.shard_size
-    inst = planner._Instance([e for e, _ in items], [g for _, g in items], m, align)
+    inst = _search.Instance([e for e, _ in items], [g for _, g in items], m, align)
     ub = inst.bound_candidate()
-    assert inst.greedy(ub, m * ub)[0] <= m * ub  # the bound's premise: the greedy fits at S_ub
+    assert inst.greedy(ub, m * ub).end <= m * ub  # the bound's premise: the greedy fits at S_ub
     assert plan.shard_size <= ub
 
 
@@ -105,14 +105,14 @@ def test_within_documented_bound_of_any_order_optimum(case):
 @given(_tiny)
 def test_guided_search_within_bound(case):
     items, m, align = case
-    old = planner._SCAN_WORK
-    planner._SCAN_WORK = -1  # force the large-instance path
+    old = _search.SCAN_WORK
+    _search.SCAN_WORK = -1  # force the large-instance path
     try:
         plan = _plan(items, m, align)
     finally:
-        planner._SCAN_WORK = old
+        _search.SCAN_WORK = old
     assert plan.shard_size >= brute_force(items, m, align, any_order=False)
-    inst = planner._Instance([e for e, _ in items], [g for _, g in items], m, align)
+    inst = _search.Instance([e for e, _ in items], [g for _, g in items], m, align)
     ub = inst.bound_candidate()
     assert plan.shard_size <= ub
 
@@ -149,19 +149,19 @@ def test_bound_holds_on_medium_instances(case):
     # S_ub always admits a layout (checked with the brute force's own rule checker), and the
     # planner, exact or guided, never returns more.
     items, m, align = case
-    inst = planner._Instance([e for e, _ in items], [g for _, g in items], m, align)
+    inst = _search.Instance([e for e, _ in items], [g for _, g in items], m, align)
     ub = inst.bound_candidate()
-    end, offsets, _, _ = inst.greedy(ub, None, record=True)
-    assert offsets is not None and end <= m * ub
+    run = inst.greedy(ub, None, record=True)
+    assert run.offsets is not None and run.end <= m * ub
     cursor = 0
-    for (e, g), off in zip(items, offsets):
+    for (e, g), off in zip(items, run.offsets):
         assert off >= cursor and _ok(off, e, g, ub, m)
         cursor = off + e
-    old = planner._SCAN_WORK
+    old = _search.SCAN_WORK
     for budget in (old, -1):
-        planner._SCAN_WORK = budget
+        _search.SCAN_WORK = budget
         try:
             plan = _plan(items, m, align)
         finally:
-            planner._SCAN_WORK = old
+            _search.SCAN_WORK = old
         assert plan.lower_bound <= plan.shard_size <= ub

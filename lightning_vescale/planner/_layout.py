@@ -1,4 +1,4 @@
-"""Layer 1: the structure-aware layout planner.
+"""The layout plan of one sharding group: :class:`LayoutPlan` and :func:`plan_layout`.
 
 Design note [planner]
 ---------------------
@@ -6,7 +6,8 @@ One sharding group owns one flat buffer of ``m * S`` elements (``m`` ranks, ``S`
 rank). Every tensor ``t`` of the group gets an offset ``l_t``; its ``e_t`` elements live at
 ``[l_t, l_t + e_t)`` and rank ``r`` owns ``[r*S, (r+1)*S)``. Each tensor has a *granularity*
 ``g_t`` (elements in one unsplittable block: 1 element-wise, a row, ``b`` rows of a quantization
-tile, ``e_t`` for "whole tensor on one rank"). A layout is valid when
+tile, ``e_t`` for "whole tensor on one rank"; the user's forms are resolved to elements once, by
+:func:`~lightning_vescale.planner.resolve_granularity`). A layout is valid when
 
 * the intervals are disjoint and inside ``[0, m*S)``,
 * every rank boundary ``k*S`` strictly inside ``[l_t, l_t + e_t)`` lies at a multiple of ``g_t``
@@ -19,7 +20,7 @@ We minimize ``S`` (equivalently the padding ``m*S - sum(e_t)``). The general pro
 (views, checkpoints and debugging stay predictable; reordering never helped on the benchmark
 models) and solves the order-preserving problem.
 
-The search over ``S`` lives in :mod:`lightning_vescale._plan_search` (design note
+The search over ``S`` lives in :mod:`lightning_vescale.planner._search` (design note
 [plan-search]: why a greedy earliest start is exact for a fixed ``S``, which ``S`` are
 candidates, and the budgeted search). What callers may rely on:
 
@@ -44,22 +45,21 @@ reproduces :meth:`LayoutPlan.local_range` exactly.
 from __future__ import annotations
 
 import math
-import re
 import types
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-from lightning_vescale._plan_search import Instance as _Instance
-from lightning_vescale._plan_search import search as _search
 from lightning_vescale.placement import RaggedShard
+from lightning_vescale.planner._granularity import Granularity
+from lightning_vescale.planner._search import Instance, search
+from lightning_vescale.planner._spec import TensorSpec, check_count, resolve_entries
 
 __all__ = [
     "DEFAULT_ALIGN",
-    "TensorSpec",
     "LayoutPlan",
+    "PaddingFigures",
     "plan_layout",
-    "resolve_granularity",
     "shard_size_lower_bound",
 ]
 
@@ -68,160 +68,38 @@ __all__ = [
 #: NCCL fast paths like. It costs at most 15 elements per rank; pass ``align=1`` for none.
 DEFAULT_ALIGN = 16
 
-# Work budget (greedy loop steps, about 10 ms) of the exact scan over candidate shard sizes; read
-# at every plan_layout call (tests set it to -1 to force the guided search).
-_SCAN_WORK = 20_000
 
-Granularity = int | str
+class PaddingFigures:
+    """Buffer and padding figures shared by :class:`LayoutPlan` and the baselines' figures.
 
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One tensor of a group: ``name``, ``shape`` and optional ``granularity``.
-
-    ``granularity`` is elements per unsplittable block (an ``int >= 1``) or one of
-    ``"element"``, ``"row"``, ``"<k>rows"`` (see :func:`resolve_granularity`); ``None`` takes
-    the ``granularity`` given to :func:`plan_layout`.
+    The subclass provides ``world_size``, ``shard_size`` (elements per rank) and
+    ``total_numel`` (elements of real data).
     """
 
-    name: str
-    shape: tuple[int, ...]
-    granularity: Granularity | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"TensorSpec name must be a non-empty str, got name={self.name!r}")
-        try:
-            raw = tuple(self.shape)
-        except TypeError as exc:
-            raise ValueError(
-                f"TensorSpec {self.name!r}: shape must be a sequence of ints, got "
-                f"shape={self.shape!r}"
-            ) from exc
-        if not all(type(d) is int and d >= 0 for d in raw):  # slow path: int-likes, errors
-            if not all(
-                hasattr(d, "__index__") and not isinstance(d, bool) and d.__index__() >= 0
-                for d in raw
-            ):
-                raise ValueError(
-                    f"TensorSpec {self.name!r}: shape must hold non-negative ints, got "
-                    f"shape={self.shape!r}"
-                )
-            raw = tuple(d.__index__() for d in raw)
-        object.__setattr__(self, "shape", raw)
-        if self.granularity is not None and (
-            isinstance(self.granularity, bool) or not isinstance(self.granularity, (int, str))
-        ):
-            raise ValueError(
-                f"TensorSpec {self.name!r}: granularity must be an int >= 1, a str or None, got "
-                f"granularity={self.granularity!r}"
-            )
-
-    @classmethod
-    def _trusted(cls, name: str, shape: tuple[int, ...], granularity: int) -> TensorSpec:
-        # Internal: build an already-validated spec without re-validating (planning speed).
-        spec = object.__new__(cls)
-        object.__setattr__(spec, "name", name)
-        object.__setattr__(spec, "shape", shape)
-        object.__setattr__(spec, "granularity", granularity)
-        return spec
+    world_size: int
+    shard_size: int
 
     @property
-    def numel(self) -> int:
-        """Number of elements."""
-        return math.prod(self.shape)
+    def buffer_size(self) -> int:
+        """``world_size * shard_size``: elements of the whole (unsharded) buffer."""
+        return self.world_size * self.shard_size
 
+    @property
+    def padding(self) -> int:
+        """Elements of the buffer that hold no tensor: ``world_size * shard_size - total``."""
+        return self.buffer_size - self.total_numel  # type: ignore[attr-defined]
 
-def resolve_granularity(granularity: Granularity, shape: Sequence[int]) -> int:
-    """Granularity in elements for a tensor of ``shape``.
-
-    * ``int >= 1``: elements, as is (a decimal string such as ``"4096"`` too).
-    * ``"element"``: 1.
-    * ``"row"``: one row of the innermost matrix, ``shape[-1]`` elements for tensors with 2 or
-      more dims (so a stacked-expert ``(E, out, in)`` weight keeps its matrices' rows whole);
-      1 for 0-/1-D tensors (norm weights and biases are vectors of one-element rows).
-    * ``"<k>rows"`` (e.g. ``"32rows"``): ``k`` such rows (``k`` elements for 0-/1-D tensors),
-      the tile of a row-blocked quantizer.
-
-    The result may exceed the tensor's numel, which means "the whole tensor on one rank";
-    "whole matrix per rank" for Muon-style optimizers is ``granularity=numel``.
-    """
-    if isinstance(granularity, bool):
-        raise ValueError(f"granularity must be an int >= 1 or a str, got {granularity!r}")
-    if isinstance(granularity, int):
-        if granularity < 1:
-            raise ValueError(
-                f"granularity must be >= 1 element, got granularity={granularity}; use 1 for "
-                "element-wise sharding."
-            )
-        return granularity
-    if isinstance(granularity, str):
-        shape = tuple(shape)
-        row = shape[-1] if len(shape) >= 2 else 1
-        text = granularity.strip().lower()
-        if text in ("element", "elements", "elem"):
-            return 1
-        if text in ("row", "rows"):
-            return max(row, 1)
-        match = re.fullmatch(r"(\d+)\s*-?\s*rows?", text)
-        if match and int(match.group(1)) >= 1:
-            return max(int(match.group(1)) * row, 1)
-        if text.isdigit() and int(text) >= 1:
-            return int(text)
-    raise ValueError(
-        f"granularity={granularity!r} is not understood; use an int >= 1 (elements), "
-        "'element', 'row' or '<k>rows' (e.g. '32rows')."
-    )
-
-
-def _as_specs(tensors: Iterable, default: Granularity) -> list[tuple[str, tuple[int, ...], int]]:
-    out: list[tuple[str, tuple[int, ...], int]] = []
-    seen: set[str] = set()
-    try:
-        resolve_granularity(default, (1, 1))
-    except ValueError as exc:
-        raise ValueError(f"plan_layout: {exc}") from None
-    default_int = default if type(default) is int else None
-    for i, item in enumerate(tensors):
-        if isinstance(item, TensorSpec):
-            spec = item
-        elif isinstance(item, tuple) and len(item) in (2, 3):
-            spec = TensorSpec(*item)
-        else:
-            raise ValueError(
-                f"tensors[{i}]={item!r} must be a TensorSpec or a tuple (name, shape) / "
-                "(name, shape, granularity)."
-            )
-        if spec.name in seen:
-            raise ValueError(f"tensor name {spec.name!r} appears twice; names must be unique.")
-        seen.add(spec.name)
-        gran = spec.granularity if spec.granularity is not None else default
-        if gran is default_int:
-            g = default_int
-        elif type(gran) is int and gran >= 1:
-            g = gran
-        else:
-            try:
-                g = resolve_granularity(gran, spec.shape)
-            except ValueError as exc:
-                raise ValueError(f"tensor {spec.name!r}: {exc}") from None
-        out.append((spec.name, spec.shape, g))
-    if not out:
-        raise ValueError("tensors is empty; a sharding group needs at least one tensor.")
-    return out
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {name}={value!r}")
-    return value
+    @property
+    def padding_ratio(self) -> float:
+        """``padding / buffer_size``: the fraction of communicated/stored elements that is waste."""
+        return self.padding / self.buffer_size if self.buffer_size else 0.0
 
 
 # ------------------------------------------------------------------------------------------------
 # The plan
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class LayoutPlan:
+class LayoutPlan(PaddingFigures):
     """Where each tensor of one group lives in the group's flat buffer of ``world_size * S``.
 
     Built by :func:`plan_layout`; see design note [planner] in this module. All ranges are
@@ -268,17 +146,7 @@ class LayoutPlan:
         self.__dict__.update(state)
         self.__post_init__()
 
-    # -- sizes -----------------------------------------------------------------------------------
-    @property
-    def buffer_size(self) -> int:
-        """``world_size * shard_size``: elements of the whole (unsharded) buffer."""
-        return self.world_size * self.shard_size
-
-    @property
-    def specs(self) -> tuple[TensorSpec, ...]:
-        """Alias of ``entries``: the tensors in buffer order with granularity in elements."""
-        return self.entries
-
+    # -- sizes (buffer_size, padding, padding_ratio: PaddingFigures) ----------------------------
     @property
     def names(self) -> tuple[str, ...]:
         """Tensor names in buffer order."""
@@ -293,16 +161,6 @@ class LayoutPlan:
     def total_numel(self) -> int:
         """Elements of real data (sum of tensor numels)."""
         return sum(s.numel for s in self.entries)
-
-    @property
-    def padding(self) -> int:
-        """Elements of the buffer that hold no tensor: ``world_size * shard_size - total``."""
-        return self.buffer_size - self.total_numel
-
-    @property
-    def padding_ratio(self) -> float:
-        """``padding / buffer_size``: the fraction of communicated/stored elements that is waste."""
-        return self.padding / self.buffer_size if self.buffer_size else 0.0
 
     @property
     def optimal(self) -> bool:
@@ -362,7 +220,7 @@ class LayoutPlan:
             units[owner] = 1
             result = RaggedShard((), units)
         else:
-            cuts = [self.local_range(name, r)[1] for r in ranks[:-1]]
+            cuts = [end for _, end in (self.local_range(name, r) for r in ranks[:-1])]
             unit = math.gcd(e, *cuts)
             k = 0  # shortest dims prefix whose trailing product divides the unit
             while unit % math.prod(shape[k:]) != 0:
@@ -439,36 +297,37 @@ class LayoutPlan:
         return "\n".join(lines)
 
 
+
 # ------------------------------------------------------------------------------------------------
-# Planning (the search itself: lightning_vescale._plan_search)
+# Planning (the search itself: lightning_vescale.planner._search)
 # ------------------------------------------------------------------------------------------------
-def _instance(
-    specs: list[tuple[str, tuple[int, ...], int]], world_size: int, align: int
-) -> _Instance:
+def _instance(specs: list[TensorSpec], world_size: int, align: int) -> Instance:
     """The search's view of resolved ``specs``: numels and granularities in buffer order."""
-    return _Instance(
-        [math.prod(shape) for _, shape, _ in specs], [g for *_, g in specs], world_size, align
-    )
+    return Instance([s.numel for s in specs], [s.granularity for s in specs], world_size, align)
 
 
 def shard_size_lower_bound(
-    tensors: Iterable, world_size: int, *, granularity: Granularity = 1, align: int = DEFAULT_ALIGN
+    tensors: Iterable,
+    world_size: int,
+    *,
+    granularity: Granularity | None = 1,
+    align: int = DEFAULT_ALIGN,
 ) -> int:
     """A lower bound on ``S`` valid for any layout (any order) of ``tensors``.
 
     The smallest multiple of ``align`` (and of ``g_t`` for every tensor with ``e_t > 2S``) that
     is at least ``ceil(sum(e_t) / world_size)`` and at least ``min(e_t, g_t)`` for every tensor.
     """
-    _check_int("world_size", world_size, 1)
-    _check_int("align", align, 1)
-    return _instance(_as_specs(tensors, granularity), world_size, align).lower_bound()
+    check_count("world_size", world_size, 1)
+    check_count("align", align, 1)
+    return _instance(resolve_entries(tensors, granularity), world_size, align).lower_bound()
 
 
 def plan_layout(
     tensors: Iterable,
     world_size: int,
     *,
-    granularity: Granularity = 1,
+    granularity: Granularity | None = 1,
     align: int = DEFAULT_ALIGN,
     max_shard_size: int | None = None,
 ) -> LayoutPlan:
@@ -478,8 +337,9 @@ def plan_layout(
         tensors: ordered entries, each a :class:`TensorSpec` or a tuple ``(name, shape)`` /
             ``(name, shape, granularity)``. The buffer keeps this order.
         world_size: ranks ``m`` sharing the buffer.
-        granularity: default granularity for entries without one: elements (int) or
-            ``"element"``/``"row"``/``"<k>rows"`` resolved per tensor shape.
+        granularity: default granularity for entries without one, any form of
+            :func:`~lightning_vescale.planner.check_granularity` (elements as an int,
+            ``"element"``/``"row"``/``"<k>rows"`` resolved per tensor shape, ``None`` = 1).
         align: every rank's shard size ``S`` (hence every shard start) is a multiple of this
             many elements. Defaults to :data:`DEFAULT_ALIGN`.
         max_shard_size: optional cap on ``S``; a tensor that cannot be placed under it raises.
@@ -491,45 +351,45 @@ def plan_layout(
         ValueError: bad input (empty list, ``world_size < 1``, bad shape/granularity/align,
             duplicate names) or no layout with ``S <= max_shard_size`` (naming the tensor).
     """
-    _check_int("world_size", world_size, 1)
-    _check_int("align", align, 1)
+    check_count("world_size", world_size, 1)
+    check_count("align", align, 1)
     if max_shard_size is not None:
-        _check_int("max_shard_size", max_shard_size, 1)
-    specs = _as_specs(tensors, granularity)
+        check_count("max_shard_size", max_shard_size, 1)
+    specs = resolve_entries(tensors, granularity)
     m = world_size
     inst = _instance(specs, m, align)
     lb = inst.lower_bound()
     if max_shard_size is not None:
-        _check_cap(specs, inst.sizes, max_shard_size, align, lb)
-    s, exact = _search(inst, lb, scan_work=_SCAN_WORK)
-    offsets = inst.greedy(s, None, record=True)[1]
-    assert isinstance(offsets, list), "the search returned an infeasible shard size"
+        _check_cap(specs, max_shard_size, align, lb)
+    found = search(inst, lb)
+    s = found.shard_size
+    offsets = inst.greedy(s, None, record=True).offsets
+    assert offsets is not None, "the search returned an infeasible shard size"
     if max_shard_size is not None and s > max_shard_size:
         raise ValueError(
             f"no layout of these {len(specs)} tensors over world_size={m} found with "
             f"S <= max_shard_size={max_shard_size} (best S={s}, lower bound {lb}); raise "
             "max_shard_size, the world size, or use a finer granularity."
         )
-    entries = tuple(TensorSpec._trusted(name, shape, g) for name, shape, g in specs)
     return LayoutPlan(
         world_size=m,
         shard_size=s,
         align=align,
-        entries=entries,
+        entries=tuple(specs),
         offset_list=tuple(offsets),
         lower_bound=lb,
-        exact=exact,
+        exact=found.exact,
     )
 
 
-def _check_cap(specs, sizes: list[int], cap: int, align: int, lb: int) -> None:
+def _check_cap(specs: list[TensorSpec], cap: int, align: int, lb: int) -> None:
     """Raise early, naming the culprit, when no ``S <= cap`` can exist."""
-    for (name, shape, g), e in zip(specs, sizes):
-        if min(e, g) > cap:
+    for spec in specs:
+        if min(spec.numel, spec.granularity) > cap:
             raise ValueError(
-                f"tensor {name!r} (shape={tuple(shape)}, granularity={g} elements) cannot be "
-                f"placed with S <= max_shard_size={cap}: one of its blocks is larger than a "
-                "shard; use a finer granularity or a larger max_shard_size."
+                f"tensor {spec.name!r} (shape={spec.shape}, granularity={spec.granularity} "
+                f"elements) cannot be placed with S <= max_shard_size={cap}: one of its blocks "
+                "is larger than a shard; use a finer granularity or a larger max_shard_size."
             )
     if lb > cap:
         raise ValueError(

@@ -1,7 +1,8 @@
-"""Layer 1 (private): the search over shard sizes ``S`` behind ``planner.plan_layout``.
+"""The search over shard sizes ``S`` behind :func:`~lightning_vescale.planner.plan_layout`.
 
 Pure integer arithmetic on the group's sizes and granularities in buffer order: no names, no
-shapes, no placements (those belong to :mod:`lightning_vescale.planner`, the only importer).
+shapes, no placements (those belong to :mod:`lightning_vescale.planner._layout`, the only
+importer).
 The layout rules and the objective are in design note [planner]; this note is how the planner
 meets them.
 
@@ -25,8 +26,8 @@ a run or a tensor that crosses a boundary).
 The smallest such candidate is :meth:`Instance.lower_bound` (a lower bound for *any* order;
 public as :func:`~lightning_vescale.planner.shard_size_lower_bound`). :func:`search`:
 
-1. scans candidates upward from the lower bound while a work budget lasts (``scan_work`` loop
-   steps, the planner's ``_SCAN_WORK``, about 10 ms; always enough for small instances). Exact:
+1. scans candidates upward from the lower bound while a work budget lasts (:data:`SCAN_WORK`
+   loop steps, about 10 ms; always enough for small instances). Exact:
    the first feasible candidate is the optimum among order-preserving layouts
    (``LayoutPlan.exact``);
 2. past the budget, jumps to the candidate at ``ceil(E(S)/m)`` (the overflow says how much room
@@ -64,8 +65,30 @@ from __future__ import annotations
 import bisect
 import math
 from itertools import accumulate
+from typing import NamedTuple
 
-__all__ = ["Instance", "search"]
+__all__ = ["SCAN_WORK", "GreedyRun", "Instance", "SearchResult", "search"]
+
+#: Work budget (greedy loop steps, about 10 ms) of the exact scan over candidate shard sizes;
+#: read at every :func:`search` call (tests set it to -1 to force the guided search).
+SCAN_WORK = 20_000
+
+
+class GreedyRun(NamedTuple):
+    """What one greedy placement for a shard size ``S`` found (:meth:`Instance.greedy`)."""
+
+    end: int  # end of the last placed tensor; -1 when some tensor cannot be placed at this S
+    fits: bool  # every tensor placed within the m*S buffer: S is feasible
+    offsets: list[int] | None  # each tensor's offset, when recorded and every tensor was placed
+    work: int  # loop steps spent (the scan's budget counts them)
+    need: dict[int, int]  # granularity -> waste of failed double crossings (see greedy)
+
+
+class SearchResult(NamedTuple):
+    """The shard size :func:`search` chose."""
+
+    shard_size: int
+    exact: bool  # every candidate below was evaluated: optimal among order-preserving layouts
 
 
 class Instance:
@@ -119,15 +142,12 @@ class Instance:
         w = max((min(e, g) for e, g in zip(self.sizes, self.grans)), default=1)
         return self.next_candidate(max(-(-self.total // self.m) + max(w, 1) - 1, 1), factor=1)
 
-    def greedy(
-        self, s: int, limit: int | None, record: bool = False
-    ) -> tuple[int, list[int] | bool | None, int, dict[int, int]]:
+    def greedy(self, s: int, limit: int | None, record: bool = False) -> GreedyRun:
         """Greedy earliest-start placement for shard size ``s``.
 
-        Returns ``(end, placed, work, need)``; ``end`` is ``-1`` when some tensor cannot be
-        placed for this ``s`` at all, and the run stops early once ``end`` exceeds ``limit``.
-        ``placed`` is ``None`` unless the run completed, else the offsets when ``record``
-        (else ``True``: the search only needs ends). ``need`` maps each granularity that
+        ``end`` is ``-1`` when some tensor cannot be placed for this ``s`` at all, and the run
+        stops early (not ``fits``) once ``end`` exceeds ``limit``. ``offsets`` are recorded
+        only with ``record`` (the search only needs ends). ``need`` maps each granularity that
         could not cross two boundaries because it does not divide ``s`` to the elements that
         cost (a multiple of it would have saved them): the search learns steps from it.
         """
@@ -168,7 +188,7 @@ class Instance:
                         start = b + s - d1
                     else:
                         need[g] = need.get(g, 0) + s
-                        return -1, None, work, need
+                        return GreedyRun(end=-1, fits=False, offsets=None, work=work, need=need)
                 if d > 0:  # it could have crossed at b - d, twice, had g divided s
                     need[g] = need.get(g, 0) + start - (b - d)
             if record:
@@ -176,17 +196,19 @@ class Instance:
             c = start + e
             i += 1
             if limit is not None and c > limit:
-                return c, None, work, need
-        return c, (offsets if record else True), work, need
+                return GreedyRun(end=c, fits=False, offsets=None, work=work, need=need)
+        return GreedyRun(end=c, fits=c <= self.m * s, offsets=offsets, work=work, need=need)
 
 
-def search(inst: Instance, lb: int, *, scan_work: int) -> tuple[int, bool]:
+def search(inst: Instance, lb: int, *, scan_work: int | None = None) -> SearchResult:
     """Smallest feasible candidate S found: exact scan under a budget, then guided probes.
 
-    ``scan_work`` is the budget (greedy loop steps) of the exact scan; a negative one skips it.
-    Returns ``(S, exact)``; ``exact`` is True when every candidate below ``S`` was
-    evaluated (so ``S`` is optimal among layouts that keep the order).
+    ``scan_work`` is the budget (greedy loop steps) of the exact scan, :data:`SCAN_WORK` when
+    ``None``; a negative one skips it. ``exact`` is True when every candidate below the
+    result was evaluated (so it is optimal among layouts that keep the order).
     """
+    if scan_work is None:
+        scan_work = SCAN_WORK
     m = inst.m
     s = lb
     work = 0
@@ -199,11 +221,11 @@ def search(inst: Instance, lb: int, *, scan_work: int) -> tuple[int, bool]:
     # 1) exact linear scan over candidates while the budget lasts
     scanned = lb - 1  # every candidate <= scanned is infeasible
     while work <= scan_work:
-        end, offs, w, need = inst.greedy(s, m * s)
-        work += w
-        if offs is not None and end <= m * s:
-            return s, True
-        learn(need)
+        run = inst.greedy(s, m * s)
+        work += run.work
+        if run.fits:
+            return SearchResult(shard_size=s, exact=True)
+        learn(run.need)
         scanned = s
         s = inst.next_candidate(s + 1)
     ends: dict[int, int] = {}  # evaluated S -> greedy end (feasible iff end <= m*S)
@@ -212,10 +234,10 @@ def search(inst: Instance, lb: int, *, scan_work: int) -> tuple[int, bool]:
     def probe(x: int) -> bool:
         nonlocal best
         if x not in ends and (best is None or x < best):
-            end, offs, _, need = inst.greedy(x, None)
-            ends[x] = end if offs is not None else -1
-            learn(need)
-            if offs is not None and end <= m * x:
+            run = inst.greedy(x, None)
+            ends[x] = run.end
+            learn(run.need)
+            if run.fits:
                 best = x
         return best == x
 
@@ -265,4 +287,4 @@ def search(inst: Instance, lb: int, *, scan_work: int) -> tuple[int, bool]:
             if mid >= best:
                 break
         probe(mid)
-    return best, False
+    return SearchResult(shard_size=best, exact=False)

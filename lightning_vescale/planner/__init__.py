@@ -1,0 +1,58 @@
+"""Layer 1: the structure-aware layout planner (pure: no process group, no torch tensors).
+
+One sharding group's tensors share one flat buffer; :func:`plan_layout` puts every tensor at an
+offset so that no block of its granularity crosses a rank boundary, with as little padding as
+possible, and derives each tensor's :class:`~lightning_vescale.placement.RaggedShard`.
+
+Modules (each imports only the ones above it in this list, and layer 0):
+
+* ``_granularity``: the granularity forms users write (``None``, elements, ``"element"``,
+  ``"row"``, ``"<k>rows"``): :func:`check_granularity` and :func:`resolve_granularity`, the one
+  resolution every layer calls;
+* ``_spec``: :class:`TensorSpec` and input validation;
+* ``_search``: the search over shard sizes (design note [plan-search]);
+* ``_layout``: :class:`LayoutPlan` and :func:`plan_layout` (design note [planner]);
+* ``presets``: transformer shapes of public models (no allocation);
+* ``baselines``: FSDP2- and FSDP1-style padding figures for comparison;
+* ``cli``: ``python -m lightning_vescale.planner`` (also ``python -m lightning_vescale.plan``).
+"""
+
+from lightning_vescale.planner._granularity import (
+    GRANULARITY_FORMS,
+    Granularity,
+    check_granularity,
+    resolve_granularity,
+)
+from lightning_vescale.planner._layout import (
+    DEFAULT_ALIGN,
+    LayoutPlan,
+    plan_layout,
+    shard_size_lower_bound,
+)
+from lightning_vescale.planner._spec import TensorSpec
+from lightning_vescale.planner.baselines import BaselineFigures, fsdp1_flat, fsdp2_even_rowwise
+from lightning_vescale.planner.presets import (
+    PRESETS,
+    TransformerConfig,
+    num_params,
+    transformer_groups,
+)
+
+__all__ = [
+    "DEFAULT_ALIGN",
+    "GRANULARITY_FORMS",
+    "PRESETS",
+    "BaselineFigures",
+    "Granularity",
+    "LayoutPlan",
+    "TensorSpec",
+    "TransformerConfig",
+    "check_granularity",
+    "fsdp1_flat",
+    "fsdp2_even_rowwise",
+    "num_params",
+    "plan_layout",
+    "resolve_granularity",
+    "shard_size_lower_bound",
+    "transformer_groups",
+]
