@@ -11,7 +11,7 @@ size, on CPU/gloo (or whatever backend ``--backend`` names). Printed per engine,
   re-sums every live storage after every operator, so ``resize_``-freed storage counts as
   freed), plus the process's peak RSS during the step for reference;
 * bytes communicated and bytes copied per step (forward + backward), counted per operator by
-  :class:`lightning_vescale.fsdp._counting.CopyCommCounter` (design note [fsdp-counting]).
+  :class:`lightning_vescale.testing.CopyCommCounter` (design note [copy-comm-counting]).
 
 Run from the repository root::
 
@@ -186,7 +186,7 @@ def _timing_body(cfg_kw: dict, batch: int, steps: int, warmup: int, runs: int) -
 
 def _memory_body(engine: str, cfg_kw: dict, batch: int) -> dict:
     """One engine alone in the world: peak memory and copy/communication counts of a step."""
-    from lightning_vescale.fsdp._counting import CopyCommCounter
+    from lightning_vescale.testing import CopyCommCounter
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(**cfg_kw)

@@ -66,7 +66,7 @@ def test_bf16_params_track_fp32(worlds):
 
 # -- gradient accumulation without sync -------------------------------------------------------
 def _accum_body(micro_steps):
-    from lightning_vescale.fsdp._counting import CopyCommCounter
+    from lightning_vescale.testing import CopyCommCounter
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build("gpt")
@@ -156,8 +156,7 @@ def test_frozen_params_and_inference(worlds, reshard_after_forward):
 
 # -- state_dict round trip ----------------------------------------------------------------------
 def _state_dict_body():
-    from lightning_vescale.fsdp._param_group import make_dtensor
-    from lightning_vescale.placement import RaggedShard
+    from lightning_vescale.placement import RaggedShard, ragged_from_local
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build("gpt")
@@ -166,8 +165,9 @@ def _state_dict_body():
     sd = model.state_dict()
     kinds = {k: (isinstance(v, DTensor) and isinstance(v.placements[0], RaggedShard))
              for k, v in sd.items() if not k.endswith("attn.bias")}
-    saved = {k: make_dtensor(v.to_local().clone(), v.device_mesh, v.placements[0],
-                             tuple(v.shape)) for k, v in sd.items()}
+    saved = {k: ragged_from_local(v.to_local().clone(), v.device_mesh, v.placements[0],
+                                  tuple(v.shape), autograd=False, check=False)
+             for k, v in sd.items()}
     before = local_pieces(model)
     opt = make_opt(model.parameters(), "sgd")
     x, y = batches("gpt", 1, 2 * world)[0]
@@ -245,7 +245,6 @@ class _Stack(torch.nn.Module):
 
 def _default_materialize_body():
     from lightning_vescale.fsdp import fully_shard, materialize
-    from lightning_vescale.fsdp._init import default_init
 
     with torch.device("meta"):
         model = _Stack()
@@ -267,7 +266,9 @@ def _default_materialize_body():
         torch.nn.Linear.reset_parameters = original
     ref = _Stack()
     torch.manual_seed(0)
-    default_init(ref)  # the same calls in the same order on a plain model
+    for m in ref.modules():  # the same calls in the same order on a plain model
+        if callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()
     ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
     return local_pieces(model), ref_params, max(full_numel)
 
@@ -339,9 +340,9 @@ def _prefetch_body():
         calls.clear()
         model(micro(x, rank, world), micro(y, rank, world)).backward()
         step_calls.append([(i, a) for i, a, _ in calls])
-    root = get_state(model)
-    order = [type(s.module).__name__ for s in root.fwd_order]
-    return step_calls, order, len(root.bwd_order)
+    root = get_state(model).ctx
+    order = [type(s.module).__name__ for s in root.forward_order]
+    return step_calls, order, len(root.backward_order)
 
 
 def test_prefetch_after_first_iteration(worlds):

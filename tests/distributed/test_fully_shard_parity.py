@@ -105,8 +105,7 @@ OPTS = {
 
 def make_opt(params, kind: str, dtensor: bool = False):
     cls, kw = OPTS[kind]
-    if dtensor:
-        import lightning_vescale._ragged_ops  # noqa: F401 - installs DTensor op support
+    if dtensor:  # RaggedShard DTensor ops are installed with lightning_vescale.placement
         return cls(params, **kw)
     return LocalOpt(params, cls, **kw)
 

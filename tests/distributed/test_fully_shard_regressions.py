@@ -134,7 +134,7 @@ class InputRoot(nn.Module):
 
 def _allgathers_per_step_body(steps):
     from lightning_vescale.fsdp import fully_shard
-    from lightning_vescale.fsdp._counting import CopyCommCounter
+    from lightning_vescale.testing import CopyCommCounter
 
     torch.manual_seed(0)
     model = InputRoot()
@@ -218,7 +218,7 @@ class LoRALinear(nn.Module):
 
 def _lora_body():
     from lightning_vescale.fsdp import dbuffers, fully_shard
-    from lightning_vescale.fsdp._counting import CopyCommCounter
+    from lightning_vescale.testing import CopyCommCounter
 
     torch.manual_seed(0)
     model = nn.Sequential(LoRALinear(), LoRALinear())
