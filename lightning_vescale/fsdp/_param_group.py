@@ -220,10 +220,6 @@ class ParamGroup:
                     self._register_grad_hooks(mp)
         self._count_trainable()
 
-    @property
-    def num_trainable(self) -> int:
-        return self._num_trainable
-
     def _count_trainable(self) -> None:
         self._num_trainable = sum(1 for mp in self.params if mp.requires_grad)
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tests.distributed.test_fully_shard_parity import build, batches, micro, shard
+from tests.distributed._fully_shard_helpers import batches, build, micro, shard
 
 
 def _inside(t: torch.Tensor, base: torch.Tensor) -> bool:
