@@ -66,8 +66,8 @@ def collect_params(module: nn.Module) -> list[CollectedParam]:
                     "fully_shard on a common ancestor only (e.g. leave the embedding and the "
                     "output head to the root).")
             entry = found.setdefault(id(p), CollectedParam(name, p, [], []))
-            if not any(o is m and a == attr for o, a in entry.owners):
-                entry.owners.append((m, attr))
+            if not any(o.module is m and o.attr == attr for o in entry.owners):
+                entry.owners.append(Owner(m, attr))
                 entry.aliases.append(name)
         for cname, child in m._modules.items():
             if child is None or get_state(child) is not None:

@@ -60,12 +60,13 @@ def apply_to_group(module: nn.Module, super_apply: Callable[..., Any], fn: Calla
     for mp in group.params:
         assert mp.buffer is not None
         temps[mp.name] = nn.Parameter(mp.buffer.local_view(mp.name), requires_grad=mp.requires_grad)
-        for m, a in mp.owners:
-            set_param(m, a, temps[mp.name])
+        for owner in mp.owners:
+            set_param(owner.module, owner.attr, temps[mp.name])
     try:
         ret = super_apply(fn, recurse)
     finally:
-        new = {mp.name: mp.owners[0][0]._parameters[mp.owners[0][1]] for mp in group.params}
+        new = {mp.name: mp.owners[0].module._parameters[mp.owners[0].attr]
+               for mp in group.params}
         old_dtype = {mp.name: mp.buffer.dtype for mp in group.params}  # type: ignore[union-attr]
         changed = False
         for mp in group.params:
@@ -137,8 +138,8 @@ def _swap_in_temporaries(group: ParamGroup, device: torch.device) -> dict[str, n
         assert mp.buffer is not None
         full = torch.empty(mp.shape, dtype=mp.buffer.dtype, device=device)
         temps[mp.name] = tp = nn.Parameter(full, requires_grad=mp.requires_grad)
-        for m, a in mp.owners:
-            set_param(m, a, tp)
+        for owner in mp.owners:
+            set_param(owner.module, owner.attr, tp)
     return temps
 
 

@@ -55,7 +55,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -71,8 +71,11 @@ from lightning_vescale.planner import plan_layout
 
 __all__ = ["BackwardRoot", "ManagedParam", "Owner", "ParamGroup", "set_param"]
 
-#: ``(module, attribute name)`` under which a module registers a parameter.
-Owner = tuple[nn.Module, str]
+class Owner(NamedTuple):
+    """A module that registers a parameter, and the attribute name it uses."""
+
+    module: nn.Module
+    attr: str
 
 
 def set_param(module: nn.Module, attr: str, param: nn.Parameter) -> None:
@@ -233,8 +236,8 @@ class ParamGroup:
         for mp in self.params:
             p = mp.sharded if sharded else mp.unsharded
             assert p is not None
-            for module, attr in mp.owners:
-                set_param(module, attr, p)
+            for owner in mp.owners:
+                set_param(owner.module, owner.attr, p)
         self.modules_hold_unsharded = not sharded
 
     @property
