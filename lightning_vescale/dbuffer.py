@@ -209,8 +209,8 @@ class DBuffer:
             )
         if plan.world_size != size:
             raise ValueError(
-                f"DBuffer {self.name!r}: plan.world_size={plan.world_size} does not match the process "
-                f"group size {size}; plan with world_size={size}."
+                f"DBuffer {self.name!r}: plan.world_size={plan.world_size} does not match the "
+                f"process group size {size}; plan with world_size={size}."
             )
         return rank, size
 

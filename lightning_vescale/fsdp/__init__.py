@@ -5,7 +5,7 @@ Public: :func:`fully_shard`, :class:`MixedPrecisionPolicy`, :class:`VeScaleFSDPM
 :func:`get_state`, :func:`iter_param_groups`, :func:`param_fqn_map`, :func:`dbuffers`,
 :func:`memory_bytes`, :class:`ParamGroup`, :class:`ManagedParam`, :class:`FSDPState`,
 :class:`TrainingState`. Design notes: ``api.py`` [fsdp-api], ``_param_group.py``
-[fsdp-param-objects] [fsdp-grads], ``_state.py`` [fsdp-schedule] [fsdp-reentrant],
+[fsdp-param-objects] [fsdp-grads], ``_state.py`` [fsdp-schedule] [fsdp-reentrant] [fsdp-profiling],
 ``_common.py`` [fsdp-training-state], ``_materialize.py`` [fsdp-materialize],
 ``_state_dict.py`` [fsdp-state-dict], ``lightning_vescale/dbuffer.py`` [dbuffer-memory]
 [dbuffer-views] [dbuffer-collectives].

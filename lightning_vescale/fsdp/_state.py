@@ -45,12 +45,12 @@ it reduce-scatters each group that needs it, waits for everything and reshards a
 needs a reduce when, since its last one, its forward ran with grad, its forward was recomputed
 with grad inside backward (reentrant checkpointing), or a gradient reached its outputs (a second
 backward through a retained graph). All three are structural, so every rank reduces the same
-groups. Then one small
-all-reduce (MAX) of the "received a gradient" flags tells every rank which parameters received
-one on *any* rank: exactly those get a sharded gradient, as in single-process training over the
-global batch (:meth:`RootContext._publish_grads`). Whether a group reduces, at its structural
-completion or in the final callback, is :meth:`ParamGroup.should_reduce`. Forward and backward orders are recorded on
-the first iteration. A forward that runs *inside* backward (activation-checkpointing recompute,
+groups; whether a group reduces, at its structural completion or in the final callback, is
+decided by :meth:`ParamGroup.should_reduce` alone. Then one small all-reduce (MAX) of the
+"received a gradient" flags tells every rank which parameters received one on *any* rank:
+exactly those get a sharded gradient, as in single-process training over the global batch
+(:meth:`RootContext._publish_grads`). Forward and backward orders are recorded on the first
+iteration. A forward that runs *inside* backward (activation-checkpointing recompute,
 detected with ``torch._C._current_graph_task_id()``) leaves the group unsharded and registers
 nothing. No-grad/inference forwards reshard every group at the root's post-forward.
 
@@ -68,7 +68,9 @@ pre-backward hooks on the outputs). An inner call only makes sure the group is u
 depth is counted per state and decremented by a forward hook with ``always_call=True``, so a
 forward that raises cannot leave it (or the ``FORWARD`` training state) stuck.
 
-Profiling: every hook and collective runs under a ``record_function("vescale::...")`` label
+Design note [fsdp-profiling]
+----------------------------
+Every hook and collective runs under a ``record_function("vescale::...")`` label
 (``lazy_init``, ``root_pre_forward``, ``pre_forward``, ``post_forward``, ``pre_backward``,
 ``grad_arrival``, ``post_backward``, ``post_backward_final_callback``,
 ``grad_flags_all_reduce``, and in the DBuffer ``all_gather`` / ``reduce_scatter``), as FSDP2's

@@ -123,7 +123,7 @@ def test_parity_still_holds_after_an_extra_forward(worlds):
 
 
 # -- profiler labels ------------------------------------------------------------------------------
-#: Labels one training step must show (design note [fsdp-schedule], "Profiling").
+#: Labels one training step must show (design note [fsdp-profiling]).
 STEP_LABELS = {
     "vescale::lazy_init", "vescale::root_pre_forward", "vescale::pre_forward",
     "vescale::post_forward", "vescale::pre_backward", "vescale::grad_arrival",
