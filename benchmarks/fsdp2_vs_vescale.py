@@ -11,7 +11,7 @@ size, on CPU/gloo (or whatever backend ``--backend`` names). Printed per engine,
   re-sums every live storage after every operator, so ``resize_``-freed storage counts as
   freed), plus the process's peak RSS during the step for reference;
 * bytes communicated and bytes copied per step (forward + backward), counted per operator by
-  :class:`lightning_vescale.fsdp._counting.CopyCommCounter` (design note [fsdp-counting]).
+  :class:`lightning_vescale.testing.CopyCommCounter` (design note [copy-comm-counting]).
 
 Run from the repository root::
 
@@ -28,7 +28,7 @@ import gc
 import statistics
 import time
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -120,7 +120,20 @@ def _rss_hwm() -> int:
 # ------------------------------------------------------------------------------------------------
 # one engine
 # ------------------------------------------------------------------------------------------------
-def _build(engine: str, cfg: GPTConfig, seed: int = 0):
+class Engine(NamedTuple):
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+
+
+class StepTimes(NamedTuple):
+    """Wall times of one training step, in seconds."""
+
+    loss: float
+    fwd_bwd_s: float
+    optim_s: float
+
+
+def _build(engine: str, cfg: GPTConfig, seed: int = 0) -> Engine:
     torch.manual_seed(seed)
     model = GPT(cfg)
     if engine == "vescale":
@@ -131,19 +144,17 @@ def _build(engine: str, cfg: GPTConfig, seed: int = 0):
         fully_shard(block)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
-    return model, opt
+    return Engine(model, opt)
 
 
-def _step(model, opt, x, y, phases: list | None = None) -> float:
+def _step(model, opt, x, y) -> StepTimes:
     t0 = time.perf_counter()
     loss = model(x, y)
     loss.backward()
     t1 = time.perf_counter()
     opt.step()
     opt.zero_grad()
-    if phases is not None:
-        phases.append((t1 - t0, time.perf_counter() - t1))
-    return loss.item()
+    return StepTimes(loss=loss.item(), fwd_bwd_s=t1 - t0, optim_s=time.perf_counter() - t1)
 
 
 def _micro(batches, rank: int, world: int):
@@ -162,31 +173,32 @@ def _timing_body(cfg_kw: dict, batch: int, steps: int, warmup: int, runs: int) -
     data = _micro(make_batches(warmup + steps, batch * world, cfg.block_size), rank, world)
     engines = {e: _build(e, cfg) for e in ENGINES}
     times: dict[str, list[float]] = {e: [] for e in ENGINES}
-    phases: dict[str, list] = {e: [] for e in ENGINES}
+    fwd_bwd: dict[str, list[float]] = {e: [] for e in ENGINES}
+    optim: dict[str, list[float]] = {e: [] for e in ENGINES}
     losses: dict[str, list[float]] = {e: [] for e in ENGINES}
     k = 0
     for run in range(runs):
         for i, (x, y) in enumerate(data):
             k += 1
             for e in (ENGINES if k % 2 else ENGINES[::-1]):
-                model, opt = engines[e]
                 dist.barrier()
                 t0 = time.perf_counter()
-                ph: list = []
-                loss = _step(model, opt, x, y, ph)
+                step = _step(engines[e].model, engines[e].opt, x, y)
                 dt = time.perf_counter() - t0
                 if run == 0:
-                    losses[e].append(loss)
+                    losses[e].append(step.loss)
                 if i >= warmup:
                     times[e].append(dt)
-                    phases[e].append(ph[0])
-    nparams = sum(p.numel() for p in engines["fsdp2"][0].parameters())
-    return {"times": times, "phases": phases, "losses": losses, "nparams": nparams}
+                    fwd_bwd[e].append(step.fwd_bwd_s)
+                    optim[e].append(step.optim_s)
+    nparams = sum(p.numel() for p in engines["fsdp2"].model.parameters())
+    return {"times": times, "fwd_bwd": fwd_bwd, "optim": optim, "losses": losses,
+            "nparams": nparams}
 
 
 def _memory_body(engine: str, cfg_kw: dict, batch: int) -> dict:
     """One engine alone in the world: peak memory and copy/communication counts of a step."""
-    from lightning_vescale.fsdp._counting import CopyCommCounter
+    from lightning_vescale.testing import CopyCommCounter
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(**cfg_kw)
@@ -236,9 +248,9 @@ def run(world_size: int, cfg_kw: dict, batch: int, steps: int, warmup: int,
         out[e] = {
             "median_step_s": statistics.median(per_step),
             "median_fwd_bwd_s": statistics.median(
-                max(ps) for ps in zip(*([p[0] for p in r["phases"][e]] for r in timing))),
+                max(ps) for ps in zip(*(r["fwd_bwd"][e] for r in timing))),
             "median_optim_s": statistics.median(
-                max(ps) for ps in zip(*([p[1] for p in r["phases"][e]] for r in timing))),
+                max(ps) for ps in zip(*(r["optim"][e] for r in timing))),
             "min_step_s": min(per_step),
             "steps_timed": len(per_step),
             "_all": len(all_times),
@@ -275,7 +287,7 @@ def report(res: dict[str, Any]) -> str:
          v["copies"] / f["copies"] if f["copies"] else float("nan")),
         ("collectives / step", str(v["comms"]), str(f["comms"]), v["comms"] / f["comms"]),
     ]
-    w = max(len(r[0]) for r in rows)
+    w = max(len(name) for name, *_ in rows)
     lines = [f"GPT with {res['nparams'] / 1e6:.2f}M parameters, world size {res['world_size']}, "
              f"{v['steps_timed']} timed steps per engine (slowest rank per step)",
              f"{'':<{w}}  {'vescale':>14}  {'fsdp2':>14}  {'ratio':>7}"]

@@ -35,7 +35,7 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from examples.gpt import GPT, GPTConfig, CharDataset  # noqa: E402
-from lightning_vescale.callbacks.memory import MemoryProfiler  # noqa: E402
+from lightning_vescale import MemoryProfiler  # noqa: E402
 
 
 class LitGPT(L.LightningModule):

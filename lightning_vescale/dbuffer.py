@@ -50,14 +50,16 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
+from lightning_vescale.mesh import MeshInfo
+from lightning_vescale.placement import RaggedShard, local_slice
 from lightning_vescale.planner import LayoutPlan
-from lightning_vescale.placement import RaggedShard
 
 __all__ = ["DBuffer", "CommHandle", "live_dbuffers"]
 
@@ -78,11 +80,6 @@ class CommHandle:
         self._work = work
         self._epilogue = epilogue
         self._done = False
-
-    @property
-    def done(self) -> bool:
-        """True once :meth:`wait` has run."""
-        return self._done
 
     def wait(self) -> None:
         """Block until the collective finished and its buffer epilogue ran."""
@@ -131,10 +128,12 @@ class DBuffer:
 
     Args:
         plan: the group's layout (from :func:`~lightning_vescale.planner.plan_layout`); its
-            ``world_size`` must equal the process group's size.
+            ``world_size`` must equal the shard group's size.
         dtype: dtype of the persistent shard and sharded gradients (the master copy).
         device: where all storage lives (``"meta"`` allowed: no storage, no collectives).
-        group: the process group (``None``: the default group).
+        mesh_info: the group's :class:`~lightning_vescale.mesh.MeshInfo`; collectives run in its
+            shard group and this rank's slice is its ``shard_rank``. ``None``: the default
+            process group (or, without one, a single process), for a buffer used on its own.
         param_dtype: dtype of the unsharded parameters/gradients and of the all-gather
             (default ``dtype``).
         reduce_dtype: dtype of the reduce-scatter (default ``param_dtype``).
@@ -148,32 +147,18 @@ class DBuffer:
         *,
         dtype: torch.dtype,
         device: torch.device | str,
-        group: dist.ProcessGroup | None = None,
+        mesh_info: MeshInfo | None = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         name: str = "",
     ) -> None:
         self.plan = plan
         self.name = name
-        self.group = group
+        self.mesh_info = mesh_info
+        self.group = mesh_info.shard_group if mesh_info is not None else None
         self.device = torch.device(device)
         self.is_meta = self.device.type == "meta"
-        if self.is_meta or not dist.is_initialized():
-            if plan.world_size != 1 and not self.is_meta:
-                raise ValueError(
-                    f"DBuffer {name!r}: plan.world_size={plan.world_size} needs an initialised "
-                    "process group; call torch.distributed.init_process_group first."
-                )
-            self.rank = dist.get_rank(group) if dist.is_initialized() else 0
-            self.world_size = plan.world_size
-        else:
-            self.rank = dist.get_rank(group)
-            self.world_size = dist.get_world_size(group)
-        if plan.world_size != self.world_size:
-            raise ValueError(
-                f"DBuffer {name!r}: plan.world_size={plan.world_size} does not match the process "
-                f"group size {self.world_size}; plan with world_size={self.world_size}."
-            )
+        self.rank, self.world_size = self._rank_and_size(plan, mesh_info)
         self.dtype = dtype
         self.param_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
@@ -207,25 +192,32 @@ class DBuffer:
         self.free_grad()
         _LIVE.add(self)
 
+    def _rank_and_size(self, plan: LayoutPlan, mesh_info: MeshInfo | None) -> tuple[int, int]:
+        """This rank's index and the group size; the plan must be for that many ranks."""
+        if mesh_info is not None:
+            rank, size = mesh_info.shard_rank, mesh_info.shard_size
+        elif dist.is_initialized():
+            rank, size = dist.get_rank(), dist.get_world_size()
+        else:
+            rank, size = 0, 1
+        if self.is_meta:  # planned without storage: no collective will run
+            size = plan.world_size
+        elif mesh_info is None and not dist.is_initialized() and plan.world_size != 1:
+            raise ValueError(
+                f"DBuffer {self.name!r}: plan.world_size={plan.world_size} needs an initialised "
+                "process group; call torch.distributed.init_process_group first."
+            )
+        if plan.world_size != size:
+            raise ValueError(
+                f"DBuffer {self.name!r}: plan.world_size={plan.world_size} does not match the "
+                f"process group size {size}; plan with world_size={size}."
+            )
+        return rank, size
+
     # -- introspection ---------------------------------------------------------------------------
-    live = staticmethod(live_dbuffers)  #: ``DBuffer.live()``: every DBuffer alive in this process
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """Tensor names in buffer order."""
-        return tuple(self._shapes)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """Global shape of tensor ``name``."""
-        return self._shapes[name]
-
     def placement(self, name: str) -> RaggedShard:
         """The tensor's ``RaggedShard`` placement (from the plan)."""
         return self.plan.placement(name)
-
-    def local_slice(self, name: str) -> tuple[int, int]:
-        """``[start, end)`` of tensor ``name``'s owned part inside :attr:`shard`."""
-        return self._local[name]
 
     def __repr__(self) -> str:
         return (f"DBuffer({self.name!r}, tensors={len(self._shapes)}, S={self.shard_size}, "
@@ -328,23 +320,13 @@ class DBuffer:
             "comm": self._comm_bytes,
         }
 
-    # -- group operations --------------------------------------------------------------------------
-    def zero_grad_shard(self) -> None:
-        """Zero the sharded gradients (one kernel)."""
-        if self.grad_shard is not None:
-            self.grad_shard.zero_()
-
-    def scale_grad_shard(self, factor: float) -> None:
-        """Multiply the sharded gradients by ``factor`` (one kernel)."""
-        if self.grad_shard is not None:
-            self.grad_shard.mul_(factor)
-
+    # -- loading ---------------------------------------------------------------------------------
     def load_local_(self, name: str, full_tensor: torch.Tensor) -> None:
         """Copy the owned part of ``full_tensor`` (global shape) into the shard (init/load only)."""
-        a, b = self.plan.local_range(name, self.rank)
-        if b > a:
+        view = self._local_views[name]
+        if view.numel():
             with torch.no_grad():
-                self._local_views[name].copy_(full_tensor.detach().reshape(-1)[a:b])
+                view.copy_(local_slice(full_tensor.detach(), self.placement(name), self.rank))
 
     # -- collectives -------------------------------------------------------------------------------
     def _check_collective(self) -> None:
@@ -361,6 +343,10 @@ class DBuffer:
         unless ``async_op``).
         """
         self._check_collective()
+        with record_function("vescale::all_gather"):
+            return self._all_gather(async_op)
+
+    def _all_gather(self, async_op: bool) -> CommHandle:
         self.materialize()
         if self.param_dtype == self.dtype:
             inp = self.shard
@@ -390,6 +376,11 @@ class DBuffer:
         """
         self._check_collective()
         rop = _resolve_op(op)
+        with record_function("vescale::reduce_scatter"):
+            return self._reduce_scatter(async_op, rop, accumulate)
+
+    def _reduce_scatter(self, async_op: bool, rop: dist.ReduceOp,
+                        accumulate: bool) -> CommHandle:
         direct = not accumulate and self.reduce_dtype == self.dtype
         gs = self._ensure_grad_shard(zero=not direct)
         inp = self.grad_full if self.reduce_dtype == self.param_dtype else \
@@ -421,12 +412,3 @@ class DBuffer:
         if not async_op:
             handle.wait()
         return handle
-
-    def mark_grad_consumed(self) -> None:
-        """Record that :attr:`grad_full` was reduced: the next backward starts from zero."""
-        self._grad_fresh = True
-
-    def iter_views(self) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
-        """``(name, param_view, local_view)`` for every tensor, in buffer order."""
-        for n in self._shapes:
-            yield n, self._param_views[n], self._local_views[n]

@@ -3,19 +3,25 @@
 Public: :func:`fully_shard`, :class:`MixedPrecisionPolicy`, :class:`VeScaleFSDPModule`,
 :func:`materialize`. Introspection for the strategy, optimizers and the memory profiler:
 :func:`get_state`, :func:`iter_param_groups`, :func:`param_fqn_map`, :func:`dbuffers`,
-:func:`memory_bytes`. Design notes: ``api.py`` [fsdp-api], ``_param_group.py``
-[fsdp-param-objects] [fsdp-grads], ``_state.py`` [fsdp-schedule], ``_init.py`` [fsdp-init],
-``lightning_vescale/dbuffer.py`` [dbuffer-memory] [dbuffer-views] [dbuffer-collectives].
+:func:`memory_bytes`, :class:`ParamGroup`, :class:`ManagedParam`, :class:`FSDPState`,
+:class:`TrainingState`. Design notes: ``api.py`` [fsdp-api], ``_param_group.py``
+[fsdp-param-objects] [fsdp-grads], ``_state.py`` [fsdp-schedule] [fsdp-reentrant] [fsdp-profiling],
+``_common.py`` [fsdp-training-state], ``_materialize.py`` [fsdp-materialize],
+``_state_dict.py`` [fsdp-state-dict], ``lightning_vescale/dbuffer.py`` [dbuffer-memory]
+[dbuffer-views] [dbuffer-collectives].
+
+Modules import one way: ``api`` -> ``_collect`` / ``_materialize`` / ``_state_dict`` ->
+``_state`` -> ``_param_group`` -> ``_policy`` / ``_common``.
 """
 
-from lightning_vescale.fsdp._init import materialize
+from lightning_vescale.fsdp._common import TrainingState
+from lightning_vescale.fsdp._materialize import materialize
 from lightning_vescale.fsdp._param_group import ManagedParam, ParamGroup
 from lightning_vescale.fsdp._state import FSDPState, get_state
 from lightning_vescale.fsdp.api import (
     MixedPrecisionPolicy,
     VeScaleFSDPModule,
     dbuffers,
-    default_mesh,
     fully_shard,
     iter_param_groups,
     memory_bytes,
@@ -27,9 +33,9 @@ __all__ = [
     "ManagedParam",
     "MixedPrecisionPolicy",
     "ParamGroup",
+    "TrainingState",
     "VeScaleFSDPModule",
     "dbuffers",
-    "default_mesh",
     "fully_shard",
     "get_state",
     "iter_param_groups",

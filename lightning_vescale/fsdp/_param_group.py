@@ -14,7 +14,9 @@ Every managed parameter has two long-lived ``nn.Parameter`` objects:
 
 Swapping is a dict assignment in each owner's ``_parameters`` (tied parameters have several
 owners), as in FSDP2. Both objects are rebuilt only when the module moves device/dtype
-(``_apply``, see design note [fsdp-init]).
+(``_apply``, see design note [fsdp-materialize]). :attr:`ParamGroup.modules_hold_unsharded` says
+which of the two the modules hold; :attr:`ParamGroup.is_unsharded` is also true while an
+all-gather that will give them the unsharded ones is in flight (a prefetch).
 
 Design note [fsdp-grads]
 ------------------------
@@ -32,6 +34,15 @@ rank gets ``sharded.grad`` = a DTensor view into the sharded gradient
 (:meth:`ParamGroup.publish_grads`); parameters that received none anywhere keep ``grad=None``,
 as in single-process training.
 
+The group keeps its own backward bookkeeping: ``needs_reduce`` (set by the structural events
+of design note [fsdp-schedule], cleared by a reduce-scatter), the first gradient (materialise
+``grad_full``; make sure the root's final callback is queued), the arrivals that time the
+early backward prefetch (once half of the trainable parameters have a gradient; at most once
+per backward) and its :class:`~lightning_vescale.fsdp._common.TrainingState`. Whether the group
+reduce-scatters now is decided in one place, :meth:`ParamGroup.should_reduce`. What is
+root-wide (which group to prefetch, the final callback) the group asks of the root context
+(:class:`BackwardRoot`), never of a module state.
+
 Parameters that are frozen when the group is built (``requires_grad=False``: a frozen base
 model under LoRA, say) go into a DBuffer of their own, which never allocates a gradient buffer
 and is never reduce-scattered: gradient memory and reduce-scatter traffic follow the trainable
@@ -41,24 +52,30 @@ later simply makes its buffer carry gradients from then on; no rebuild is needed
 
 from __future__ import annotations
 
-import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
 from lightning_vescale.dbuffer import CommHandle, DBuffer
+from lightning_vescale.fsdp._common import TrainingState
+from lightning_vescale.fsdp._policy import MixedPrecisionPolicy
+from lightning_vescale.mesh import MeshInfo
 from lightning_vescale.placement import ragged_from_local
 from lightning_vescale.planner import plan_layout
 
-__all__ = ["ManagedParam", "ParamGroup"]
+__all__ = ["BackwardRoot", "ManagedParam", "Owner", "ParamGroup", "set_param"]
 
-Owner = tuple[nn.Module, str]
+class Owner(NamedTuple):
+    """A module that registers a parameter, and the attribute name it uses."""
+
+    module: nn.Module
+    attr: str
 
 
 def set_param(module: nn.Module, attr: str, param: nn.Parameter) -> None:
@@ -69,17 +86,7 @@ def set_param(module: nn.Module, attr: str, param: nn.Parameter) -> None:
         setattr(module, attr, param)
 
 
-def make_dtensor(local: torch.Tensor, mesh: DeviceMesh, placement: Any,
-                 shape: tuple[int, ...]) -> DTensor:
-    """A RaggedShard DTensor whose local tensor *is* ``local`` (no view_as, no autograd)."""
-    return ragged_from_local(local, mesh, placement, shape, autograd=False, check=False)
-
-
-def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-
-
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class ManagedParam:
     """One parameter of a group (see design note [fsdp-param-objects])."""
 
@@ -92,13 +99,19 @@ class ManagedParam:
     unsharded: nn.Parameter | None = None
     got_grad: bool = False  # received a gradient since its last reduce-scatter
     aliases: list[str] = field(default_factory=list)  # all names (tied params have several)
-    original: Any = None  # weakref to the user's parameter before sharding (tie detection)
+    #: weak reference to the user's parameter before sharding (tie detection by later groups)
+    original_weakref: weakref.ref | None = None
     hooks: list[Any] = field(default_factory=list)
 
-    def local_tensor(self) -> torch.Tensor:
-        """The rank's owned 1-D part (a view into the DBuffer's shard)."""
-        assert self.buffer is not None
-        return self.buffer.local_view(self.name)
+
+class BackwardRoot(Protocol):
+    """What a group's gradient hooks ask of the root (``_state.RootContext`` implements it)."""
+
+    def queue_final_callback(self) -> None:
+        """Make sure the end-of-backward callback runs after this backward."""
+
+    def prefetch_backward(self, group: "ParamGroup") -> None:
+        """All-gather the group that follows ``group`` in the recorded backward order."""
 
 
 class ParamGroup:
@@ -106,31 +119,42 @@ class ParamGroup:
 
     Not a public constructor: :func:`lightning_vescale.fsdp.fully_shard` builds it. The
     strategy, optimizers and the memory profiler may read :attr:`params` and :attr:`buffers`.
+
+    Args:
+        params: the managed parameters (names relative to the group's module).
+        mesh_info: the shard group (every DBuffer and DTensor of the group uses it).
+        mp_policy: the user's policy, kept whole: DBuffer dtypes come from it.
+        granularity: block size per parameter name (elements, ``"row"``, ``"<k>rows"``).
+        reshard_after_forward: free the unsharded parameters after forward.
+        fqn: a label for buffer names and error messages.
     """
 
-    def __init__(self, *, module: nn.Module, params: list[ManagedParam], mesh: DeviceMesh,
-                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
-                 granularity: Callable[[str, tuple[int, ...]], Any], fqn: str = "") -> None:
-        self.module_ref = module
+    def __init__(self, *, params: list[ManagedParam], mesh_info: MeshInfo,
+                 mp_policy: MixedPrecisionPolicy, granularity: dict[str, int | str],
+                 reshard_after_forward: bool, fqn: str = "") -> None:
         self.fqn = fqn
         self.params = params
-        self.mesh = mesh
-        self.param_dtype = param_dtype
-        self.reduce_dtype = reduce_dtype
-        self._granularity = granularity
+        self.mesh_info = mesh_info
+        self.mp_policy = mp_policy
+        self.granularity = granularity
+        self.reshard_after_forward = reshard_after_forward
+        self.reduce_grads = True  # set_requires_gradient_sync
         # One DBuffer per (dtype, trainable at build time); see design note [fsdp-grads].
         self.buffers: dict[tuple[torch.dtype, bool], DBuffer] = {}
-        self.unsharded_now = False  # modules currently hold the unsharded parameters
+        self.modules_hold_unsharded = False
         self._gather: list[CommHandle] | None = None  # in-flight all-gathers
         self._reduce: list[CommHandle] | None = None  # in-flight reduce-scatters
-        self._arrived = 0
-        self._grads_ready = False  # grad_full materialised and unsharded .grads point at it
-        # Structural per-iteration flags (design note [fsdp-grads]): the same on every rank.
-        self.needs_reduce = False  # forward ran with grad since the last reduce-scatter
-        self.reduced = False  # reduce-scattered in the current backward
-        self.on_first_grad: Callable[[ParamGroup], None] | None = None
-        self.on_half: Callable[[ParamGroup], None] | None = None
         self._num_trainable = 0
+        # -- backward bookkeeping (design note [fsdp-grads]) --
+        self.root: BackwardRoot | None = None  # set by the root's lazy init
+        self.training_state = TrainingState.IDLE
+        # Structural (the same on every rank): the group's gradients must be reduced since it
+        # ran forward with grad / was recomputed with grad / got output gradients.
+        self.needs_reduce = False
+        self.reduced = False  # reduce-scattered in the current backward
+        self._grads_ready = False  # grad_full materialised and unsharded .grads point at it
+        self._arrived = 0  # trainable parameters that received a gradient in this backward
+        self._backward_prefetched = False
 
     # -- construction --------------------------------------------------------------------------
     def build(self, sources: dict[str, torch.Tensor], device: torch.device,
@@ -141,22 +165,19 @@ class ParamGroup:
         shape), or with ``local_sources`` the rank's 1-D local part. Meta sources copy nothing.
         """
         for mp in self.params:
-            for h in mp.hooks:
-                h.remove()
-            mp.hooks.clear()
+            self._remove_grad_hooks(mp)
         buckets: dict[tuple[torch.dtype, bool], list[ManagedParam]] = {}
         for mp in self.params:
             buckets.setdefault((sources[mp.name].dtype, mp.requires_grad), []).append(mp)
-        world = self.mesh.size()
-        group = self.mesh.get_group()
         self.buffers = {}
+        policy = self.mp_policy
         for (dtype, trainable), mps in buckets.items():
-            specs = [(mp.name, mp.shape, self._granularity(mp.name, mp.shape)) for mp in mps]
-            plan = plan_layout(specs, world)
-            pdt = self.param_dtype if self.param_dtype is not None else dtype
-            rdt = self.reduce_dtype if self.reduce_dtype is not None else pdt
-            buf = DBuffer(plan, dtype=dtype, device=device, group=group, param_dtype=pdt,
-                          reduce_dtype=rdt,
+            specs = [(mp.name, mp.shape, self.granularity[mp.name]) for mp in mps]
+            plan = plan_layout(specs, self.mesh_info.shard_size)
+            pdt = policy.param_dtype if policy.param_dtype is not None else dtype
+            rdt = policy.reduce_dtype if policy.reduce_dtype is not None else pdt
+            buf = DBuffer(plan, dtype=dtype, device=device, mesh_info=self.mesh_info,
+                          param_dtype=pdt, reduce_dtype=rdt,
                           name=f"{self.fqn or '<root>'}[{dtype}{'' if trainable else ', frozen'}]")
             self.buffers[(dtype, trainable)] = buf
             for mp in mps:
@@ -172,7 +193,7 @@ class ParamGroup:
         self._arrived = 0
         self._count_trainable()
         self._grads_ready = False
-        self.unsharded_now = False
+        self.modules_hold_unsharded = False
         self._gather = None
         self._reduce = None
         self.swap(sharded=True)
@@ -181,35 +202,13 @@ class ParamGroup:
         buf = mp.buffer
         assert buf is not None
         local = buf.local_view(mp.name)
-        dt = make_dtensor(local, self.mesh, buf.placement(mp.name), mp.shape)
+        dt = ragged_from_local(local, self.mesh_info.mesh, buf.placement(mp.name), mp.shape,
+                               autograd=False, check=False)
         mp.sharded = nn.Parameter(dt, requires_grad=mp.requires_grad)
         mp.unsharded = nn.Parameter(buf.param_view(mp.name), requires_grad=mp.requires_grad)
         mp.got_grad = False
-        if buf.is_meta:
-            return
-        if mp.requires_grad:
-            mp.hooks.append(mp.unsharded.register_hook(self._make_grad_pre_hook(mp)))
-            mp.hooks.append(mp.unsharded.register_post_accumulate_grad_hook(
-                self._make_grad_post_hook(mp)))
-
-    # -- views of the group -----------------------------------------------------------------------
-    @property
-    def module(self) -> nn.Module:
-        return self.module_ref
-
-    def named_sharded_params(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """``(name relative to the group's module, sharded parameter)`` pairs."""
-        for mp in self.params:
-            assert mp.sharded is not None
-            yield mp.name, mp.sharded
-
-    def memory_bytes(self) -> dict[str, int]:
-        """Sum of :meth:`DBuffer.memory_bytes` over the group's buffers."""
-        out: dict[str, int] = {}
-        for buf in self.buffers.values():
-            for k, v in buf.memory_bytes().items():
-                out[k] = out.get(k, 0) + v
-        return out
+        if not buf.is_meta and mp.requires_grad:
+            self._register_grad_hooks(mp)
 
     def sync_requires_grad(self) -> None:
         """Follow ``requires_grad_`` calls users made on the sharded parameters."""
@@ -219,28 +218,33 @@ class ParamGroup:
             if rg != mp.requires_grad:
                 mp.requires_grad = rg
                 mp.unsharded.requires_grad_(rg)
-                for h in mp.hooks:
-                    h.remove()
-                mp.hooks.clear()
+                self._remove_grad_hooks(mp)
                 if rg:
-                    mp.hooks.append(mp.unsharded.register_hook(self._make_grad_pre_hook(mp)))
-                    mp.hooks.append(mp.unsharded.register_post_accumulate_grad_hook(
-                        self._make_grad_post_hook(mp)))
+                    self._register_grad_hooks(mp)
         self._count_trainable()
+
+    def _count_trainable(self) -> None:
+        self._num_trainable = sum(1 for mp in self.params if mp.requires_grad)
+
+    def trainable(self) -> list[ManagedParam]:
+        """The parameters that take part in reduce-scatters (a fixed order on every rank)."""
+        return [mp for mp in self.params if mp.requires_grad and mp.buffer is not None]
 
     # -- unshard / reshard ----------------------------------------------------------------------
     def swap(self, *, sharded: bool) -> None:
+        """Register the sharded (or the unsharded) parameter objects in every owner module."""
         for mp in self.params:
             p = mp.sharded if sharded else mp.unsharded
             assert p is not None
-            for module, attr in mp.owners:
-                set_param(module, attr, p)
-        self.unsharded_now = not sharded
+            for owner in mp.owners:
+                set_param(owner.module, owner.attr, p)
+        self.modules_hold_unsharded = not sharded
 
     @property
     def is_unsharded(self) -> bool:
-        """True while modules hold the unsharded parameters (or an all-gather is in flight)."""
-        return self.unsharded_now or self._gather is not None
+        """True while modules hold the unsharded parameters or an all-gather for them is in
+        flight (a prefetch): :meth:`unshard` has nothing left to start."""
+        return self.modules_hold_unsharded or self._gather is not None
 
     def unshard(self, async_op: bool = False) -> None:
         """Start (or run) the all-gather of every buffer; no-op if already (being) unsharded."""
@@ -254,37 +258,114 @@ class ParamGroup:
 
     def wait_for_unshard(self) -> None:
         """Finish an in-flight all-gather and register the unsharded parameters."""
-        if self._gather is not None:
-            for h in self._gather:
-                h.wait()
-            self._gather = None
-        if not self.unsharded_now:
+        self._wait_for_gather()
+        if not self.modules_hold_unsharded:
             self.swap(sharded=False)
 
     def reshard(self) -> None:
         """Free the unsharded storage and register the sharded parameters."""
+        self._wait_for_gather()
+        for buf in self.buffers.values():
+            buf.free()
+        if self.modules_hold_unsharded:
+            self.swap(sharded=True)
+
+    def _wait_for_gather(self) -> None:
         if self._gather is not None:
             for h in self._gather:
                 h.wait()
             self._gather = None
-        for buf in self.buffers.values():
-            buf.free()
-        if self.unsharded_now:
-            self.swap(sharded=True)
+
+    # -- backward bookkeeping (design notes [fsdp-grads], [fsdp-training-state]) ----------------
+    def expect_gradients(self) -> None:
+        """Mark that this group's gradients must be reduced (a structural event: a forward with
+        grad, a recompute with grad inside backward, or gradients reaching its outputs)."""
+        if self._num_trainable:
+            self.needs_reduce = True
+
+    def should_reduce(self) -> bool:
+        """Whether the group reduce-scatters its gradients now: the one place that decides.
+
+        Gradient sync must be on and the group must need a reduce (``needs_reduce``, which a
+        reduce-scatter clears: a group reduced once in a backward is not reduced again).
+        """
+        return self.reduce_grads and self.needs_reduce
+
+    def pre_backward(self) -> None:
+        """A gradient reached the group's outputs: unshard for backward."""
+        self.training_state = TrainingState.PRE_BACKWARD
+        # E.g. a second backward through a retained graph after the first one reduced the
+        # group: this backward's gradients must be reduced too.
+        self.expect_gradients()
+        self.unshard()
+        self.wait_for_unshard()
+        if self._num_trainable == 0:
+            self.prefetch_backward_once()  # else when half of the gradients arrived
+
+    def post_backward(self) -> None:
+        """The group's backward is complete (on every rank at this point): reshard.
+
+        A backward prefetch the gradient arrivals did not trigger yet is issued first, so every
+        rank issues the next group's all-gather before this group's reduce-scatter; the caller
+        then reduces if :meth:`should_reduce`.
+        """
+        self.training_state = TrainingState.POST_BACKWARD
+        self.prefetch_backward_once()
+        self.reshard()  # parameters are done: free them before the reduce-scatter runs
+
+    def prefetch_backward_once(self) -> None:
+        """Ask the root to all-gather the next group in backward order, once per backward."""
+        if self._backward_prefetched or self.root is None:
+            return
+        self._backward_prefetched = True
+        self.root.prefetch_backward(self)
+
+    def reset_backward(self) -> None:
+        """Forget this iteration's backward (the end of a backward, or the root's pre-forward)."""
+        self.training_state = TrainingState.IDLE
+        self._arrived = 0
+        self.reduced = False
+        self._backward_prefetched = False
 
     # -- gradients (design note [fsdp-grads]) ---------------------------------------------------
+    def _register_grad_hooks(self, mp: ManagedParam) -> None:
+        assert mp.unsharded is not None
+        mp.hooks.append(mp.unsharded.register_hook(self._make_grad_pre_hook(mp)))
+        mp.hooks.append(mp.unsharded.register_post_accumulate_grad_hook(
+            self._make_grad_post_hook(mp)))
+
+    @staticmethod
+    def _remove_grad_hooks(mp: ManagedParam) -> None:
+        for h in mp.hooks:
+            h.remove()
+        mp.hooks.clear()
+
     # Hooks on tensors live in C++ (invisible to Python's cycle collector), so they refer to
     # the group and the parameter entry weakly: a strong closure would keep the whole model
     # alive forever through tensor -> hook -> group -> tensor.
     def _make_grad_pre_hook(self, mp: ManagedParam) -> Callable[[torch.Tensor], None]:
-        gref = weakref.ref(self)
+        group_weakref = weakref.ref(self)
 
         def hook(grad: torch.Tensor) -> None:
-            group = gref()
-            if group is None:
-                return
-            if group.reduced:
-                name = f"{group.fqn}.{mp.name}" if group.fqn else mp.name
+            group = group_weakref()
+            if group is not None:
+                group._on_gradient(mp)
+        return hook
+
+    def _make_grad_post_hook(self, mp: ManagedParam) -> Callable[[torch.Tensor], None]:
+        group_weakref, mp_weakref = weakref.ref(self), weakref.ref(mp)
+
+        def hook(param: torch.Tensor) -> None:
+            group, entry = group_weakref(), mp_weakref()
+            if group is not None and entry is not None:
+                group._on_gradient_accumulated(entry)
+        return hook
+
+    def _on_gradient(self, mp: ManagedParam) -> None:
+        """A gradient is about to be accumulated into ``mp`` (before ``AccumulateGrad``)."""
+        with record_function("vescale::grad_arrival"):
+            if self.reduced:
+                name = f"{self.fqn}.{mp.name}" if self.fqn else mp.name
                 raise RuntimeError(
                     f"fully_shard: parameter {name!r} received its gradient after its group was "
                     "reduce-scattered, i.e. after the gradients of its module's inputs were "
@@ -300,31 +381,18 @@ class ParamGroup:
                     "(higher-order gradients): gradients are reduce-scattered from a flat "
                     "buffer that an out-of-place gradient would bypass. Compute the "
                     "higher-order term on an unsharded copy of the model instead.")
-            group.prepare_grads()
-            if group.on_first_grad is not None:
-                group.on_first_grad(group)
-        return hook
+            self.prepare_grads()
+            if self.root is not None:
+                self.root.queue_final_callback()
 
-    def _make_grad_post_hook(self, mp: ManagedParam) -> Callable[[torch.Tensor], None]:
-        gref, mref = weakref.ref(self), weakref.ref(mp)
-
-        def hook(param: torch.Tensor) -> None:
-            group, entry = gref(), mref()
-            if group is None or entry is None:
-                return
-            entry.got_grad = True
-            group._arrived += 1
-            n = group._num_trainable
-            if group._arrived == max(1, n // 2) and group.on_half is not None:
-                group.on_half(group)  # early backward prefetch (timing only, never a reduce)
-        return hook
-
-    @property
-    def num_trainable(self) -> int:
-        return self._num_trainable
-
-    def _count_trainable(self) -> None:
-        self._num_trainable = sum(1 for mp in self.params if mp.requires_grad)
+    def _on_gradient_accumulated(self, mp: ManagedParam) -> None:
+        """``mp``'s gradient was accumulated: count it (it times the backward prefetch only)."""
+        mp.got_grad = True
+        self._arrived += 1
+        if self._arrived == max(1, self._num_trainable // 2):
+            # Late enough not to coincide with the activation peak at the start of the group's
+            # backward, early enough to overlap its second half. Timing only, never a reduce.
+            self.prefetch_backward_once()
 
     def prepare_grads(self) -> None:
         """Materialise (zeroed) ``grad_full`` and point unsharded ``.grad``s at it."""
@@ -414,10 +482,6 @@ class ParamGroup:
             if mp.unsharded is not None:
                 mp.unsharded.grad = None  # its storage is gone; re-pointed next backward
 
-    def trainable(self) -> list[ManagedParam]:
-        """The parameters that take part in reduce-scatters (a fixed order on every rank)."""
-        return [mp for mp in self.params if mp.requires_grad and mp.buffer is not None]
-
     def publish_grads(self, received: list[bool]) -> None:
         """Give each parameter that received a gradient on ANY rank its sharded gradient.
 
@@ -433,8 +497,9 @@ class ParamGroup:
             g = mp.sharded.grad
             if g is None or not self._is_our_grad(mp, g):
                 view = mp.buffer.grad_local_view(mp.name)
-                mp.sharded.grad = make_dtensor(view, self.mesh, mp.buffer.placement(mp.name),
-                                               mp.shape)
+                mp.sharded.grad = ragged_from_local(
+                    view, self.mesh_info.mesh, mp.buffer.placement(mp.name), mp.shape,
+                    autograd=False, check=False)
 
     def release_unused_grad_shards(self) -> None:
         """Free sharded-gradient storage of buffers whose parameters all have ``grad=None``.
@@ -448,7 +513,3 @@ class ParamGroup:
             if all(mp.sharded is None or mp.sharded.grad is None
                    for mp in self.params if mp.buffer is buf):
                 buf.release_grad_shard()
-
-    def reset_arrivals(self) -> None:
-        self._arrived = 0
-        self.reduced = False

@@ -13,7 +13,7 @@ sharded module converts values first, so that the copy always sees the parameter
 * a RaggedShard DTensor with the same placement: as is;
 * any other DTensor: ``redistribute`` to the parameter's placement (``placement._dtensor``);
 * a plain tensor of the global shape (a full, unsharded checkpoint): each rank takes its own
-  range (one copy of the owned elements).
+  range (``placement.local_slice``; one copy of the owned elements).
 
 Values for tied parameters are converted under every alias.
 """
@@ -26,22 +26,28 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_vescale.fsdp._param_group import ParamGroup, make_dtensor
+from lightning_vescale.fsdp._common import in_backward
+from lightning_vescale.fsdp._param_group import ParamGroup
+from lightning_vescale.placement import local_slice, ragged_from_local
 
-__all__ = ["register_load_hook", "to_param_layout"]
+__all__ = ["register_state_dict_hooks", "to_param_layout"]
 
 
-def to_param_layout(value: Any, sharded: DTensor, rank_range: tuple[int, int]) -> Any:
-    """``value`` as a DTensor with ``sharded``'s mesh and placement (see the design note)."""
+def to_param_layout(value: Any, sharded: DTensor, rank: int) -> Any:
+    """``value`` as a DTensor with ``sharded``'s mesh and placement (see the design note).
+
+    ``rank`` is this rank's index in the shard group (the slice a full tensor is cut to).
+    """
     if isinstance(value, DTensor):
         if value.placements == sharded.placements and value.device_mesh == sharded.device_mesh:
             return value
         return value.redistribute(sharded.device_mesh, sharded.placements)
     if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(sharded.shape):
-        a, b = rank_range
-        local = value.detach().reshape(-1)[a:b].to(device=sharded.device, dtype=sharded.dtype)
-        return make_dtensor(local.clone(), sharded.device_mesh, sharded.placements[0],
-                            tuple(sharded.shape))
+        placement = sharded.placements[0]
+        local = local_slice(value.detach(), placement, rank)
+        local = local.to(device=sharded.device, dtype=sharded.dtype).clone()
+        return ragged_from_local(local, sharded.device_mesh, placement, tuple(sharded.shape),
+                                 autograd=False, check=False)
     return value  # a shape mismatch: let nn.Module report it
 
 
@@ -52,12 +58,12 @@ def _reshard_at_rest(group: ParamGroup) -> None:
     through backward (design note [fsdp-schedule]) the group may still be unsharded, and
     ``state_dict()`` / ``load_state_dict`` must see (and write) the RaggedShard parameters.
     """
-    if group.is_unsharded and torch._C._current_graph_task_id() == -1:
+    if group.is_unsharded and not in_backward():
         group.reshard()
 
 
-def register_load_hook(module: nn.Module, group: ParamGroup) -> Any:
-    """Register ``group``'s ``state_dict`` hooks on ``module``.
+def register_state_dict_hooks(module: nn.Module, group: ParamGroup) -> None:
+    """Register ``group``'s ``state_dict`` and ``load_state_dict`` pre-hooks on ``module``.
 
     A ``state_dict`` pre-hook reshards (see :func:`_reshard_at_rest`); the ``load_state_dict``
     pre-hook reshards too, then converts values to the parameters' layout (design note
@@ -69,10 +75,10 @@ def register_load_hook(module: nn.Module, group: ParamGroup) -> Any:
         _reshard_at_rest(group)
         for mp in group.params:
             assert mp.sharded is not None and mp.buffer is not None
-            rng = mp.buffer.plan.local_range(mp.name, mp.buffer.rank)
             for alias in mp.aliases or [mp.name]:
                 key = prefix + alias
                 if key in state_dict:
-                    state_dict[key] = to_param_layout(state_dict[key], mp.sharded, rng)
+                    state_dict[key] = to_param_layout(state_dict[key], mp.sharded,
+                                                      mp.buffer.rank)
 
-    return module.register_load_state_dict_pre_hook(hook)
+    module.register_load_state_dict_pre_hook(hook)

@@ -11,120 +11,61 @@ handling of ``_apply`` exist. Call it bottom-up: on each block, then on the root
 
 Parameters keep their data: each rank copies its owned range of every parameter into its shard
 (the caller guarantees the same values on every rank, e.g. by seeding, as with FSDP2). A module
-on the meta device is planned without data; see design note [fsdp-init] in ``_init.py``.
+on the meta device is planned without data; see design note [fsdp-materialize] in
+``_materialize.py``.
+
+Every group gets one :class:`~lightning_vescale.mesh.MeshInfo` (from ``mesh``, or the default
+data-parallel mesh of :func:`lightning_vescale.mesh.init_mesh`) and the user's
+:class:`MixedPrecisionPolicy` object, whole; runtime settings (gradient sync, resharding after
+forward) live on the group, the prefetch setting on the root context.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, Union
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_vescale.dbuffer import DBuffer
+from lightning_vescale.fsdp._collect import (
+    GranularityArg,
+    check_param,
+    collect_params,
+    resolve_granularities,
+)
+from lightning_vescale.fsdp._materialize import apply_to_group
 from lightning_vescale.fsdp._param_group import ManagedParam, ParamGroup
+from lightning_vescale.fsdp._policy import MixedPrecisionPolicy, as_policy
 from lightning_vescale.fsdp._state import FSDPState, get_state, states_in
-from lightning_vescale.fsdp._state_dict import register_load_hook
+from lightning_vescale.fsdp._state_dict import register_state_dict_hooks
+from lightning_vescale.mesh import MeshInfo, default_device_type, init_mesh
 
 __all__ = [
     "MixedPrecisionPolicy",
     "VeScaleFSDPModule",
     "fully_shard",
-    "default_mesh",
     "iter_param_groups",
     "param_fqn_map",
     "dbuffers",
     "memory_bytes",
 ]
 
-GranularityArg = Union[None, int, str, Mapping[str, Union[int, str]],
-                       Callable[[str, nn.Parameter], Union[int, str]]]
 
-
-@dataclass(frozen=True, kw_only=True)
-class MixedPrecisionPolicy:
-    """Mixed precision for ``fully_shard`` (same fields and meaning as FSDP2's).
-
-    Args:
-        param_dtype: dtype of the all-gather and of the unsharded parameters used in compute
-            (``None``: the parameters' own dtype). Shards stay in the original dtype (the fp32
-            master copy) and the optimizer steps on them.
-        reduce_dtype: dtype of the gradient reduce-scatter (``None``: ``param_dtype``).
-        output_dtype: cast floating-point forward outputs to this dtype (``None``: no cast).
-        cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
-    """
-
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    output_dtype: torch.dtype | None = None
-    cast_forward_inputs: bool = True
-
-    def __post_init__(self) -> None:
-        for f in ("param_dtype", "reduce_dtype", "output_dtype"):
-            v = getattr(self, f)
-            if v is not None and (not isinstance(v, torch.dtype) or not v.is_floating_point):
-                raise TypeError(
-                    f"MixedPrecisionPolicy.{f} must be a floating-point torch.dtype or None, "
-                    f"got {f}={v!r}")
-
-
-def _as_policy(mp_policy: Any) -> MixedPrecisionPolicy:
-    if mp_policy is None:
-        return MixedPrecisionPolicy()
-    if isinstance(mp_policy, MixedPrecisionPolicy):
-        return mp_policy
-    if all(hasattr(mp_policy, f) for f in ("param_dtype", "reduce_dtype", "output_dtype")):
-        # PyTorch's FSDP2 MixedPrecisionPolicy (same fields)
-        return MixedPrecisionPolicy(
-            param_dtype=mp_policy.param_dtype, reduce_dtype=mp_policy.reduce_dtype,
-            output_dtype=mp_policy.output_dtype,
-            cast_forward_inputs=getattr(mp_policy, "cast_forward_inputs", True))
-    raise TypeError(
-        f"mp_policy must be a lightning_vescale.fsdp.MixedPrecisionPolicy or None, got "
-        f"{type(mp_policy).__name__}")
-
-
-# Keyed on the world size too: a child forked from a process that used fully_shard, or a new
-# init_process_group() after destroy_process_group(), may have another world size. (A 1-D world
-# mesh looks its group up by name, so it follows a re-initialised default group by itself.)
-_MESHES: dict[tuple[str, int], DeviceMesh] = {}
-
-
-def _device_type_for(device: torch.device | None) -> str:
-    if device is not None and device.type != "meta":
-        return device.type
-    backend = dist.get_backend() if dist.is_initialized() else "gloo"
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if acc is not None and backend != "gloo":
-        return acc.type
-    return "cpu"
-
-
-def default_mesh(device_type: str | None = None) -> DeviceMesh:
-    """A 1-D mesh over the default process group (cached per device type).
-
-    ``device_type`` defaults to the current accelerator when the default backend is not gloo,
-    else ``"cpu"``.
-    """
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "fully_shard needs torch.distributed to be initialised (init_process_group), even "
-            "for world_size=1; or pass mesh=... explicitly.")
-    dt = device_type or _device_type_for(None)
-    key = (dt, dist.get_world_size())
-    if key not in _MESHES:
-        _MESHES[key] = init_device_mesh(dt, (dist.get_world_size(),))
-    return _MESHES[key]
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
 class VeScaleFSDPModule:
     """Mixed into every ``fully_shard``-ed module's class (like FSDP2's ``FSDPModule``)."""
+
+    def _groups(self, recurse: bool) -> list[ParamGroup]:
+        states = states_in(self) if recurse else [get_state(self)]  # type: ignore[arg-type]
+        return [st.group for st in states if st is not None and st.group is not None]
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
                                    recurse: bool = True) -> None:
@@ -133,36 +74,33 @@ class VeScaleFSDPModule:
         With sync off, gradients of several backwards add up in each group's unsharded grad
         buffer without communication; the next backward with sync on reduce-scatters the sum.
         """
-        if not isinstance(requires_gradient_sync, bool):
-            raise TypeError(f"requires_gradient_sync must be a bool, got "
-                            f"{requires_gradient_sync!r}")
-        targets = states_in(self) if recurse else [get_state(self)]  # type: ignore[arg-type]
-        for st in targets:
-            if st is not None:
-                st.requires_gradient_sync = requires_gradient_sync
+        _check_bool("requires_gradient_sync", requires_gradient_sync)
+        for group in self._groups(recurse):
+            group.reduce_grads = requires_gradient_sync
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *,
                                   recurse: bool = True) -> None:
         """Change whether groups free their unsharded parameters after forward."""
-        if not isinstance(reshard_after_forward, bool):
-            raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
-        targets = states_in(self) if recurse else [get_state(self)]  # type: ignore[arg-type]
-        for st in targets:
-            if st is not None:
-                st.reshard_after_forward = bool(reshard_after_forward)
+        _check_bool("reshard_after_forward", reshard_after_forward)
+        for group in self._groups(recurse):
+            group.reshard_after_forward = reshard_after_forward
 
     def set_prefetch(self, enabled: bool) -> None:
-        """Enable/disable implicit all-gather prefetching (root setting; default on)."""
+        """Enable/disable implicit all-gather prefetching (a root setting; default on).
+
+        Applies to the root context of this module's tree: called before the first forward,
+        to whichever of its modules becomes the root; afterwards, on the root only.
+        """
         if not isinstance(enabled, bool):
             raise TypeError(f"set_prefetch(enabled=...) must be a bool, got {enabled!r}")
         for st in states_in(self):  # type: ignore[arg-type]
-            st.prefetch = bool(enabled)
+            if st.ctx.root is None or st.is_root:
+                st.ctx.prefetch = enabled
 
     def reshard(self) -> None:
         """Free unsharded parameters of this module's groups (and inner ones)."""
-        for st in states_in(self):  # type: ignore[arg-type]
-            if st.group is not None:
-                st.group.reshard()
+        for group in self._groups(recurse=True):
+            group.reshard()
 
     def unshard(self, async_op: bool = False) -> "_UnshardHandle":
         """All-gather this module's own group; ``wait()`` the handle before using it."""
@@ -173,7 +111,6 @@ class VeScaleFSDPModule:
         return _UnshardHandle(st.group)
 
     def _apply(self, fn: Callable, recurse: bool = True) -> Any:  # noqa: D401
-        from lightning_vescale.fsdp._init import apply_to_group
         return apply_to_group(self, super()._apply, fn, recurse)  # type: ignore[misc]
 
 
@@ -216,90 +153,13 @@ def _check_not_wrapped(module: nn.Module) -> None:
                 "torch.distributed.fsdp or lightning_vescale.fsdp.fully_shard, not both.")
 
 
-def _collect(module: nn.Module) -> list[tuple[str, nn.Parameter, list, list[str]]]:
-    """This group's parameters: ``(name, param, owners, aliases)``, skipping inner groups."""
-    inner_ids: set[int] = set()
-    for st in states_in(module):
-        if st.group is not None:
-            for mp in st.group.params:
-                inner_ids.update((id(mp.sharded), id(mp.unsharded)))
-                orig = mp.original() if mp.original is not None else None
-                if orig is not None:  # still referenced elsewhere, e.g. by a tied head
-                    inner_ids.add(id(orig))
-    found: dict[int, list[Any]] = {}
-    seen_modules: set[int] = set()
-
-    def visit(m: nn.Module, prefix: str) -> None:
-        if id(m) in seen_modules:
-            return
-        seen_modules.add(id(m))
-        for attr, p in m._parameters.items():
-            if p is None:
-                continue
-            name = prefix + attr
-            if id(p) in inner_ids:
-                raise ValueError(
-                    f"parameter {name!r} is shared with (tied to) a parameter of an inner "
-                    "fully_shard group; tied parameters must live in one group: call "
-                    "fully_shard on a common ancestor only (e.g. leave the embedding and the "
-                    "output head to the root).")
-            entry = found.setdefault(id(p), [name, p, [], []])
-            if (m, attr) not in [(o, a) for o, a in entry[2]]:
-                entry[2].append((m, attr))
-                entry[3].append(name)
-        for cname, child in m._modules.items():
-            if child is None or get_state(child) is not None:
-                continue
-            visit(child, prefix + cname + ".")
-
-    visit(module, "")
-    return [tuple(v) for v in found.values()]  # type: ignore[misc]
-
-
-def _check_param(name: str, p: nn.Parameter) -> None:
-    if isinstance(p, DTensor):
-        raise ValueError(
-            f"parameter {name!r} is already a DTensor (sharded by FSDP2, tensor parallelism or "
-            "another engine); fully_shard needs plain tensors.")
-    if p.layout != torch.strided or p.is_sparse:
-        raise TypeError(f"parameter {name!r} has layout {p.layout}; fully_shard supports dense "
-                        "(strided) parameters only.")
-    if p.is_complex():
-        raise TypeError(f"parameter {name!r} is complex ({p.dtype}); fully_shard supports real "
-                        "floating-point parameters; store it as a real view (torch.view_as_real).")
-    if not p.is_floating_point():
-        raise TypeError(f"parameter {name!r} has dtype {p.dtype}; fully_shard shards "
-                        "floating-point parameters only; register integer/bool state as a "
-                        "buffer (module.register_buffer) instead.")
-
-
-def _granularities(granularity: GranularityArg,
-                   entries: list) -> dict[str, int | str]:
-    names = [e[0] for e in entries]
-    if granularity is None:
-        return {n: 1 for n in names}
-    if isinstance(granularity, (int, str)) and not isinstance(granularity, bool):
-        return {n: granularity for n in names}
-    if isinstance(granularity, Mapping):
-        unknown = sorted(set(granularity) - set(names))
-        if unknown:
-            raise ValueError(
-                f"granularity has keys {unknown} that are not parameters of this group; valid "
-                f"names (relative to the module): {names}")
-        return {n: granularity.get(n, 1) for n in names}
-    if callable(granularity):
-        out = {}
-        for name, param in ((e[0], e[1]) for e in entries):
-            g = granularity(name, param)
-            if isinstance(g, bool) or not isinstance(g, (int, str)):
-                raise TypeError(
-                    f"the granularity callable returned {g!r} for parameter {name!r}; it must "
-                    "return a block size in elements (int), 'row' or '<k>rows' (return 1 for "
-                    "element-wise sharding).")
-            out[name] = g
-        return out
-    raise TypeError(f"granularity must be None, an int, a str, a dict name->int or a callable "
-                    f"(name, param)->int, got {type(granularity).__name__}")
+def _mesh_info(mesh: DeviceMesh | None, device: torch.device | None) -> MeshInfo:
+    """The group's MeshInfo: ``mesh``, or the default data-parallel mesh for ``device``."""
+    if mesh is None:
+        mesh = init_mesh(default_device_type(device))
+    elif not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"fully_shard(mesh=...) must be a 1-D DeviceMesh or None, got {mesh!r}")
+    return MeshInfo.from_mesh(mesh)
 
 
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
@@ -325,44 +185,38 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    _check_bool("reshard_after_forward", reshard_after_forward)
     _check_not_wrapped(module)
-    policy = _as_policy(mp_policy)
-    entries = _collect(module)
-    if not entries and not states_in(module):
+    policy = as_policy(mp_policy)
+    collected = collect_params(module)
+    if not collected and not states_in(module):
         raise ValueError(
             f"fully_shard({type(module).__name__}): the module has no parameters to shard; "
             "call fully_shard on modules that own parameters (or on a root whose blocks were "
             "sharded).")
-    for name, p, *_ in entries:
-        _check_param(name, p)
-    devices = {e[1].device for e in entries}
+    for c in collected:
+        check_param(c.name, c.param)
+    devices = {c.param.device for c in collected}
     if len(devices) > 1:
         raise ValueError(f"fully_shard({type(module).__name__}): parameters live on several "
                          f"devices {sorted(map(str, devices))}; move the module to one device.")
     device = next(iter(devices)) if devices else None
-    if mesh is None:
-        mesh = default_mesh(_device_type_for(device))
-    elif not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
-        raise ValueError(f"mesh must be a 1-D DeviceMesh, got {mesh!r}")
+    mesh_info = _mesh_info(mesh, device)
     if device is None:
-        device = torch.device(mesh.device_type)
+        device = torch.device(mesh_info.device_type)
     group: ParamGroup | None = None
-    if entries:
-        grans = _granularities(granularity, entries)
-        params = [ManagedParam(name=n, owners=list(owners), shape=tuple(p.shape),
-                               requires_grad=p.requires_grad, aliases=list(aliases),
-                               original=weakref.ref(p))
-                  for n, p, owners, aliases in entries]
-        group = ParamGroup(module=module, params=params, mesh=mesh,
-                           param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
-                           granularity=lambda n, shape: grans[n], fqn=type(module).__name__)
-        group.build({e[0]: e[1].detach() for e in entries}, device)
-        register_load_hook(module, group)
-    FSDPState(module, group, reshard_after_forward=reshard_after_forward,
-              param_dtype=policy.param_dtype, output_dtype=policy.output_dtype,
-              cast_forward_inputs=policy.cast_forward_inputs)
+    if collected:
+        params = [ManagedParam(name=c.name, owners=list(c.owners), shape=tuple(c.param.shape),
+                               requires_grad=c.param.requires_grad, aliases=list(c.aliases),
+                               original_weakref=weakref.ref(c.param))
+                  for c in collected]
+        group = ParamGroup(
+            params=params, mesh_info=mesh_info, mp_policy=policy,
+            granularity=resolve_granularities(granularity, [(c.name, c.param) for c in collected]),
+            reshard_after_forward=reshard_after_forward, fqn=type(module).__name__)
+        group.build({c.name: c.param.detach() for c in collected}, device)
+        register_state_dict_hooks(module, group)
+    FSDPState(module, group, mp_policy=policy)
     _wrap_class(module)
     return module
 

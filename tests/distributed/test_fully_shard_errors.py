@@ -1,11 +1,13 @@
-"""fully_shard rejects bad input with a clear error (run on a 1-rank gloo world)."""
+"""fully_shard and the module API reject bad input with a clear error (1-rank gloo world)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from tests.distributed.test_fully_shard_parity import build
+from tests.distributed._fully_shard_helpers import (
+    build,
+)
 
 
 def _expect(fn, exc, *words):
@@ -80,3 +82,26 @@ def test_clear_errors(worlds):
     out = worlds(1).run(_errors_body)[0]
     bad = {k: v for k, v in out.items() if v is not None}
     assert not bad, bad
+
+
+def _bad_setter_args_body():
+    from lightning_vescale.fsdp import fully_shard
+
+    errors = []
+    model = fully_shard(nn.Linear(4, 4))
+    for call in (lambda: model.set_reshard_after_forward("no"),
+                 lambda: model.set_prefetch(1),
+                 lambda: fully_shard(nn.Linear(4, 4), granularity=lambda name, p: None)):
+        try:
+            call()
+        except TypeError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_setters_and_granularity_callable_check_types(worlds):
+    for errors in worlds(1).run(_bad_setter_args_body):
+        assert len(errors) == 3, errors
+        assert "reshard_after_forward must be a bool, got 'no'" in errors[0]
+        assert "must be a bool, got 1" in errors[1]
+        assert "returned None for parameter 'weight'" in errors[2]

@@ -2,9 +2,8 @@
 
 Each rank trains on its own micro-batch; the reference trains one model in the same process on
 the concatenated global batch (mean loss). Losses must agree to 1e-5 relative and parameters
-after the last step must be allclose. The reference never touches lightning_vescale code.
-
-The helpers here (models, optimizers, gathering) are reused by the other fully_shard tests.
+after the last step must be allclose. Also: block-aligned (row) granularity, and one sharded
+block applied twice per forward.
 """
 
 from __future__ import annotations
@@ -14,125 +13,21 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from examples.gpt import GPT, GPTConfig, make_batches
-
-
-# ------------------------------------------------------------------------------------------------
-# models and data
-# ------------------------------------------------------------------------------------------------
-class AwkwardMLP(nn.Module):
-    """Prime dims, a layer with fewer rows than ranks, a 0-d parameter and a buffer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.l1 = nn.Linear(7, 13)
-        self.l2 = nn.Linear(13, 5)
-        self.l3 = nn.Linear(5, 3)
-        self.l4 = nn.Linear(3, 2)
-        self.scale = nn.Parameter(torch.tensor(1.5))
-        self.register_buffer("shift", torch.tensor([0.25, -0.5]))  # left alone (replicated)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = F.gelu(self.l1(x))
-        h = F.gelu(self.l2(h))
-        h = torch.tanh(self.l3(h))
-        return F.mse_loss(self.l4(h) * self.scale + self.shift, y)
-
-
-def build(kind: str, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    if kind == "gpt":
-        return GPT(GPTConfig())
-    if kind == "mlp":
-        return AwkwardMLP()
-    raise ValueError(kind)
-
-
-def batches(kind: str, steps: int, global_batch: int, seed: int = 0):
-    if kind == "gpt":
-        return make_batches(steps, global_batch, 32, seed=seed)
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(global_batch, 7, generator=g), torch.randn(global_batch, 2, generator=g))
-            for _ in range(steps)]
-
-
-def shard(model: nn.Module, **kw) -> nn.Module:
-    from lightning_vescale.fsdp import fully_shard
-
-    if isinstance(model, GPT):
-        for b in model.blocks:
-            fully_shard(b, **kw)
-    else:
-        fully_shard(model.l1, **kw)
-        fully_shard(model.l2, **kw)
-    return fully_shard(model, **kw)
-
-
-# ------------------------------------------------------------------------------------------------
-# optimizers
-# ------------------------------------------------------------------------------------------------
-class LocalOpt:
-    """A torch optimizer stepping on each DTensor parameter's local shard view.
-
-    Element-wise optimizers (SGD, AdamW) give exactly the full-tensor update on every element,
-    so this checks the engine without DTensor operator support.
-    """
-
-    def __init__(self, params, cls, **kw) -> None:
-        self.params = list(params)
-        with torch.no_grad():
-            self.locals = [p.to_local() for p in self.params]
-        self.opt = cls(self.locals, **kw)
-
-    def step(self) -> None:
-        for p, loc in zip(self.params, self.locals):
-            loc.grad = None if p.grad is None else p.grad.to_local()
-        self.opt.step()
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
-
-OPTS = {
-    "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
-    "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
-}
-
-
-def make_opt(params, kind: str, dtensor: bool = False):
-    cls, kw = OPTS[kind]
-    if dtensor:
-        return cls(params, **kw)
-    return LocalOpt(params, cls, **kw)
-
-
-# ------------------------------------------------------------------------------------------------
-# helpers run on ranks
-# ------------------------------------------------------------------------------------------------
-def local_pieces(model: nn.Module) -> dict:
-    """name -> (local 1-D copy, global shape): the parent concatenates ranks in order."""
-    out = {}
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            out[n] = (p.to_local().detach().clone(), tuple(p.shape))
-    return out
-
-
-def assemble(per_rank: list[dict]) -> dict[str, torch.Tensor]:
-    """Concatenate every rank's local part (RaggedShard ranges are contiguous, rank-ordered)."""
-    out = {}
-    for n, (_, shape) in per_rank[0].items():
-        out[n] = torch.cat([r[n][0].reshape(-1) for r in per_rank]).view(shape)
-    return out
-
-
-def micro(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    b = x.shape[0] // world
-    return x[rank * b:(rank + 1) * b]
+from tests.distributed._fully_shard_helpers import (
+    OPTS,
+    assemble,
+    assert_params_match_reference,
+    batches,
+    build,
+    global_mean,
+    local_pieces,
+    make_opt,
+    micro,
+    shard,
+    train_step,
+)
 
 
 def train_pair(kind: str, opt_kind: str, steps: int, dtensor_opt: bool = False,
@@ -210,3 +105,78 @@ def test_parity_fp32_torch_optimizer_on_dtensors(worlds, world_size):
     """Real torch.optim.AdamW/SGD and clip_grad_norm_ stepping the RaggedShard DTensors."""
     results = worlds(world_size).run(_parity_body, COMBOS, True)
     check_parity(results, COMBOS)
+
+
+# -- granularity / block alignment ---------------------------------------------------------------
+def _gran_body():
+    from lightning_vescale.fsdp import param_fqn_map
+
+    def row(name, p):
+        return p.shape[-1] if p.dim() == 2 else 1
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build("gpt")
+    ref = copy.deepcopy(model)
+    shard(model, granularity=row)
+    ranges = {fqn: (mp.buffer.plan.local_range(mp.name, rank), mp.shape,
+                    mp.buffer.plan.spec(mp.name).granularity)
+              for fqn, (g, mp) in param_fqn_map(model).items()}
+    x, y = batches("gpt", 1, 2 * world)[0]
+    loss = model(micro(x, rank, world), micro(y, rank, world))
+    loss.backward()
+    return ranges, global_mean(loss), ref(x, y).item()
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_row_granularity_alignment(worlds, world_size):
+    for ranges, loss, ref_loss in worlds(world_size).run(_gran_body):
+        assert abs(loss - ref_loss) / ref_loss < 1e-5
+        for fqn, ((a, b), shape, g) in ranges.items():
+            numel = 1
+            for s in shape:
+                numel *= s
+            if len(shape) == 2:
+                assert g == shape[1], fqn
+            assert a % g == 0 or a == numel, (fqn, a, g)
+            assert b % g == 0 or b == numel, (fqn, b, g)
+
+
+# -- one block applied twice per forward (weight sharing) --------------------------------------
+
+
+class _SharedTwice(nn.Module):
+    """One sharded block applied twice per forward (weight sharing, ALBERT-style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.shared = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.shared(torch.tanh(self.shared(self.inp(x)))))
+        return self.out(h).square().mean()
+
+
+def _shared_twice_body():
+    from lightning_vescale.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _SharedTwice()
+    ref = copy.deepcopy(model)
+    fully_shard(model.shared)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        xs = torch.randn(2 * world, 6, generator=g)
+        train_step(model(xs[2 * rank:2 * rank + 2]), opt)
+        train_step(ref(xs), ref_opt)
+    return local_pieces(model), {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+
+def test_a_block_applied_twice_per_forward(worlds):
+    res = worlds(2).run(_shared_twice_body)
+    assert_params_match_reference(res, rtol=1e-4, atol=1e-6)

@@ -5,7 +5,7 @@
   of the owned slice and its ``.grad``'s local tensor a view of the sharded gradient slice.
 * A training step (forward + backward) through the engine adds no copy operator to what the
   plain model runs, while PyTorch FSDP2 adds per-parameter copy-in/copy-out; counted with a
-  TorchDispatchMode (design note [fsdp-counting]).
+  TorchDispatchMode (design note [copy-comm-counting]).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from tests.distributed.test_fully_shard_parity import build, batches, micro, shard
+from tests.distributed._fully_shard_helpers import batches, build, micro, shard
 
 
 def _inside(t: torch.Tensor, base: torch.Tensor) -> bool:
@@ -101,7 +101,7 @@ def _count_body():
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
     from lightning_vescale.fsdp import fully_shard
-    from lightning_vescale.fsdp._counting import CopyCommCounter
+    from lightning_vescale.testing import CopyCommCounter
 
     torch.manual_seed(0)
     rank, world = dist.get_rank(), dist.get_world_size()

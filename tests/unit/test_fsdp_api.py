@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from lightning_vescale.fsdp import MixedPrecisionPolicy
-from lightning_vescale.fsdp._counting import CopyCommCounter
-from lightning_vescale.fsdp.api import _as_policy, _check_param, _granularities
+from lightning_vescale.testing import CopyCommCounter, as_policy, check_param, resolve_granularities
 
 
 def test_policy_is_frozen_keyword_only_and_validated():
@@ -27,29 +26,29 @@ def test_policy_is_frozen_keyword_only_and_validated():
 def test_policy_accepts_fsdp2_policy():
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
 
-    p = _as_policy(TorchPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    p = as_policy(TorchPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     assert isinstance(p, MixedPrecisionPolicy)
     assert (p.param_dtype, p.reduce_dtype) == (torch.bfloat16, torch.float32)
-    assert _as_policy(None) == MixedPrecisionPolicy()
+    assert as_policy(None) == MixedPrecisionPolicy()
     with pytest.raises(TypeError, match="mp_policy"):
-        _as_policy("bf16")
+        as_policy("bf16")
 
 
 def _entries():
     a, b = nn.Parameter(torch.ones(4, 6)), nn.Parameter(torch.ones(6))
-    return [("w", a, [], []), ("b", b, [], [])]
+    return [("w", a), ("b", b)]
 
 
 def test_granularity_forms():
     e = _entries()
-    assert _granularities(None, e) == {"w": 1, "b": 1}
-    assert _granularities(8, e) == {"w": 8, "b": 8}
-    assert _granularities({"w": 6}, e) == {"w": 6, "b": 1}
-    assert _granularities(lambda n, p: p.shape[-1], e) == {"w": 6, "b": 6}
+    assert resolve_granularities(None, e) == {"w": 1, "b": 1}
+    assert resolve_granularities(8, e) == {"w": 8, "b": 8}
+    assert resolve_granularities({"w": 6}, e) == {"w": 6, "b": 1}
+    assert resolve_granularities(lambda n, p: p.shape[-1], e) == {"w": 6, "b": 6}
     with pytest.raises(ValueError, match="'x'"):
-        _granularities({"x": 2}, e)
+        resolve_granularities({"x": 2}, e)
     with pytest.raises(TypeError, match="granularity"):
-        _granularities(2.5, e)
+        resolve_granularities(2.5, e)
 
 
 @pytest.mark.parametrize("param,exc,word", [
@@ -58,7 +57,7 @@ def test_granularity_forms():
 ])
 def test_check_param_rejects(param, exc, word):
     with pytest.raises(exc, match=word):
-        _check_param("p", param)
+        check_param("p", param)
 
 
 def test_counter_counts_copies_not_views():

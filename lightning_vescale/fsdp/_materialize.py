@@ -1,7 +1,7 @@
 """Device moves and meta-device initialisation of ``fully_shard``-ed modules.
 
-Design note [fsdp-init]
------------------------
+Design note [fsdp-materialize]
+------------------------------
 Supported sequence for large models (what the Lightning strategy uses)::
 
     with torch.device("meta"):
@@ -25,7 +25,10 @@ initialise the sharded DTensors directly.
 
 ``module.to(device)``/``.cuda()``/``.to(dtype)``/``to_empty`` on a sharded module work too:
 :func:`apply_to_group` applies the function to each rank's *local* 1-D shard views (never to
-DTensors) and rebuilds the group's DBuffers from the results when device or dtype changed.
+DTensors) and rebuilds the group's DBuffers from the results when device or dtype changed. A
+move to another device type keeps the group's mesh: the same process group and dimension
+names, on the new device type (``DeviceMesh.from_group``), whether the user supplied the mesh
+or it is the default one.
 """
 
 from __future__ import annotations
@@ -36,15 +39,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from torch.distributed.device_mesh import DeviceMesh
+
 from lightning_vescale.fsdp._param_group import ParamGroup, set_param
 from lightning_vescale.fsdp._state import get_state, states_in
+from lightning_vescale.mesh import MeshInfo
 
-__all__ = ["materialize", "apply_to_group", "default_init"]
+__all__ = ["materialize", "apply_to_group"]
 
 
 def apply_to_group(module: nn.Module, super_apply: Callable[..., Any], fn: Callable,
                    recurse: bool) -> Any:
-    """``nn.Module._apply`` for a sharded module (see design note [fsdp-init])."""
+    """``nn.Module._apply`` for a sharded module (see design note [fsdp-materialize])."""
     st = get_state(module)
     group = st.group if st is not None else None
     if group is None or not group.buffers:
@@ -54,12 +60,13 @@ def apply_to_group(module: nn.Module, super_apply: Callable[..., Any], fn: Calla
     for mp in group.params:
         assert mp.buffer is not None
         temps[mp.name] = nn.Parameter(mp.buffer.local_view(mp.name), requires_grad=mp.requires_grad)
-        for m, a in mp.owners:
-            set_param(m, a, temps[mp.name])
+        for owner in mp.owners:
+            set_param(owner.module, owner.attr, temps[mp.name])
     try:
         ret = super_apply(fn, recurse)
     finally:
-        new = {mp.name: mp.owners[0][0]._parameters[mp.owners[0][1]] for mp in group.params}
+        new = {mp.name: mp.owners[0].module._parameters[mp.owners[0].attr]
+               for mp in group.params}
         old_dtype = {mp.name: mp.buffer.dtype for mp in group.params}  # type: ignore[union-attr]
         changed = False
         for mp in group.params:
@@ -79,18 +86,15 @@ def apply_to_group(module: nn.Module, super_apply: Callable[..., Any], fn: Calla
 
 def _rebuild(group: ParamGroup, locals_: dict[str, torch.Tensor]) -> None:
     device = next(iter(locals_.values())).device
-    if device.type != "meta" and device.type != group.mesh.device_type:
-        from lightning_vescale.fsdp.api import default_mesh
-        group.mesh = default_mesh(device.type)
+    if device.type != "meta" and device.type != group.mesh_info.device_type:
+        group.mesh_info = MeshInfo.from_mesh(_on_device_type(group.mesh_info.mesh, device.type))
     group.build(locals_, device, local_sources=True)
 
 
-def default_init(module: nn.Module) -> None:
-    """Call ``reset_parameters()`` on every submodule that defines it (Lightning's order)."""
-    for m in module.modules():
-        fn = getattr(m, "reset_parameters", None)
-        if callable(fn):
-            fn()
+def _on_device_type(mesh: DeviceMesh, device_type: str) -> DeviceMesh:
+    """``mesh`` (1-D) on ``device_type``: the same process group, ranks and dimension name."""
+    return DeviceMesh.from_group(mesh.get_group(), device_type, mesh=mesh.mesh.tolist(),
+                                 mesh_dim_names=mesh.mesh_dim_names)
 
 
 def materialize(module: nn.Module, device: torch.device | str,
@@ -102,11 +106,12 @@ def materialize(module: nn.Module, device: torch.device | str,
         device: target device.
         init_fn: called once with ``module`` while every managed parameter is a full-size plain
             tensor. Runs under ``torch.no_grad()``. Default: ``reset_parameters()`` of every
-            submodule in ``module.modules()`` order (:func:`default_init`), run group by group
-            so that only the groups the current submodule touches hold full-size temporaries.
+            submodule that defines it, in ``module.modules()`` order (what Lightning does), run
+            group by group so that only the groups the current submodule touches hold full-size
+            temporaries.
 
     Returns:
-        ``module``. See design note [fsdp-init].
+        ``module``. See design note [fsdp-materialize].
     """
     device = torch.device(device)
     module.to_empty(device=device)
@@ -133,8 +138,8 @@ def _swap_in_temporaries(group: ParamGroup, device: torch.device) -> dict[str, n
         assert mp.buffer is not None
         full = torch.empty(mp.shape, dtype=mp.buffer.dtype, device=device)
         temps[mp.name] = tp = nn.Parameter(full, requires_grad=mp.requires_grad)
-        for m, a in mp.owners:
-            set_param(m, a, tp)
+        for owner in mp.owners:
+            set_param(owner.module, owner.attr, tp)
     return temps
 
 
@@ -148,10 +153,10 @@ def _load_owned_ranges(group: ParamGroup, temps: dict[str, nn.Parameter]) -> Non
 
 def _default_init_group_by_group(module: nn.Module, groups: list[ParamGroup],
                                  device: torch.device) -> None:
-    """:func:`default_init` with each group's temporaries alive only while they are used.
+    """The default init with each group's temporaries alive only while they are used.
 
-    ``reset_parameters()`` runs in ``module.modules()`` order, exactly as :func:`default_init`
-    (so the random stream, hence every value, equals single-device initialisation). Before a
+    ``reset_parameters()`` of every submodule that defines it runs in ``module.modules()``
+    order (so the random stream, hence every value, equals single-device initialisation). Before a
     submodule's call, the groups owning any of its parameters (recursively: a
     ``reset_parameters`` may initialise its children) get full-size temporaries; after a
     group's last such call, its ranges are copied into the shards and the temporaries dropped.

@@ -1,7 +1,14 @@
-"""Count copies and communication of a training step at the operator level (tests, benchmarks).
+"""Public test utilities: an operator-level copy/collective counter and the engine's pure checks.
 
-Design note [fsdp-counting]
----------------------------
+Nothing in the package imports this module: it is for tests and benchmarks, which use it
+instead of reaching into private modules.
+
+* :class:`CopyCommCounter`: copies and collectives of a step, counted per operator.
+* :func:`as_policy`, :func:`check_param`, :func:`resolve_granularities`: the argument checks
+  of ``fully_shard`` (pure; testable without a process group).
+
+Design note [copy-comm-counting]
+--------------------------------
 :class:`CopyCommCounter` is a ``TorchDispatchMode``: every ATen/c10d/fsdp operator that runs on
 this thread passes through it. It classifies
 
@@ -28,7 +35,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["CopyCommCounter"]
+from lightning_vescale.fsdp._collect import check_param, resolve_granularities
+from lightning_vescale.fsdp._policy import as_policy
+
+__all__ = ["CopyCommCounter", "as_policy", "check_param", "resolve_granularities"]
 
 _CONCAT = {"cat", "_chunk_cat", "chunk_cat", "stack", "clone"}
 
@@ -42,7 +52,7 @@ class CopyCommCounter(TorchDispatchMode):
     """Counts copies (number, bytes, by op) and collectives (number, bytes, by op).
 
     Use as a context manager around a step; read :attr:`copies`, :attr:`copy_bytes`,
-    :attr:`comms`, :attr:`comm_bytes`, :attr:`by_op`. See design note [fsdp-counting].
+    :attr:`comms`, :attr:`comm_bytes`, :attr:`by_op`. See design note [copy-comm-counting].
     """
 
     def __init__(self) -> None:
