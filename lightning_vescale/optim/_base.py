@@ -58,6 +58,7 @@ __all__ = [
     "check_block_aligned",
     "local_view",
     "param_layout",
+    "state_in_param_layout",
     "state_like",
 ]
 
@@ -268,6 +269,42 @@ def check_block_aligned(layout: ShardLayout, block_size: int, *, who: str, name:
         f"granularity={block_size}) (or VeScaleFSDPStrategy(optimizer_block_size={block_size})),"
         " or pass a block_size that divides every shard bound."
     )
+
+
+def state_in_param_layout(p: Tensor, value: Tensor, *, who: str, key: str, name: str) -> Tensor:
+    """A loaded state ``value`` of parameter ``p`` in ``p``'s own layout, for optimizers that keep
+    states shaped and placed like their parameter (e.g. Muon's momentum).
+
+    ``value`` must have ``p``'s global shape. A DTensor laid out like ``p`` is kept as it is. For
+    a plain ``p`` a DTensor is gathered, a plain tensor kept. For a DTensor ``p`` the value (a
+    DTensor in another layout: gathered, a collective, so every rank must load; or a full plain
+    tensor, e.g. from a single-process run) is cut to this rank's part, cast to ``p``'s dtype
+    and device, and wrapped in ``p``'s layout as a new tensor.
+
+    Args:
+        who, key, name: name the optimizer, the state and the parameter in errors.
+
+    Raises:
+        ValueError: ``value`` has another shape (checked before anything is loaded).
+        TypeError, NotImplementedError: ``p`` has a layout :func:`param_layout` refuses, and
+            ``value`` is not already laid out like it.
+    """
+    if tuple(value.shape) != tuple(p.shape):
+        kind = "a DTensor of" if isinstance(value, DTensor) else "a tensor of"
+        raise ValueError(
+            f"{who}.load_state_dict: state {key!r} of parameter {name} is {kind} shape "
+            f"{tuple(value.shape)}, but the parameter's (global) shape is {tuple(p.shape)}. "
+            f"States must be full-shape tensors (as a single-process {who} saves them) or "
+            "DTensors of the parameter's shape (as a sharded one does); was the state saved for "
+            "another model or another parameter order?")
+    if not isinstance(p, DTensor):
+        return value.full_tensor() if isinstance(value, DTensor) else value
+    if isinstance(value, DTensor) and tuple(value.placements) == tuple(p.placements) and \
+            value.device_mesh == p.device_mesh:
+        return value
+    layout = param_layout(p, where=f"{who}.load_state_dict: parameter {name}")
+    local = layout.local_part(value).detach().to(device=p.device, dtype=p.dtype)
+    return layout.to_dtensor(local.clone(), p.stride())
 
 
 # -------------------------------------------------------------------------------------------------

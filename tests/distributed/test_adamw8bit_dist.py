@@ -14,8 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from lightning_vescale.optim import AdamW8bit
-from lightning_vescale.optim._quant import num_blocks
+from lightning_vescale.optim import AdamW8bit, num_blocks
 from lightning_vescale.placement import RaggedShard
 
 HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
