@@ -49,29 +49,30 @@ from lightning_vescale.optim.adamw8bit import DEFAULT_MIN_8BIT_SIZE, AdamW8bit
 from lightning_vescale.optim.muon import Muon
 
 __all__ = [
+    # the optimizers
     "AdamW8bit",
     "Muon",
-    # block-wise quantization
+    # block-wise quantization (alphabetical)
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_MIN_8BIT_SIZE",
-    "QuantizedMoment",
     "CodeBook",
+    "QuantizedMoment",
+    "block_absmax",
     "codebook",
+    "dequantize_blockwise",
     "dynamic_code_map",
+    "num_blocks",
+    "quantize_blockwise",
     "signed_code_map",
     "unsigned_code_map",
-    "num_blocks",
-    "block_absmax",
-    "quantize_blockwise",
-    "dequantize_blockwise",
     # Newton–Schulz and Muon's plan
+    "DEFAULT_ADAMW_PATTERNS",
+    "DEFAULT_EPS",
     "DEFAULT_NS_COEFFICIENTS",
     "DEFAULT_NS_STEPS",
-    "DEFAULT_EPS",
-    "DEFAULT_ADAMW_PATTERNS",
-    "newton_schulz",
-    "newton_schulz_reference",
-    "newton_schulz_flops",
     "assign_owners",
+    "newton_schulz",
+    "newton_schulz_flops",
+    "newton_schulz_reference",
     "plan_buckets",
 ]

@@ -51,9 +51,9 @@ DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
 )
 
 # The keys of a resolved group of each kind (besides "params", "param_names", "use_muon").
-MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
+_MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
              "adjust_lr_fn")
-ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+_ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
 NamedParams = list[tuple[str | None, Tensor]]
@@ -146,7 +146,7 @@ def resolve_groups(param_group: dict[str, Any], router: Router, muon_defaults: d
 
 def _resolve(named: NamedParams, use_muon: bool, overrides: dict[str, Any],
              defaults: dict[str, Any], *, named_optimizer: bool) -> dict[str, Any]:
-    keys = MUON_KEYS if use_muon else ADAMW_KEYS
+    keys = _MUON_KEYS if use_muon else _ADAMW_KEYS
     unknown = sorted(set(overrides) - set(keys))
     if unknown:
         kind = "Muon" if use_muon else "AdamW"
@@ -209,13 +209,7 @@ def check_muon_hparams(h: dict[str, Any], *, where: str) -> None:
     lr = h["lr"]
     if isinstance(lr, Tensor) and lr.numel() != 1:
         raise ValueError(f"{where}: Tensor lr must have 1 element, got shape {tuple(lr.shape)}")
-    if not scalar(lr) >= 0.0:
-        raise ValueError(f"{where}: lr must be >= 0, got lr={lr!r}")
-    if not h["momentum"] >= 0.0:
-        raise ValueError(f"{where}: momentum must be >= 0, got momentum={h['momentum']!r}")
-    if not h["weight_decay"] >= 0.0:
-        raise ValueError(f"{where}: weight_decay must be >= 0, got "
-                         f"weight_decay={h['weight_decay']!r}")
+    _check_non_negative(h, ("lr", "momentum", "weight_decay"), where=where, prefix="")
     if h["adjust_lr_fn"] not in _ADJUST_LR_FNS:
         raise ValueError(f"{where}: adjust_lr_fn must be one of {_ADJUST_LR_FNS}, got "
                          f"adjust_lr_fn={h['adjust_lr_fn']!r}")
@@ -227,16 +221,17 @@ def check_muon_hparams(h: dict[str, Any], *, where: str) -> None:
 def check_adamw_hparams(h: dict[str, Any], *, where: str, prefix: str) -> None:
     """As :func:`check_muon_hparams` for the AdamW fallback's settings; ``prefix`` is how the
     user spelled them (``"adamw_"`` for the constructor's arguments)."""
-    if not scalar(h["lr"]) >= 0.0:
-        raise ValueError(f"{where}: {prefix}lr must be >= 0, got {h['lr']!r}")
+    _check_non_negative(h, ("lr", "eps", "weight_decay"), where=where, prefix=prefix)
     betas = h["betas"]
     if len(betas) != 2 or not all(0.0 <= scalar(b) < 1.0 for b in betas):
         raise ValueError(f"{where}: {prefix}betas must be two floats in [0, 1), got {betas!r}")
-    if not h["eps"] >= 0.0:
-        raise ValueError(f"{where}: {prefix}eps must be >= 0, got {h['eps']!r}")
-    if not h["weight_decay"] >= 0.0:
-        raise ValueError(f"{where}: {prefix}weight_decay must be >= 0, got "
-                         f"{h['weight_decay']!r}")
+
+
+def _check_non_negative(h: dict[str, Any], keys: Sequence[str], *, where: str,
+                        prefix: str) -> None:
+    for key in keys:
+        if not scalar(h[key]) >= 0.0:
+            raise ValueError(f"{where}: {prefix}{key} must be >= 0, got {prefix}{key}={h[key]!r}")
 
 
 def _compile_patterns(patterns: Sequence[str], arg: str) -> tuple[re.Pattern, ...]:

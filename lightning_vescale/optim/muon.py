@@ -10,10 +10,9 @@ and run NS redundantly ("naive"), but that multiplies NS work by the world size 
 1. *Momentum on the shard.* ``buf.lerp_(g, 1 - mu)`` and the Nesterov blend are element-wise, so
    each rank updates only its local slice (bitwise what a single process computes).
 2. *Owner assignment.* Every matrix gets one owner rank, chosen by longest-processing-time greedy
-   on the NS cost ``~ rows * cols * min(rows, cols)`` over all matrices (``assign_owners`` in
-   ``_muon_plan.py``),
-   then moved to the rank already holding most of it wherever that keeps LPT's max load (fewer
-   bytes). The choice is a pure function of shapes and placements, so every rank computes the
+   on the NS cost ``~ rows * cols * min(rows, cols)`` over all matrices (``assign_owners``, in
+   ``_muon_plan.py`` with the rest of the plan), then moved to the rank already holding most of
+   it wherever that keeps LPT's max load (fewer bytes). The choice is a pure function of shapes and placements, so every rank computes the
    same owners without talking. (Balancing per bucket instead was measured worse: it forced
    matrices off their holders and raised the total imbalance.)
 3. *Gather to the owner.* Conceptually a redistribution ``RaggedShard(dims, units) ->
@@ -33,15 +32,15 @@ rebuilt when the set of parameters with gradients changes. Contract: the set of 
 ``grad is not None`` is the same on every rank (true under data parallel / fully_shard).
 
 Steps 3-5 are ``_muon_dist.py``. Parameter routing (see :class:`Muon` and ``_muon_groups.py``):
-2-D and conv-style (viewed as ``(shape[0], -1)``) hidden
-weights go to Muon; 1-D parameters, embeddings and the model's output head (by name, see
-:data:`DEFAULT_ADAMW_PATTERNS`) go to an AdamW fallback with its own hyper-parameters; the AdamW
-fallback is element-wise and runs on local shards without communication. Optimizer states are
-stored with the parameter's type (the shared state export/import of ``_base.py``, design note
-[sharded-optimizer]): for a RaggedShard DTensor parameter they are DTensors with the
-same placement, so distributed checkpoints can reshard them. ``Muon.load_state_dict`` also takes
-a single-process (plain, full-shape) state dict into sharded parameters, slicing each state to
-the rank's range.
+2-D and conv-style (viewed as ``(shape[0], -1)``) hidden weights go to Muon; 1-D parameters,
+embeddings and the model's output head (by name, see :data:`DEFAULT_ADAMW_PATTERNS`) go to an
+AdamW fallback with its own hyper-parameters; the AdamW fallback is element-wise and runs on
+local shards without communication. Optimizer states are stored with the parameter's type: for
+a RaggedShard DTensor parameter they are DTensors with the same placement, so distributed
+checkpoints can reshard them. ``Muon.load_state_dict`` also takes a single-process (plain,
+full-shape) state dict into sharded parameters, slicing each state to the rank's range. Layouts,
+parameter checks and that state conversion are the shared ones of ``_base.py`` (design note
+[sharded-optimizer]).
 """
 
 from __future__ import annotations
