@@ -199,12 +199,11 @@ def _span_states(members: list[StepEntry], rels: list[int], span_len: int, bs: i
     bufs = _fresh_quantized(span_len, bs, device)
     for r, e in zip(rels, members):
         n = e.local.numel()
-        nb = num_blocks(n, bs)
-        views = (bufs[0][r: r + n], bufs[1][r // bs: r // bs + nb],
-                 bufs[2][r: r + n], bufs[3][r // bs: r // bs + nb])
-        for k, v in zip(QUANT_KEYS, views):
-            v.copy_(e.state[k].reshape(-1))
-            e.state[k] = v
+        for k, buf in zip(QUANT_KEYS, bufs):  # codes per element, scales per block
+            lo, hi = (r, r + n) if k.endswith("_codes") else (r // bs, r // bs + num_blocks(n, bs))
+            view = buf[lo:hi]
+            view.copy_(e.state[k].reshape(-1))
+            e.state[k] = view
     return bufs
 
 
@@ -242,6 +241,9 @@ def step_flat(p: Tensor, g: Tensor, moments: Sequence[Tensor],
     dev = p.device
     if quantized:
         m_book, v_book = codebook(True, dev), codebook(False, dev)
+        m_codes, m_absmax, v_codes, v_absmax = moments
+    else:
+        m_all, v_all = moments
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
         b0, b1 = s // block_size, num_blocks(e, block_size)
@@ -253,10 +255,10 @@ def step_flat(p: Tensor, g: Tensor, moments: Sequence[Tensor],
         if quantized:
             m = torch.empty(e - s, dtype=torch.float32, device=dev)
             v = torch.empty_like(m)
-            dequantize_blockwise_(m, moments[0][s:e], moments[1][b0:b1], m_book.code, block_size)
-            dequantize_blockwise_(v, moments[2][s:e], moments[3][b0:b1], v_book.code, block_size)
+            dequantize_blockwise_(m, m_codes[s:e], m_absmax[b0:b1], m_book.code, block_size)
+            dequantize_blockwise_(v, v_codes[s:e], v_absmax[b0:b1], v_book.code, block_size)
         else:
-            m, v = moments[0][s:e], moments[1][s:e]
+            m, v = m_all[s:e], v_all[s:e]
         # m = beta1*m + (1-beta1)*g ; v = beta2*v + (1-beta2)*g*g  (plain IEEE ops, see note)
         m.mul_(beta1).add_(g32 * (1 - beta1))
         v.mul_(beta2).add_((g32 * g32).mul_(1 - beta2))
@@ -270,5 +272,5 @@ def step_flat(p: Tensor, g: Tensor, moments: Sequence[Tensor],
             new_p[a:b] = p32[a:b]
         pc.copy_(new_p)
         if quantized:
-            quantize_blockwise_(m, moments[0][s:e], moments[1][b0:b1], m_book, block_size)
-            quantize_blockwise_(v, moments[2][s:e], moments[3][b0:b1], v_book, block_size)
+            quantize_blockwise_(m, m_codes[s:e], m_absmax[b0:b1], m_book, block_size)
+            quantize_blockwise_(v, v_codes[s:e], v_absmax[b0:b1], v_book, block_size)

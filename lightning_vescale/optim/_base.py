@@ -127,12 +127,14 @@ class ShardLayout:
     @property
     def start(self) -> int:
         """First element of this rank's flat range."""
-        return self.ranges[self.rank][0]
+        start, _ = self.ranges[self.rank]
+        return start
 
     @property
     def end(self) -> int:
         """One past the last element of this rank's flat range."""
-        return self.ranges[self.rank][1]
+        _, end = self.ranges[self.rank]
+        return end
 
     @property
     def local_numel(self) -> int:

@@ -23,7 +23,15 @@ from lightning_vescale.optim._base import ShardLayout
 from lightning_vescale.optim._muon_plan import Bucket, CommPlan, build_plan
 from lightning_vescale.optim._newton_schulz import newton_schulz, newton_schulz_flops
 
-__all__ = ["MatrixUpdate", "OrthogonalizeCost", "orthogonalize"]
+__all__ = ["NSArgs", "MatrixUpdate", "OrthogonalizeCost", "orthogonalize"]
+
+
+class NSArgs(NamedTuple):
+    """A Muon group's Newton–Schulz settings (matrices batch together only when equal)."""
+
+    coefficients: tuple[float, float, float]
+    steps: int
+    eps: float
 
 
 @dataclass(kw_only=True, eq=False)
@@ -37,7 +45,7 @@ class MatrixUpdate:
     lr: float
     weight_decay: float
     adjusted_lr: float
-    ns_args: tuple  # (ns_coefficients, ns_steps, eps) of its group
+    ns_args: NSArgs  # of its group
     layout: ShardLayout | None = None  # the parameter's, when it is sharded over > 1 rank
     result: Tensor | None = None  # bf16 NS output: local flat slice / whole matrix
 
@@ -88,23 +96,24 @@ def _newton_schulz_many(inputs: list[Tensor], items: Sequence[MatrixUpdate],
         batches.setdefault(key, []).append(k)
     flops = 0
     for ks in batches.values():
-        it = items[ks[0]]
-        coeffs, steps, eps = it.ns_args
+        first = ks[0]
+        it, ns = items[first], items[first].ns_args
         if len(ks) == 1:
-            outs[ks[0]] = newton_schulz(inputs[ks[0]].view(it.rows, it.cols), coeffs,
-                                        steps, eps)
+            outs[first] = newton_schulz(inputs[first].view(it.rows, it.cols), ns.coefficients,
+                                        ns.steps, ns.eps)
         else:
             stacked = torch.stack([inputs[k].view(it.rows, it.cols) for k in ks])
-            for k, o in zip(ks, newton_schulz(stacked, coeffs, steps, eps).unbind(0)):
+            for k, o in zip(ks, newton_schulz(stacked, ns.coefficients, ns.steps,
+                                              ns.eps).unbind(0)):
                 outs[k] = o
-        flops += len(ks) * newton_schulz_flops(it.rows, it.cols, steps)
+        flops += len(ks) * newton_schulz_flops(it.rows, it.cols, ns.steps)
     return outs, flops
 
 
 def _plan(plans: dict[Any, CommPlan], group: Any, items: Sequence[MatrixUpdate],
           cap_numel: int) -> CommPlan:
     info = items[0].layout.mesh_info
-    steps = items[0].ns_args[1]
+    steps = items[0].ns_args.steps
     key = (tuple(id(it.param) for it in items), tuple(it.param.placements for it in items),
            tuple(tuple(it.param.shape) for it in items), cap_numel, steps)
     plan = plans.get(group)

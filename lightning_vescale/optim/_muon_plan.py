@@ -143,7 +143,8 @@ def build_plan(key: tuple, shapes: Sequence[tuple[int, int]],
     order = [i for column in itertools.zip_longest(*per_owner) for i in column if i is not None]
 
     buckets = []
-    for positions in plan_buckets([shapes[i][0] * shapes[i][1] for i in order], cap_numel):
+    numels = [rows * cols for rows, cols in (shapes[i] for i in order)]
+    for positions in plan_buckets(numels, cap_numel):
         items = [order[p] for p in positions]
         buckets.append(Bucket(
             items=tuple(items),

@@ -248,7 +248,9 @@ class AdamW8bit(ShardedOptimizer):
         """``st`` with codes and fp32 moments shaped like the parameter; for a DTensor
         parameter, DTensors in its layout (scales: per-block layout)."""
         p = ref.param
-        layout = self._layout(p, ref.group, ref.name)[0] if isinstance(p, DTensor) else None
+        layout = None
+        if isinstance(p, DTensor):
+            layout, _ = self._layout(p, ref.group, ref.name)
         out: dict[str, Any] = {}
         for k, v in st.items():
             if k == "step" or not isinstance(v, torch.Tensor):

@@ -60,7 +60,7 @@ from lightning_vescale.optim._base import (
     state_in_param_layout,
     state_like,
 )
-from lightning_vescale.optim._muon_dist import MatrixUpdate, orthogonalize
+from lightning_vescale.optim._muon_dist import MatrixUpdate, NSArgs, orthogonalize
 from lightning_vescale.optim._muon_groups import (
     DEFAULT_ADAMW_PATTERNS,
     Router,
@@ -273,7 +273,8 @@ class Muon(ShardedOptimizer):
         mu = group["momentum"]
         out = []
         names = group.get("param_names")
-        ns_args = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+        ns_args = NSArgs(coefficients=group["ns_coefficients"], steps=group["ns_steps"],
+                         eps=group["eps"])
         for idx, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
