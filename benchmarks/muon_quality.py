@@ -23,7 +23,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 from benchmarks._lm import build_gpt, train_lm  # noqa: E402
-from lightning_vescale.optim.muon import Muon  # noqa: E402
+from lightning_vescale.optim import Muon  # noqa: E402
 
 OUT_DIR = os.path.join(ROOT, "benchmarks", "out")
 

@@ -3,7 +3,7 @@
 Same model, same world size, same RaggedShard layout (planned by ``plan_layout`` with row
 granularity, as ``fully_shard`` lays out a group), same gradients, CPU + gloo:
 
-* ``ours``  — :class:`lightning_vescale.optim.muon.Muon`: each matrix goes whole to one
+* ``ours``  — :class:`lightning_vescale.optim.Muon`: each matrix goes whole to one
   load-balanced owner, Newton–Schulz (NS) runs there only, one all-to-all per bucket each way,
   overlapped with NS on the previous bucket. ``ours`` uses the default 32 MB buckets (this
   model fits in one); ``ours-small-buckets`` uses ``--bucket-cap-mb`` (1 MB: several buckets, so
@@ -39,8 +39,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from lightning_vescale.optim._newton_schulz import newton_schulz, newton_schulz_flops  # noqa: E402
-from lightning_vescale.optim.muon import Muon, _adjust_lr  # noqa: E402
+from lightning_vescale.optim import Muon, newton_schulz, newton_schulz_flops  # noqa: E402
 from lightning_vescale.placement import (  # noqa: E402
     RaggedShard,
     chunk_bounds,
@@ -117,7 +116,8 @@ class NaiveDistributedMuon:
             s, e = rg[rank]
             local = p.to_local()
             local.mul_(1 - self.lr * self.wd)
-            local.add_(o[s:e], alpha=-_adjust_lr(self.lr, None, rows, cols))
+            # torch.optim.Muon's default lr adjustment (adjust_lr_fn=None)
+            local.add_(o[s:e], alpha=-(self.lr * math.sqrt(max(1, rows / cols))))
 
 
 def _rank_body(rank, world, layout, init_file, args, results):

@@ -1,4 +1,9 @@
-"""Block-wise dynamic 8-bit quantization (pure functions, any device).
+"""Block-wise dynamic 8-bit quantization: pure functions and the one state type, any device.
+
+As torchao's ``optim/``: the quantization maths are pure functions of their inputs (no optimizer,
+no process group), and :class:`QuantizedMoment` is the minimal state type that names a moment's
+codes and scales together. ``AdamW8bit`` (``adamw8bit.py``) is built on them; another block-wise
+optimizer would be too.
 
 Design note [blockwise-quant]
 -----------------------------
@@ -41,6 +46,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "QuantizedMoment",
     "CodeBook",
     "codebook",
     "dynamic_code_map",
@@ -53,7 +60,13 @@ __all__ = [
     "quantize_blockwise_",
     "dequantize_blockwise",
     "dequantize_blockwise_",
+    "zero_code",
 ]
+
+#: Elements per quantization block (bitsandbytes' value). The one definition in the package:
+#: ``AdamW8bit(block_size=...)`` defaults to it, and sharded parameters need shard bounds on
+#: multiples of it (the strategies' default ``optimizer_block_size`` should import it).
+DEFAULT_BLOCK_SIZE = 256
 
 
 @functools.lru_cache(maxsize=None)
@@ -243,7 +256,7 @@ def quantize_blockwise_(x: torch.Tensor, codes: torch.Tensor, absmax: torch.Tens
 
 
 def quantize_blockwise(
-    x: torch.Tensor, code: torch.Tensor | CodeBook, block_size: int = 256
+    x: torch.Tensor, code: torch.Tensor | CodeBook, block_size: int = DEFAULT_BLOCK_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the flat tensor ``x`` to ``(codes uint8, absmax fp32 per block)``.
 
@@ -271,7 +284,7 @@ def dequantize_blockwise_(out: torch.Tensor, codes: torch.Tensor, absmax: torch.
 
 def dequantize_blockwise(
     codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor | CodeBook,
-    block_size: int = 256,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_blockwise`: ``code[codes] * absmax[block]`` (flat fp32)."""
     _check(codes, block_size)
@@ -284,3 +297,43 @@ def dequantize_blockwise(
     out = torch.empty(codes.numel(), dtype=torch.float32, device=codes.device)
     dequantize_blockwise_(out, codes, absmax, table, block_size)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def zero_code(signed: bool) -> int:
+    """The code of ``0.0`` in ``dynamic_code_map(signed)`` (127 signed, 0 unsigned): the fill
+    value of a fresh (all-zero) moment's codes."""
+    return int(codebook(signed).nearest(torch.zeros(1)))
+
+
+# -------------------------------------------------------------------------------------------------
+# The state type: one block-quantized moment (views into an optimizer's state tensors).
+# -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class QuantizedMoment:
+    """One moment stored as 8-bit ``codes`` into a dynamic map plus one fp32 ``absmax`` per block.
+
+    ``codes`` (uint8, ``n`` elements) and ``absmax`` (fp32, ``num_blocks(n, block_size)``) are
+    flat tensors, usually views into an optimizer's state; this type only names them together
+    with how to read them (see design note [blockwise-quant]). ``signed`` picks the code map:
+    ``True`` for a moment of either sign (Adam's first), ``False`` for a non-negative one.
+    """
+
+    codes: torch.Tensor
+    absmax: torch.Tensor
+    signed: bool
+    block_size: int
+
+    def dequantize(self) -> torch.Tensor:
+        """The moment in fp32 (flat, a new tensor)."""
+        out = torch.empty(self.codes.numel(), dtype=torch.float32, device=self.codes.device)
+        dequantize_blockwise_(out, self.codes, self.absmax,
+                              codebook(self.signed, self.codes.device).code, self.block_size)
+        return out
+
+    def quantize_(self, x: torch.Tensor) -> None:
+        """Store ``x`` (any shape with ``codes.numel()`` elements, any float dtype) into
+        ``codes``/``absmax`` in place; ``x`` is not modified."""
+        work = x.reshape(-1).to(dtype=torch.float32, copy=True)
+        quantize_blockwise_(work, self.codes, self.absmax, codebook(self.signed, self.codes.device),
+                            self.block_size)

@@ -14,8 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from lightning_vescale.optim import AdamW8bit
-from lightning_vescale.optim._quant import num_blocks
+from lightning_vescale.optim import AdamW8bit, num_blocks
 from lightning_vescale.placement import RaggedShard
 
 HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
@@ -431,3 +430,40 @@ def test_with_fully_shard(worlds):
     # the default (element-wise) granularity is refused with the fix
     for msg in worlds(2).run(_fully_shard_body, 1, None):
         assert isinstance(msg, str) and "granularity=256" in msg
+
+
+# -- other placements: Replicate works like a plain tensor, others are refused by name ---------
+def _placements_body():
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    w, g = _full([(70, 64)])[0], _grads([(70, 64)], 0)[0]
+    rep = torch.nn.Parameter(DTensor.from_local(w.clone(), mesh, [Replicate()]))
+    rep.grad = DTensor.from_local(g.clone(), mesh, [Replicate()])
+    opt = AdamW8bit([rep], **HP)
+    opt.step()
+    ref = torch.nn.Parameter(w.clone())
+    ref.grad = g.clone()
+    oref = AdamW8bit([ref], **HP)
+    oref.step()
+    sd, ref_sd = opt.state_dict()["state"][0], oref.state_dict()["state"][0]
+    exported = {k: (tuple(v.to_local().shape), torch.equal(v.full_tensor(), ref_sd[k]))
+                for k, v in sd.items() if k != "step"}
+    shard = torch.nn.Parameter(DTensor.from_local(w.clone()[:35], mesh, [Shard(0)]))
+    shard.grad = DTensor.from_local(g.clone()[:35], mesh, [Shard(0)])
+    try:
+        AdamW8bit([shard]).step()
+        err = None
+    except TypeError as e:
+        err = str(e)
+    return torch.equal(rep.to_local(), ref.detach()), exported, err
+
+
+def test_replicate_works_and_unsupported_placement_is_named(worlds):
+    for equal, exported, err in worlds(2).run(_placements_body):
+        assert equal
+        # exported states are Replicate DTensors whose local tensors have the global shape
+        assert exported == {"exp_avg_codes": ((70, 64), True), "exp_avg_absmax": ((18,), True),
+                            "exp_avg_sq_codes": ((70, 64), True),
+                            "exp_avg_sq_absmax": ((18,), True)}, exported
+        assert err is not None and "parameter #0" in err and "RaggedShard" in err

@@ -2,7 +2,7 @@
 
 Every rank builds the same full parameters, shards them with assorted ``RaggedShard`` layouts
 (even, uneven, element-granular cuts inside rows, zero-unit ranks, one-hot, ``dims=()``), runs N
-steps of :class:`lightning_vescale.optim.muon.Muon`, and compares its local slices with a
+steps of :class:`lightning_vescale.optim.Muon`, and compares its local slices with a
 single-process reference run of ``torch.optim.Muon`` / ``torch.optim.AdamW`` on the full tensors
 (computed on the same rank). Same gradients on every rank -> bitwise; per-rank gradients
 averaged with a collective -> allclose.
@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_vescale.optim._newton_schulz import newton_schulz_flops
-from lightning_vescale.optim.muon import Muon
+from lightning_vescale.optim import Muon, newton_schulz_flops
 from lightning_vescale.placement import RaggedShard, ragged_from_local
 
 # name -> shape. Matrices of assorted shapes (tall, wide, square, conv-style), an embedding and

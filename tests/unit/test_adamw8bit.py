@@ -8,8 +8,8 @@ import io
 import pytest
 import torch
 
-from lightning_vescale.optim import AdamW8bit
-from lightning_vescale.optim._quant import (
+from lightning_vescale.optim import (
+    AdamW8bit,
     dequantize_blockwise,
     quantize_blockwise,
     signed_code_map,

@@ -11,13 +11,15 @@ import torch
 from torch import nn
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 
-from lightning_vescale.optim._newton_schulz import (
+from lightning_vescale.optim import (
     DEFAULT_NS_COEFFICIENTS,
+    Muon,
+    assign_owners,
     newton_schulz,
     newton_schulz_flops,
     newton_schulz_reference,
+    plan_buckets,
 )
-from lightning_vescale.optim.muon import Muon, assign_owners, plan_buckets
 
 
 # -- Newton–Schulz -------------------------------------------------------------------------------

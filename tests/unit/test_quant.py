@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_vescale.optim._quant import (
+from lightning_vescale.optim import (
     CodeBook,
     codebook,
     block_absmax,

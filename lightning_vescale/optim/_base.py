@@ -1,0 +1,370 @@
+"""Layer 4: what the optimizers share: local views, parameter layouts and checks, DCP state I/O.
+
+Design note [sharded-optimizer]
+-------------------------------
+The optimizers of this package step sharded parameters on their *local* tensors: element-wise
+maths needs no communication, and an optimizer that needs whole tensors (Muon) moves them itself.
+Per-parameter states are laid out like their parameter (each rank holds the states of its own
+flat range), so states never move. What every such optimizer needs lives here once, so that
+another optimizer is one file:
+
+* **Local views.** :func:`local_view`: a DTensor's local tensor (a view; for a ``fully_shard``
+  parameter, into the group's DBuffer shard), a plain tensor itself.
+* **Parameter layouts and checks.** :func:`param_layout` reads a parameter's :class:`ShardLayout`:
+  its global shape, every shard rank's flat range ``[start, end)`` of the row-major tensor, this
+  rank's index and the shard group's :class:`~lightning_vescale.mesh.MeshInfo`. Supported are
+  plain tensors and all-``Replicate`` DTensors (every rank holds the whole tensor) and
+  ``RaggedShard`` DTensors on the meshes ``MeshInfo.from_mesh`` accepts (the one place that knows
+  the mesh restrictions: 1-D in this version). Other placements raise ``TypeError`` naming the
+  parameter; a local tensor whose size disagrees with its placement raises ``ValueError``.
+  :func:`check_block_aligned` is the check block-wise states need: every rank's range starts on
+  a block boundary and ends on one or at the tensor's end.
+* **State export/import for distributed checkpoint.** A state laid out like its parameter is
+  exported as a DTensor with the parameter's placements and global shape
+  (:meth:`ShardLayout.to_dtensor`, :func:`state_like`), per-block statistics in the layout of
+  :meth:`ShardLayout.per_block`, so DCP saves global tensors and reshards them on load (to another
+  world size too). On load, :meth:`ShardLayout.local_part` turns a DTensor in the same layout into
+  its local tensor (no communication), a DTensor in another layout into a gathered full tensor
+  (``full_tensor()``: a collective, so every rank must load) and a full plain tensor (e.g. a
+  single-process state) into this rank's slice (``placement.local_slice``).
+
+:class:`ShardedOptimizer` is the ``torch.optim.Optimizer`` base: ``step`` (closure, ``no_grad``)
+around the subclass's ``_update``, and the mapping of a saved state dict's parameter ids onto
+this optimizer's parameters (:class:`ParamRef`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.optim import Optimizer
+
+from lightning_vescale.mesh import MeshInfo
+from lightning_vescale.optim._quant import num_blocks
+from lightning_vescale.placement import RaggedShard, local_slice, ragged_from_local, ragged_ranges
+
+__all__ = [
+    "ParamRef",
+    "ShardLayout",
+    "ShardedOptimizer",
+    "check_block_aligned",
+    "local_view",
+    "param_layout",
+    "state_in_param_layout",
+    "state_like",
+]
+
+
+def local_view(t: Tensor) -> Tensor:
+    """The rank's local tensor of a DTensor (a view, no copy); ``t`` itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _dtensor(local: Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
+             shape: Sequence[int], stride: Sequence[int]) -> DTensor:
+    # ``local`` as this rank's part of a DTensor (no copy, differentiable like from_local).
+    if any(isinstance(pl, RaggedShard) for pl in placements):
+        return ragged_from_local(local, mesh, placements, shape, stride)
+    return DTensor.from_local(local, mesh, tuple(placements), run_check=False,
+                              shape=torch.Size(shape), stride=tuple(stride))
+
+
+def state_like(p: Tensor, local: Tensor) -> Tensor:
+    """``local`` (shaped like ``p``'s local tensor) as a state laid out like ``p``.
+
+    For a DTensor ``p``: a DTensor with ``p``'s mesh, placements, global shape and stride whose
+    local tensor is ``local``. Any placement (RaggedShard ones through ``ragged_from_local``): an
+    element-wise state, e.g. Muon's AdamW fallback's, works for placements the optimizer never
+    checks. For a plain ``p``: ``local`` itself.
+    """
+    if not isinstance(p, DTensor):
+        return local
+    return _dtensor(local, p.device_mesh, p.placements, p.shape, p.stride())
+
+
+# -------------------------------------------------------------------------------------------------
+# Layouts
+# -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True, eq=False)
+class ShardLayout:
+    """Where this rank's part of a tensor (a parameter, or a state laid out like one) lies.
+
+    Build it with :func:`param_layout` (or :meth:`per_block`); it is a pure description, valid as
+    long as the parameter's placement does not change.
+
+    Attributes:
+        shape: the global shape.
+        ranges: every shard rank's flat range ``[start, end)`` of the row-major tensor, in rank
+            order (``((0, numel),)`` when every rank holds the whole tensor).
+        placement: the ``RaggedShard`` that shards the tensor, or ``None``: every rank holds
+            the whole tensor (a plain tensor or a ``Replicate`` DTensor).
+        rank: this rank's index in the shard group (``0`` when whole).
+        mesh_info: the shard group (set exactly when ``placement`` is).
+        mesh, placements: the DTensor's mesh and placements (``None``/``()`` for a plain tensor).
+    """
+
+    shape: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+    placement: RaggedShard | None = None
+    rank: int = 0
+    mesh_info: MeshInfo | None = None
+    mesh: DeviceMesh | None = None
+    placements: tuple[Placement, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        """Global number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def start(self) -> int:
+        """First element of this rank's flat range."""
+        start, _ = self.ranges[self.rank]
+        return start
+
+    @property
+    def end(self) -> int:
+        """One past the last element of this rank's flat range."""
+        _, end = self.ranges[self.rank]
+        return end
+
+    @property
+    def local_numel(self) -> int:
+        return self.end - self.start
+
+    def matches(self, value: DTensor) -> bool:
+        """Whether the DTensor ``value`` is laid out like this (same mesh, placements, shape)."""
+        return (self.mesh is not None and tuple(value.placements) == self.placements
+                and tuple(value.shape) == self.shape and value.device_mesh == self.mesh)
+
+    def local_part(self, value: Tensor) -> Tensor:
+        """This rank's part of ``value``, a tensor of this layout's global shape.
+
+        A DTensor laid out like this gives its local tensor (no communication); a DTensor in any
+        other layout is gathered first (``full_tensor()``, a collective: every rank must call);
+        a plain tensor is taken as the full tensor. Sharded: this rank's flat slice (a view of a
+        contiguous full tensor); whole: the full tensor itself. The caller checks that ``value``
+        has ``numel`` elements (a plain tensor of another shape is read row-major).
+        """
+        if isinstance(value, DTensor):
+            if self.matches(value):
+                return value.to_local()
+            value = value.full_tensor()
+        if self.placement is None:
+            return value
+        return local_slice(value.reshape(self.shape), self.placement, self.rank)
+
+    def to_dtensor(self, local: Tensor, stride: Sequence[int] | None = None) -> DTensor:
+        """This rank's part ``local`` (flat, or for a whole layout any shape with ``numel``
+        elements) as a DTensor of this layout, without a copy. ``stride``: the global stride
+        (default: contiguous). Only for layouts of DTensors (``mesh`` set)."""
+        assert self.mesh is not None, "a plain tensor's layout has no DTensor form"
+        if stride is None:
+            stride = torch.empty(self.shape, device="meta").stride()
+        if self.placement is None:
+            local = local.reshape(self.shape)
+        return _dtensor(local, self.mesh, self.placements, self.shape, stride)
+
+    def per_block(self, block_size: int) -> ShardLayout:
+        """The layout of a per-block statistic (one value per block of ``block_size`` flat
+        elements, e.g. a quantization scale): shape ``(num_blocks,)``, each rank holding the
+        blocks of its own range. Requires a block-aligned layout (:func:`check_block_aligned`)."""
+        nb = num_blocks(self.numel, block_size)
+        if self.placement is None or nb == 0:
+            return ShardLayout(shape=(nb,), ranges=((0, nb),), mesh=self.mesh,
+                               placements=tuple(Replicate() for _ in self.placements))
+        units = [num_blocks(e, block_size) - s // block_size if e > s else 0
+                 for s, e in self.ranges]
+        placement = RaggedShard((0,), units)
+        assert self.mesh_info is not None
+        placements = list(self.placements)
+        placements[self.mesh_info.shard_mesh_dim] = placement
+        return ShardLayout(shape=(nb,), ranges=_ranges((nb,), placement), placement=placement,
+                           rank=self.rank, mesh_info=self.mesh_info, mesh=self.mesh,
+                           placements=tuple(placements))
+
+
+@functools.lru_cache(maxsize=4096)
+def _ranges(shape: tuple[int, ...], placement: RaggedShard) -> tuple[tuple[int, int], ...]:
+    return tuple(ragged_ranges(shape, placement))
+
+
+def param_layout(p: Tensor, *, where: str) -> ShardLayout:
+    """The :class:`ShardLayout` of parameter ``p``, checking that it is supported.
+
+    Args:
+        p: a plain tensor, an all-``Replicate`` DTensor, or a ``RaggedShard`` DTensor (the other
+            mesh dimensions, if ``MeshInfo`` allows any, replicate).
+        where: how errors name the parameter, e.g. ``"Muon parameter 'fc.weight'"``.
+
+    Raises:
+        TypeError: another placement (``Shard``, ``Partial``, ...).
+        NotImplementedError: a mesh ``MeshInfo.from_mesh`` does not support.
+        ValueError: the local tensor's size disagrees with the placement.
+    """
+    shape = tuple(p.shape)
+    if not isinstance(p, DTensor):
+        return ShardLayout(shape=shape, ranges=((0, math.prod(shape)),))
+    placements = tuple(p.placements)
+    if all(isinstance(pl, Replicate) for pl in placements):
+        return ShardLayout(shape=shape, ranges=((0, math.prod(shape)),), mesh=p.device_mesh,
+                           placements=placements)
+    if any(isinstance(pl, RaggedShard) for pl in placements):
+        try:
+            info = MeshInfo.from_mesh(p.device_mesh)
+        except NotImplementedError as err:
+            raise NotImplementedError(f"{where}: {err}") from None
+        d = info.shard_mesh_dim
+        placement = placements[d]
+        if isinstance(placement, RaggedShard) and all(
+                isinstance(pl, Replicate) for i, pl in enumerate(placements) if i != d):
+            ranges, rank = _ranges(shape, placement), info.shard_rank
+            layout = ShardLayout(shape=shape, ranges=ranges, placement=placement, rank=rank,
+                                 mesh_info=info, mesh=p.device_mesh, placements=placements)
+            local_numel = local_view(p).numel()
+            if local_numel != layout.local_numel:
+                raise ValueError(
+                    f"{where}: local tensor has {local_numel} elements but {placement!r} gives "
+                    f"rank {rank} {layout.local_numel} of shape {shape}")
+            return layout
+    raise TypeError(
+        f"{where} (shape {shape}) is a DTensor with placements {placements}; supported are "
+        "plain tensors, Replicate, and (RaggedShard(...),) (as produced by "
+        "lightning_vescale.fully_shard / VeScaleFSDPStrategy).")
+
+
+@functools.lru_cache(maxsize=4096)
+def _first_misaligned(ranges: tuple[tuple[int, int], ...], numel: int,
+                      block_size: int) -> tuple[int, int, int] | None:
+    for r, (s, e) in enumerate(ranges):
+        if s != e and (s % block_size or (e % block_size and e != numel)):
+            return r, s, e
+    return None
+
+
+def check_block_aligned(layout: ShardLayout, block_size: int, *, who: str, name: str) -> None:
+    """Raise ``ValueError`` (the same on every rank: it reads all ranks' ranges) unless every
+    non-empty range of ``layout`` starts on a multiple of ``block_size`` and ends on one or at
+    the tensor's end, naming the fix (a sharding granularity that is a multiple of it).
+
+    ``who``: the optimizer's name (``"AdamW8bit"``); ``name``: the parameter's.
+    """
+    bad = _first_misaligned(layout.ranges, layout.numel, block_size)
+    if bad is None:
+        return
+    r, s, e = bad
+    raise ValueError(
+        f"{who}(block_size={block_size}): parameter {name} (shape {layout.shape}, "
+        f"{layout.numel} elements) is sharded with {layout.placement!r}, so rank {r} holds the "
+        f"flat range [{s}, {e}), which does not start and end on multiples of "
+        f"block_size={block_size} (or at the tensor's end): its blocks would straddle ranks. "
+        "Shard with a granularity that is a multiple of the block size, e.g. "
+        f"VeScaleFSDPStrategy(granularity={block_size}) / fully_shard(module, "
+        f"granularity={block_size}) (or VeScaleFSDPStrategy(optimizer_block_size={block_size})),"
+        " or pass a block_size that divides every shard bound."
+    )
+
+
+def state_in_param_layout(p: Tensor, value: Tensor, *, who: str, key: str, name: str) -> Tensor:
+    """A loaded state ``value`` of parameter ``p`` in ``p``'s own layout, for optimizers that keep
+    states shaped and placed like their parameter (e.g. Muon's momentum).
+
+    ``value`` must have ``p``'s global shape. A DTensor laid out like ``p`` is kept as it is. For
+    a plain ``p`` a DTensor is gathered, a plain tensor kept. For a DTensor ``p`` the value (a
+    DTensor in another layout: gathered, a collective, so every rank must load; or a full plain
+    tensor, e.g. from a single-process run) is cut to this rank's part, cast to ``p``'s dtype
+    and device, and wrapped in ``p``'s layout as a new tensor.
+
+    Args:
+        who, key, name: name the optimizer, the state and the parameter in errors.
+
+    Raises:
+        ValueError: ``value`` has another shape (checked before anything is loaded).
+        TypeError, NotImplementedError: ``p`` has a layout :func:`param_layout` refuses, and
+            ``value`` is not already laid out like it.
+    """
+    if tuple(value.shape) != tuple(p.shape):
+        kind = "a DTensor of" if isinstance(value, DTensor) else "a tensor of"
+        raise ValueError(
+            f"{who}.load_state_dict: state {key!r} of parameter {name} is {kind} shape "
+            f"{tuple(value.shape)}, but the parameter's (global) shape is {tuple(p.shape)}. "
+            f"States must be full-shape tensors (as a single-process {who} saves them) or "
+            "DTensors of the parameter's shape (as a sharded one does); was the state saved for "
+            "another model or another parameter order?")
+    if not isinstance(p, DTensor):
+        return value.full_tensor() if isinstance(value, DTensor) else value
+    if isinstance(value, DTensor) and tuple(value.placements) == tuple(p.placements) and \
+            value.device_mesh == p.device_mesh:
+        return value
+    layout = param_layout(p, where=f"{who}.load_state_dict: parameter {name}")
+    local = layout.local_part(value).detach().to(device=p.device, dtype=p.dtype)
+    return layout.to_dtensor(local.clone(), p.stride())
+
+
+# -------------------------------------------------------------------------------------------------
+# The optimizer base
+# -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class ParamRef:
+    """One parameter of an optimizer, as a state dict addresses it.
+
+    ``index`` is its position in the state dict's order (groups in order, then their params);
+    ``name`` is how messages call it: its name's ``repr`` when the group has ``param_names``,
+    else ``#index``.
+    """
+
+    param: Tensor
+    group: dict[str, Any]
+    index: int
+    name: str
+
+
+class ShardedOptimizer(Optimizer):
+    """Base of this package's optimizers (see design note [sharded-optimizer]).
+
+    Subclasses implement :meth:`_update` (one step on every group, under ``no_grad``) and use the
+    module's helpers for layouts and state export/import.
+    """
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        """Perform one optimization step; ``closure`` (re-evaluates the model and returns the
+        loss) runs first, with gradients enabled. Returns its loss (``None`` without one)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._update()
+        return loss
+
+    def _update(self) -> None:
+        raise NotImplementedError
+
+    def _param_refs(self) -> list[ParamRef]:
+        """Every parameter of every group, in state-dict order."""
+        refs = []
+        for group in self.param_groups:
+            names = group.get("param_names")
+            for i, p in enumerate(group["params"]):
+                n = len(refs)
+                refs.append(ParamRef(param=p, group=group, index=n,
+                                     name=repr(names[i]) if names else f"#{n}"))
+        return refs
+
+    def _saved_param_refs(self, state_dict: dict[str, Any]) -> dict[Any, ParamRef]:
+        """``state_dict``'s parameter ids mapped onto this optimizer's parameters, as
+        ``Optimizer.load_state_dict`` pairs them; ``{}`` when the counts differ (torch's own
+        load then raises its error)."""
+        saved_ids = [i for g in state_dict.get("param_groups", ()) for i in g["params"]]
+        refs = self._param_refs()
+        if len(saved_ids) != len(refs):
+            return {}
+        return dict(zip(saved_ids, refs))
