@@ -40,6 +40,7 @@ import torch
 __all__ = [
     "CATEGORIES",
     "MemoryBreakdown",
+    "MemorySample",
     "account",
     "collect_training_tensors",
     "is_sharded_param",
@@ -75,6 +76,31 @@ class MemoryBreakdown:
 
     def as_dict(self) -> dict[str, int]:
         return {c: getattr(self, c) for c in CATEGORIES}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemorySample:
+    """One observation at a phase boundary on one rank.
+
+    ``phase`` is the phase that just *ended* at this boundary and ``phase_peak`` its high-water
+    mark (bytes; ``None`` where the source cannot reset peaks). ``current`` is the device figure
+    at the boundary and ``breakdown`` the named bytes at that moment.
+    """
+
+    seq: int
+    batch: int
+    time_s: float
+    phase: str
+    phase_peak: int | None
+    current: int | None
+    breakdown: MemoryBreakdown | None
+
+    @property
+    def activations_other(self) -> int | None:
+        """``current`` minus the named bytes: activations, temporaries, runtime, cache."""
+        if self.current is None or self.breakdown is None:
+            return None
+        return self.current - self.breakdown.total
 
 
 # --------------------------------------------------------------------------------------------
