@@ -27,7 +27,7 @@ Two formats, both keyed by the module's ``state_dict()`` names (FQNs):
 run can load it.
 
 Loading either format into a sharded module never materialises more than one full tensor per
-rank at a time (full files are ``mmap``-ed and sliced to the rank's range; ``_state.py``).
+rank at a time (full files are ``mmap``-ed and sliced to the rank's range; ``_state_dicts.py``).
 
 Atomicity (``_files.py``): a save writes into a hidden temporary sibling
 (``.<name>.tmp-<token>``); after a barrier, rank 0 renames it onto the final name (a file: one
@@ -57,7 +57,7 @@ from lightning_vescale.checkpoint._sharded import (
     save_sharded,
     sharded_checkpoint_has,
 )
-from lightning_vescale.checkpoint._state import (
+from lightning_vescale.checkpoint._state_dicts import (
     load_full_model_state,
     load_full_optimizer_state,
     model_state,

@@ -29,7 +29,7 @@ from lightning_vescale.checkpoint._files import (
     rank0_agreed,
     temp_sibling,
 )
-from lightning_vescale.checkpoint._state import (
+from lightning_vescale.checkpoint._state_dicts import (
     load_full_model_state,
     load_full_optimizer_state,
     missing_optimizer_error,

@@ -34,7 +34,7 @@ from lightning_vescale.checkpoint._files import (
     serialize,
     temp_sibling,
 )
-from lightning_vescale.checkpoint._state import (
+from lightning_vescale.checkpoint._state_dicts import (
     index_to_fqn,
     init_optim_state,
     load_into_optimizer,
