@@ -37,17 +37,7 @@ from lightning_vescale._lightning.sharding import (
     remap_optimizer_params,
     reshard_all,
 )
-from lightning_vescale.checkpoint import (
-    is_sharded_checkpoint,
-    load_full,
-    load_sharded,
-    model_state,
-    optimizer_state,
-    read_full,
-    save_full,
-    save_sharded,
-    sharded_checkpoint_has,
-)
+from lightning_vescale import checkpoint as ckpt
 from lightning_vescale.precision import (
     VeScaleFabricPrecision,
     clip_grad_norm_,
@@ -206,15 +196,15 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
         metadata: dict[str, Any] = {}
         for key, obj in state.items():
             if isinstance(obj, Module):
-                tensors[key] = model_state(obj, full=full)
+                tensors[key] = ckpt.model_state(obj, full=full)
             elif isinstance(obj, Optimizer):
-                tensors[key] = optimizer_state(module, obj, full=full)
+                tensors[key] = ckpt.optimizer_state(module, obj, full=full)
             else:
                 metadata[key] = obj.state_dict() if isinstance(obj, _Stateful) else obj
         if full:
-            save_full(path, {**tensors, **metadata})
+            ckpt.save_full(path, {**tensors, **metadata})
         else:
-            save_sharded(path, tensors, metadata)
+            ckpt.save_sharded(path, tensors, metadata)
 
     @override
     def load_checkpoint(self, path: _PATH, state: Optional[Union[Module, Optimizer,
@@ -240,18 +230,19 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
         # other (unsharded) modules: `save_checkpoint` writes their state dicts with the tensors
         others = {k: v for k, v in state.items() if isinstance(v, Module) and k != module_key}
         loaded = set()
-        if is_sharded_checkpoint(path):
-            saved = sharded_checkpoint_has(path, others)
+        if ckpt.is_sharded_checkpoint(path):
+            saved = ckpt.sharded_checkpoint_has(path, others)
             in_dcp = {k: m for k, m in others.items() if k in saved}
-            metadata = load_sharded(path, module, optimizers, strict=strict, model_key=module_key,
-                                    weights_only=weights_only, modules=in_dcp)
+            metadata = ckpt.load_sharded(path, module, optimizers, strict=strict,
+                                         model_key=module_key, weights_only=weights_only,
+                                         modules=in_dcp)
             loaded.update(in_dcp)  # modules not in the DCP tensors may be in meta.pt (below)
         else:
-            metadata = read_full(path, weights_only=weights_only)
+            metadata = ckpt.read_full(path, weights_only=weights_only)
             if only_module and module_key not in metadata:  # a bare state dict file
                 metadata = {module_key: metadata}
-            load_full(metadata, module, optimizers, path=path, model_key=module_key,
-                      strict=strict)
+            ckpt.load_full(metadata, module, optimizers, path=path, model_key=module_key,
+                           strict=strict)
         if only_module:
             return {}
         requested = [k for k in state

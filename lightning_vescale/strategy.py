@@ -87,18 +87,7 @@ from lightning_vescale._lightning.sharding import (
     NoGradSync,
     reshard_all,
 )
-from lightning_vescale.checkpoint import (
-    count_sharded_optimizers,
-    is_sharded_checkpoint,
-    load_full,
-    load_sharded,
-    model_state,
-    optimizer_state,
-    read_full,
-    remove_checkpoint,
-    save_full,
-    save_sharded,
-)
+from lightning_vescale import checkpoint as ckpt
 from lightning_vescale.precision import VeScalePrecision, to_vescale_precision
 
 if TYPE_CHECKING:
@@ -334,15 +323,15 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
         assert self.lightning_module is not None
         self._check_peers("lightning_module_state_dict")
         reshard_all(self.model)
-        return model_state(self.lightning_module, full=self._state_dict_type == "full")
+        return ckpt.model_state(self.lightning_module, full=self._state_dict_type == "full")
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         assert self.lightning_module is not None
-        return optimizer_state(self.lightning_module, optimizer,
-                               full=self._state_dict_type == "full")
+        return ckpt.optimizer_state(self.lightning_module, optimizer,
+                                    full=self._state_dict_type == "full")
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -365,12 +354,12 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
             return
         path = self._checkpoint_target(filepath)
         if self._state_dict_type == "full":
-            save_full(path, checkpoint)
+            ckpt.save_full(path, checkpoint)
             return
         tensors = {"state_dict": checkpoint.pop("state_dict")}
         for idx, state in enumerate(checkpoint.pop("optimizer_states", [])):
             tensors[f"optimizer_{idx}"] = state
-        save_sharded(path, tensors, checkpoint)
+        ckpt.save_sharded(path, tensors, checkpoint)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -381,7 +370,7 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
         [checkpoint-formats]), so rotating names do not pile them up. Rank 0 only.
         """
         if self.is_global_zero:
-            remove_checkpoint(filepath)
+            ckpt.remove_checkpoint(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH,
@@ -393,19 +382,19 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
         fitting = lm.trainer.state.fn == TrainerFn.FITTING
         optimizers = {f"optimizer_{i}": o for i, o in enumerate(self.optimizers)} if fitting \
             else {}
-        if is_sharded_checkpoint(path):
+        if ckpt.is_sharded_checkpoint(path):
             if optimizers:
-                _check_optimizer_count(len(optimizers), count_sharded_optimizers(path))
-            return load_sharded(path, lm, optimizers, strict=lm.strict_loading,
-                                weights_only=weights_only)
-        checkpoint = read_full(path, weights_only=weights_only)
+                _check_optimizer_count(len(optimizers), ckpt.count_sharded_optimizers(path))
+            return ckpt.load_sharded(path, lm, optimizers, strict=lm.strict_loading,
+                                     weights_only=weights_only)
+        checkpoint = ckpt.read_full(path, weights_only=weights_only)
         states = checkpoint.pop("optimizer_states", None)  # Lightning's layout: a list
         if optimizers and states is not None:
             _check_optimizer_count(len(optimizers), len(states))
             checkpoint.update(zip(optimizers, states))
         else:
             optimizers = {}
-        return load_full(checkpoint, lm, optimizers, path=path, strict=lm.strict_loading)
+        return ckpt.load_full(checkpoint, lm, optimizers, path=path, strict=lm.strict_loading)
 
 
 def _check_optimizer_count(configured: int, saved: int) -> None:
