@@ -66,9 +66,6 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.strategy.startswith("vescale_fsdp"):
         import lightning_vescale  # noqa: F401  (registers the strategy name)
-        from lightning_vescale._registry import register_strategies
-
-        register_strategies()  # idempotent; in case the package root does not do it yet
     L.seed_everything(0)
     config = GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=8,
                        block_size=args.block_size)

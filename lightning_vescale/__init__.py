@@ -3,11 +3,15 @@
 RaggedShard (a block-aware DTensor placement), a structure-aware layout planner, zero-copy
 DBuffers and ``fully_shard``, block-wise 8-bit AdamW and distributed Muon, a Lightning/Fabric
 strategy (``strategy="vescale_fsdp"``, registered on import) and a memory-profiling callback.
-See ``../shared/ARCHITECTURE.md`` (in the project) for the layering: each layer imports only the
-ones below it; this file only re-exports.
+Each layer imports only the ones below it (0 placement, 1 planner, 2 dbuffer, 3 fsdp, 4 optim,
+5 the Lightning and Fabric face); this file re-exports the public names and registers the
+strategy names.
 """
 
 __version__ = "0.1.0.dev0"
+
+from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES
+from lightning.pytorch.strategies import StrategyRegistry as _TRAINER_STRATEGIES
 
 # Layer 0-1: placement and planner (pure; importing placement installs the DTensor extensions).
 from lightning_vescale.placement import RaggedShard, ragged_from_local
@@ -18,13 +22,16 @@ from lightning_vescale.dbuffer import DBuffer
 from lightning_vescale.fsdp import MixedPrecisionPolicy, fully_shard
 
 # Layer 5: Lightning and Fabric.
-from lightning_vescale._registry import register_strategies as _register_strategies
 from lightning_vescale.callbacks import MemoryProfiler
 from lightning_vescale.fabric import VeScaleFabricStrategy
 from lightning_vescale.precision import VeScaleFabricPrecision, VeScalePrecision
 from lightning_vescale.strategy import VeScaleFSDPStrategy
 
-_register_strategies()
+# Lightning has no entry point for third-party strategies: the names resolve only once registered
+# (Trainer: "vescale_fsdp", "vescale_fsdp_spawn", "vescale_fsdp_fork"; Fabric: "vescale_fsdp").
+# Registering again (e.g. after a reload) changes nothing.
+VeScaleFSDPStrategy.register_strategies(_TRAINER_STRATEGIES)
+VeScaleFabricStrategy.register_strategies(_FABRIC_STRATEGIES)
 
 __all__ = [
     "DBuffer",

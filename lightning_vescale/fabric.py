@@ -1,57 +1,43 @@
 """Layer 5: ``VeScaleFabricStrategy`` — ``Fabric(strategy="vescale_fsdp")``.
 
-How modules become sharding groups (design note [sharding-units]) and the helpers this strategy
-shares with the Trainer strategy live in ``_sharding.py``.
+The Fabric face of the engine. What it shares with the Trainer strategy (validation,
+properties, environment set-up, collectives, sharding) is design note [strategy-core]
+(``_lightning/core.py``); how modules become sharding groups is design note [sharding-units]
+(``_lightning/sharding.py``); the checkpoint formats are ``lightning_vescale.checkpoint``.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.strategies.launchers.subprocess_script import (
-    _SubprocessScriptLauncher,
-)
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
-from lightning.fabric.utilities.distributed import (
-    ReduceOp,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.distributed import ReduceOp
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_vescale import _checkpoint as ckpt
-from lightning_vescale._sharding import (
+from lightning_vescale._lightning.core import RegistryEntry, VeScaleStrategyCore
+from lightning_vescale._lightning.sharding import (
     DEFAULT_MIN_BLOCK_NUMEL,
     DEFAULT_OPTIMIZER_BLOCK_SIZE,
-    _has_meta,
-    _NoGradSync,
-    barrier,
-    broadcast,
-    connect,
+    NoGradSync,
+    has_meta,
     is_sharded,
-    make_granularity,
     remap_optimizer_params,
     reshard_all,
-    set_world_ranks,
-    shard_model,
-    validate_sharding_args,
-    validate_state_dict_type,
-    validate_timeout,
 )
+from lightning_vescale import checkpoint as ckpt
 from lightning_vescale.precision import (
     VeScaleFabricPrecision,
     clip_grad_norm_,
@@ -59,16 +45,10 @@ from lightning_vescale.precision import (
     to_vescale_precision,
 )
 
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
 __all__ = ["VeScaleFabricStrategy"]
 
 
-# ------------------------------------------------------------------------------------------------
-# Fabric strategy
-# ------------------------------------------------------------------------------------------------
-class VeScaleFabricStrategy(ParallelStrategy):
+class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
     """veScale-FSDP for Lightning Fabric: ``Fabric(strategy="vescale_fsdp")``.
 
     Set up the model first (``model = fabric.setup_module(model)``), then create the optimizer from
@@ -92,6 +72,10 @@ class VeScaleFabricStrategy(ParallelStrategy):
         timeout: process-group timeout.
     """
 
+    _registry_entries = (RegistryEntry(
+        name="vescale_fsdp", description="veScale-FSDP: RaggedShard fully sharded data parallel",
+        init_kwargs={}),)
+
     def __init__(
         self,
         sharding_units: Optional[list[Union[str, type[Module]]]] = None,
@@ -110,38 +94,15 @@ class VeScaleFabricStrategy(ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=None,
                          precision=precision)
-        self._sharding_units = validate_sharding_args(
-            sharding_units, granularity, optimizer_block_size, optimizer_min_block_numel)
-        self._granularity = granularity
-        self._optimizer_block_size = optimizer_block_size
-        self._optimizer_min_block_numel = optimizer_min_block_numel
-        self._reshard_after_forward = reshard_after_forward
-        self._state_dict_type = validate_state_dict_type(state_dict_type)
-        self._process_group_backend = process_group_backend
-        self._timeout = validate_timeout(timeout)
-        self._num_nodes = 1
-        self._device_mesh: Optional[DeviceMesh] = None
+        self._init_core(sharding_units=sharding_units, granularity=granularity,
+                        optimizer_block_size=optimizer_block_size,
+                        optimizer_min_block_numel=optimizer_min_block_numel,
+                        reshard_after_forward=reshard_after_forward,
+                        state_dict_type=state_dict_type,
+                        process_group_backend=process_group_backend, timeout=timeout)
         self._backward_sync_control = _VeScaleBackwardSyncControl()
 
     # -- properties ------------------------------------------------------------------------------
-    @property
-    def device_mesh(self) -> "DeviceMesh":
-        if self._device_mesh is None:
-            raise RuntimeError("The device mesh exists only after the processes are initialised.")
-        return self._device_mesh
-
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        raise NotImplementedError(f"{type(self).__name__} does not use a CheckpointIO plugin.")
-
-    @checkpoint_io.setter
-    @override
-    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
-        if io is not None:
-            raise NotImplementedError(
-                f"{type(self).__name__} does not support a CheckpointIO plugin.")
-
     @property
     @override
     def precision(self) -> VeScaleFabricPrecision:
@@ -154,31 +115,8 @@ class VeScaleFabricStrategy(ParallelStrategy):
         self._precision = to_vescale_precision(precision, fabric=True)
 
     @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> Optional[str]:
-        return self._process_group_backend
+    def _vescale_precision(self) -> VeScaleFabricPrecision:
+        return self.precision
 
     # -- environment -----------------------------------------------------------------------------
     @override
@@ -188,25 +126,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
                                                        self.num_nodes)
 
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        reset_seed()
-        self._set_world_ranks()
-        assert self.cluster_environment is not None
-        self._process_group_backend, self._device_mesh = connect(
-            self.cluster_environment, self._process_group_backend, self.root_device,
-            self.world_size, self._timeout)
-        self.precision._set_device_type(self.root_device.type)
-
-    def _set_world_ranks(self) -> None:
-        set_world_ranks(self)
-
     # -- model & optimizers ----------------------------------------------------------------------
-    def _granularity_fn(self) -> Optional[Callable[[str, Tensor], Any]]:
-        return make_granularity(self._granularity, self._optimizer_block_size,
-                                self._optimizer_min_block_numel)
-
     @override
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer],
                                     scheduler: Any = None) -> tuple[Module, list[Optimizer], Any]:
@@ -219,15 +139,12 @@ class VeScaleFabricStrategy(ParallelStrategy):
     @override
     def setup_module(self, module: Module) -> Module:
         module = self.precision.convert_module(module)
-        shard_model(module, units=self._sharding_units, mesh=self.device_mesh,
-                    device=self.root_device, mp_policy=self.precision.mixed_precision_policy,
-                    granularity=self._granularity_fn(),
-                    reshard_after_forward=self._reshard_after_forward)
+        self._shard(module)
         return module
 
     @override
     def module_to_device(self, module: Module) -> None:
-        if not _has_meta(module) and not is_sharded(module):
+        if not has_meta(module) and not is_sharded(module):
             module.to(self.root_device)
 
     @override
@@ -255,30 +172,22 @@ class VeScaleFabricStrategy(ParallelStrategy):
     @override
     def all_reduce(self, tensor: Tensor, group: Optional[Any] = None,
                    reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Tensor:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return self._all_reduce(tensor, group, reduce_op)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        barrier(self.root_device)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return broadcast(obj, src)
+        self._barrier("barrier")
 
     # -- checkpoints -----------------------------------------------------------------------------
     @override
     def save_checkpoint(self, path: _PATH, state: dict[str, Union[Module, Optimizer, Any]],
                         storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not "
-                            "supported: the strategy writes checkpoints itself.")
+        self._refuse_storage_options(storage_options)
         if filter is not None:
             raise NotImplementedError(f"{type(self).__name__} does not support `filter`.")
-        path = Path(self.broadcast(path))
-        module_key, module = _find_module(state)
+        path = self._checkpoint_target(path)
+        _, module = _find_module(state)
         full = self._state_dict_type == "full"
         for m in state.values():
             if isinstance(m, Module):
@@ -306,7 +215,7 @@ class VeScaleFabricStrategy(ParallelStrategy):
                 f"{type(self).__name__}.load_checkpoint needs the objects to restore: "
                 "load_checkpoint(path, state={'model': model, 'optimizer': optimizer, ...})."
             )
-        path = ckpt.check_checkpoint_path(Path(self.broadcast(path)))
+        path = self._checkpoint_source(path)
         if isinstance(state, Optimizer):
             raise NotImplementedError("Load an optimizer together with its model: "
                                       "state={'model': model, 'optimizer': optimizer}.")
@@ -329,18 +238,11 @@ class VeScaleFabricStrategy(ParallelStrategy):
                                          modules=in_dcp)
             loaded.update(in_dcp)  # modules not in the DCP tensors may be in meta.pt (below)
         else:
-            metadata = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+            metadata = ckpt.read_full(path, weights_only=weights_only)
             if only_module and module_key not in metadata:  # a bare state dict file
                 metadata = {module_key: metadata}
-            ckpt.load_full_model_state(metadata.pop(module_key), module, strict=strict)
-            for key, opt in optimizers.items():
-                if key not in metadata:
-                    if strict:
-                        raise ckpt.missing_optimizer_error(key, [
-                            k for k, v in metadata.items() if isinstance(v, dict)
-                            and "param_groups" in v])
-                    continue
-                ckpt.load_full_optimizer_state(metadata.pop(key), module, opt)
+            ckpt.load_full(metadata, module, optimizers, path=path, model_key=module_key,
+                           strict=strict)
         if only_module:
             return {}
         requested = [k for k in state
@@ -361,23 +263,11 @@ class VeScaleFabricStrategy(ParallelStrategy):
                 state[key] = value
         return metadata
 
-    # -- registration ----------------------------------------------------------------------------
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        if not torch.distributed.is_available():
-            return
-        if "vescale_fsdp" not in strategy_registry:
-            strategy_registry.register(
-                "vescale_fsdp", cls,
-                description="veScale-FSDP: RaggedShard fully sharded data parallel",
-            )
-
 
 class _VeScaleBackwardSyncControl(_BackwardSyncControl):
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
-        return _NoGradSync(module, enabled)
+        return NoGradSync(module, enabled)
 
 
 def _find_module(state: dict[str, Any]) -> tuple[str, Module]:

@@ -50,13 +50,15 @@ from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeC
 from lightning.pytorch.plugins.precision.precision import Precision
 from lightning_utilities import apply_to_collection
 from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import get_args, override
 
+from lightning_vescale.fsdp import MixedPrecisionPolicy
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from lightning_vescale.fsdp import MixedPrecisionPolicy
 
 __all__ = [
     "VeScalePrecision",
@@ -69,6 +71,8 @@ __all__ = [
 
 PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"]
 _SUPPORTED: tuple[str, ...] = get_args(PrecisionFlag)
+_COMPUTE_DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16,
+                   "bf16-true": torch.bfloat16, "16-mixed": torch.float16}
 _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed"}
 
 
@@ -77,8 +81,6 @@ _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixe
 # ------------------------------------------------------------------------------------------------
 def _local_and_kind(grad: Tensor) -> tuple[Tensor, bool, Any]:
     """``(local tensor, is_sharded, process group or None)`` of a (possibly DTensor) gradient."""
-    from torch.distributed.tensor import DTensor, Replicate
-
     if isinstance(grad, DTensor):
         mesh = grad.device_mesh
         sharded = any(not isinstance(p, Replicate) for p in grad.placements)
@@ -220,6 +222,7 @@ class _VeScalePrecisionMixin:
     precision: str
     scaler: Optional[ShardedGradScaler]
     _device_type: Optional[str]
+    _mixed_precision_policy: Optional[MixedPrecisionPolicy]
 
     def _init_precision(self, precision: Any, scaler: Optional[ShardedGradScaler],
                         device: Optional[str]) -> None:
@@ -236,6 +239,7 @@ class _VeScalePrecisionMixin:
             )
         self.precision = precision
         self._device_type = device
+        self._mixed_precision_policy = _policy_for(precision)
         if precision == "16-mixed" and scaler is None:
             scaler = ShardedGradScaler(device or _default_device_type())
         self.scaler = scaler
@@ -255,17 +259,13 @@ class _VeScalePrecisionMixin:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return {"32-true": torch.float32, "bf16-mixed": torch.bfloat16,
-                "bf16-true": torch.bfloat16, "16-mixed": torch.float16}[self.precision]
+        return _COMPUTE_DTYPES[self.precision]
 
     @property
-    def mixed_precision_policy(self) -> Optional["MixedPrecisionPolicy"]:
-        """The ``MixedPrecisionPolicy`` for ``fully_shard`` (``None`` = no casting)."""
-        if self.precision not in ("bf16-mixed", "16-mixed"):
-            return None
-        from lightning_vescale.fsdp import MixedPrecisionPolicy
-
-        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+    def mixed_precision_policy(self) -> Optional[MixedPrecisionPolicy]:
+        """The ``MixedPrecisionPolicy`` the strategy hands to ``fully_shard`` (``None`` = no
+        casting); built once, from the flag (table of design note [precision])."""
+        return self._mixed_precision_policy
 
     # -- module / tensors ------------------------------------------------------------------------
     def convert_module(self, module: Module) -> Module:
@@ -312,6 +312,13 @@ class _VeScalePrecisionMixin:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(precision={self.precision!r})"
+
+
+def _policy_for(precision: str) -> Optional[MixedPrecisionPolicy]:
+    """The one place a flag becomes a policy: all-gather in the compute dtype, reduce in fp32."""
+    if precision not in ("bf16-mixed", "16-mixed"):
+        return None
+    return MixedPrecisionPolicy(param_dtype=_COMPUTE_DTYPES[precision], reduce_dtype=torch.float32)
 
 
 def _default_device_type() -> str:
@@ -389,8 +396,9 @@ def to_vescale_precision(plugin: Any, *, fabric: bool = False) -> Any:
     """Convert a Lightning precision plugin chosen from a ``precision=`` string into ours.
 
     Lightning builds ``Precision()`` / ``MixedPrecision`` / ``HalfPrecision`` from the flag
-    before it knows our strategy; the strategy's ``precision_plugin`` setter calls this. Unsupported flags
-    (``"64-true"``, ``"16-true"``, transformer-engine, bitsandbytes, ...) raise a ``ValueError``.
+    before it knows our strategy; the strategy's ``precision_plugin`` setter calls this.
+    Unsupported flags (``"64-true"``, ``"16-true"``, transformer-engine, bitsandbytes, ...) raise
+    a ``ValueError``.
     """
     target = VeScaleFabricPrecision if fabric else VeScalePrecision
     if plugin is None or isinstance(plugin, target):

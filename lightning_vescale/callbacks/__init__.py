@@ -1,7 +1,8 @@
 """Lightning callbacks of lightning_vescale (layer 5).
 
-``MemoryProfiler`` works with any strategy; it imports nothing from the sharding engine except the
-optional ``DBuffer`` registry (layer 2), lazily.
+``MemoryProfiler`` works with any strategy; from the sharding engine it only reads the registry
+of live ``DBuffer``s (``lightning_vescale.dbuffer.live_dbuffers``, layer 2), which is empty when
+the engine is not in use.
 """
 
 from lightning_vescale.callbacks.memory import MemoryProfiler, MemorySample

@@ -40,6 +40,7 @@ import torch
 __all__ = [
     "CATEGORIES",
     "MemoryBreakdown",
+    "MemorySample",
     "account",
     "collect_training_tensors",
     "is_sharded_param",
@@ -75,6 +76,31 @@ class MemoryBreakdown:
 
     def as_dict(self) -> dict[str, int]:
         return {c: getattr(self, c) for c in CATEGORIES}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemorySample:
+    """One observation at a phase boundary on one rank.
+
+    ``phase`` is the phase that just *ended* at this boundary and ``phase_peak`` its high-water
+    mark (bytes; ``None`` where the source cannot reset peaks). ``current`` is the device figure
+    at the boundary and ``breakdown`` the named bytes at that moment.
+    """
+
+    seq: int
+    batch: int
+    time_s: float
+    phase: str
+    phase_peak: int | None
+    current: int | None
+    breakdown: MemoryBreakdown | None
+
+    @property
+    def activations_other(self) -> int | None:
+        """``current`` minus the named bytes: activations, temporaries, runtime, cache."""
+        if self.current is None or self.breakdown is None:
+            return None
+        return self.current - self.breakdown.total
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,14 +161,17 @@ _Key = tuple[int, torch.device]  # (storage base address, device)
 
 
 def _merge(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, disjoint ``(start, end)`` byte intervals covering the same bytes as ``intervals``."""
     intervals.sort()
     out: list[tuple[int, int]] = []
     for s, e in intervals:
-        if out and s <= out[-1][1]:
-            if e > out[-1][1]:
-                out[-1] = (out[-1][0], e)
-        else:
-            out.append((s, e))
+        if out:
+            last_start, last_end = out[-1]
+            if s <= last_end:
+                if e > last_end:
+                    out[-1] = (last_start, e)
+                continue
+        out.append((s, e))
     return out
 
 
@@ -150,11 +179,11 @@ def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
     """Bytes covered by both of two sorted lists of disjoint intervals."""
     i = j = total = 0
     while i < len(a) and j < len(b):
-        lo = max(a[i][0], b[j][0])
-        hi = min(a[i][1], b[j][1])
+        (a_start, a_end), (b_start, b_end) = a[i], b[j]
+        lo, hi = max(a_start, b_start), min(a_end, b_end)
         if hi > lo:
             total += hi - lo
-        if a[i][1] < b[j][1]:
+        if a_end < b_end:
             i += 1
         else:
             j += 1
@@ -223,7 +252,8 @@ def account(
             prev = claimed.get(key)
             if len(ivs) == 1 and prev is None:  # the common case: a storage seen once
                 claimed[key] = ivs
-                total += ivs[0][1] - ivs[0][0]
+                (start, end), = ivs
+                total += end - start
                 continue
             merged = _merge(ivs)
             size = 0

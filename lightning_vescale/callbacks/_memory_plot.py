@@ -12,14 +12,15 @@ changes the global backend nor needs a display.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-from lightning_vescale.callbacks._memory_accounting import CATEGORIES
+from lightning_vescale.callbacks._memory_accounting import CATEGORIES, MemorySample
 
-if TYPE_CHECKING:
-    from lightning_vescale.callbacks.memory import MemorySample
+__all__ = ["PHASE_COLORS", "PLOT_HINT", "plot_timeline"]
 
-__all__ = ["PHASE_COLORS", "plot_timeline"]
+PLOT_HINT = (
+    "MemoryProfiler(plot_dir=...) needs matplotlib; install it with "
+    "`pip install 'lightning-vescale[plot]'` (or `pip install matplotlib`), or set plot_dir=None."
+)
 
 PHASE_COLORS: dict[str, str] = {
     "forward": "#4C72B0",
@@ -47,7 +48,7 @@ _CAT_LABELS = {
 _MIB = float(1 << 20)
 
 
-def plot_timeline(samples: Sequence["MemorySample"], path: str, *, rank: int,
+def plot_timeline(samples: Sequence[MemorySample], path: str, *, rank: int,
                   source: str = "") -> list[str]:
     """Write the timeline PNG to ``path``; return the legend labels of the phase panel.
 
@@ -58,9 +59,7 @@ def plot_timeline(samples: Sequence["MemorySample"], path: str, *, rank: int,
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
     except ImportError as err:  # pragma: no cover - checked at setup already
-        from lightning_vescale.callbacks.memory import _PLOT_HINT
-
-        raise ModuleNotFoundError(_PLOT_HINT) from err
+        raise ModuleNotFoundError(PLOT_HINT) from err
 
     fig = Figure(figsize=(12, 6.5), dpi=110)
     FigureCanvasAgg(fig)

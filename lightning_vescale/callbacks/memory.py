@@ -53,7 +53,6 @@ Outputs
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -67,10 +66,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_vescale.callbacks._memory_accounting import (
     CATEGORIES,
     MemoryBreakdown,
+    MemorySample,
     account,
     collect_training_tensors,
 )
 from lightning_vescale.callbacks._memory_device import DeviceMemory
+from lightning_vescale.callbacks._memory_plot import PLOT_HINT, plot_timeline
+from lightning_vescale.dbuffer import live_dbuffers
 
 __all__ = ["MemoryProfiler", "MemorySample", "PHASES", "engine_tensors", "format_table"]
 
@@ -81,35 +83,6 @@ PHASES: tuple[str, ...] = ("forward", "backward", "optimizer_step", "checkpoint_
 _MIB = float(1 << 20)
 #: breakdown figures, logged and tabulated as their largest value over the phase boundaries.
 _FIGURES: tuple[str, ...] = CATEGORIES + ("activations_other", "off_device")
-_PLOT_HINT = (
-    "MemoryProfiler(plot_dir=...) needs matplotlib; install it with "
-    "`pip install 'lightning-vescale[plot]'` (or `pip install matplotlib`), or set plot_dir=None."
-)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MemorySample:
-    """One observation at a phase boundary on one rank.
-
-    ``phase`` is the phase that just *ended* at this boundary and ``phase_peak`` its high-water
-    mark (bytes; ``None`` where the source cannot reset peaks). ``current`` is the device figure
-    at the boundary and ``breakdown`` the named bytes at that moment.
-    """
-
-    seq: int
-    batch: int
-    time_s: float
-    phase: str
-    phase_peak: int | None
-    current: int | None
-    breakdown: MemoryBreakdown | None
-
-    @property
-    def activations_other(self) -> int | None:
-        """``current`` minus the named bytes: activations, temporaries, runtime, cache."""
-        if self.current is None or self.breakdown is None:
-            return None
-        return self.current - self.breakdown.total
 
 
 def engine_tensors() -> tuple[dict[str, list[torch.Tensor]], int]:
@@ -124,27 +97,18 @@ def engine_tensors() -> tuple[dict[str, list[torch.Tensor]], int]:
     """
     found: dict[str, list[torch.Tensor]] = {
         "params_sharded": [], "params_unsharded": [], "grads": [], "comm_buffers": []}
-    try:
-        from lightning_vescale import dbuffer as _dbuffer
-    except ImportError:
-        return found, 0
-    live = getattr(_dbuffer, "live_dbuffers", None)
-    if not callable(live):
-        return found, 0
     extra = 0
     roles = (("shard", "params_sharded"), ("full", "params_unsharded"),
              ("grad_full", "grads"), ("grad_shard", "grads"))
-    for buf in live():
+    for buf in live_dbuffers():
         for attr, cat in roles:
-            t = getattr(buf, attr, None)
+            t = getattr(buf, attr)
             if isinstance(t, torch.Tensor):
                 found[cat].append(t)
-        mb = getattr(buf, "memory_bytes", None)
-        if callable(mb):
-            try:
-                extra += int(mb().get("comm", 0))
-            except Exception:  # noqa: BLE001 - accounting must never break training
-                pass
+        try:
+            extra += int(buf.memory_bytes().get("comm", 0))
+        except Exception:  # noqa: BLE001 - accounting must never break training
+            pass
     return found, extra
 
 
@@ -328,7 +292,7 @@ class MemoryProfiler(Callback):
             try:
                 import matplotlib  # noqa: F401
             except ImportError as err:
-                raise ModuleNotFoundError(_PLOT_HINT) from err
+                raise ModuleNotFoundError(PLOT_HINT) from err
         self._reset_state()
         self.samples = []
         self.phase_peaks = {}
@@ -401,8 +365,6 @@ class MemoryProfiler(Callback):
             if self.print_table:
                 rank_zero_info(table)
         if self.plot_dir is not None:
-            from lightning_vescale.callbacks._memory_plot import plot_timeline
-
             os.makedirs(self.plot_dir, exist_ok=True)
             path = os.path.join(self.plot_dir, f"memory_timeline_rank{self._rank}.png")
             self.plot_labels = plot_timeline(self.samples, path, rank=self._rank,

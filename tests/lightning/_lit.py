@@ -16,10 +16,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+import lightning_vescale  # noqa: F401  (registers strategy="vescale_fsdp" and its variants)
 from examples.gpt import GPT, GPTConfig, make_batches
-from lightning_vescale._registry import register_strategies
-
-register_strategies()
 
 #: reduce-scatter launches per process (forked workers inherit the patch, count their own)
 REDUCE_SCATTERS = [0]

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 from examples.gpt import GPT, GPTConfig
-from lightning_vescale import _checkpoint as ckpt
-from lightning_vescale._sharding import make_granularity, make_mesh, shard_model
+from lightning_vescale import checkpoint as ckpt
+from lightning_vescale._lightning.sharding import make_granularity, shard_model
+from lightning_vescale.mesh import init_mesh
 from lightning_vescale.optim import AdamW8bit, Muon
 
 # fc/proj weights have 64*256 = 16384 elements: AdamW8bit quantizes them (block 256).
@@ -23,7 +24,7 @@ CFG = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=64, ti
 def _setup(seed: int, blocks_opt: str = "adamw8bit"):
     torch.manual_seed(seed)
     model = GPT(CFG)
-    shard_model(model, units=None, mesh=make_mesh(torch.device("cpu"), dist.get_world_size()),
+    shard_model(model, units=None, mesh=init_mesh("cpu", dist.get_world_size()),
                 device=torch.device("cpu"), mp_policy=None,
                 granularity=make_granularity(None, 256, 4096), reshard_after_forward=True)
     blocks = [p for n, p in model.named_parameters() if n.startswith("blocks.")]

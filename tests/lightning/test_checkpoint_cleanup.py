@@ -1,9 +1,9 @@
 """Failed saves leave no hidden temporaries; ``remove_checkpoint`` removes stale siblings too.
 
 A save writes into ``.<name>.tmp-<token>`` and renames it into place (design note
-[checkpoint-formats] in ``_checkpoint.py``). When the write fails, on one rank or on all, the
-temporary must be gone afterwards, the previous checkpoint at that name intact, and every rank
-must come out of the save (no rank left waiting in a collective).
+[checkpoint-formats] in ``lightning_vescale.checkpoint``). When the write fails, on one rank or
+on all, the temporary must be gone afterwards, the previous checkpoint at that name intact, and
+every rank must come out of the save (no rank left waiting in a collective).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_vescale import _checkpoint as ckpt
-from lightning_vescale._sharding import make_mesh
+from lightning_vescale import checkpoint as ckpt
+from lightning_vescale.mesh import init_mesh
 
 RUN_TIMEOUT_S = 90.0  # a hang becomes a TimeoutError well before the harness' default
 
@@ -24,7 +24,7 @@ RUN_TIMEOUT_S = 90.0  # a hang becomes a TimeoutError well before the harness' d
 def _tensors(value: float) -> dict:
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = make_mesh(torch.device("cpu"), dist.get_world_size())
+    mesh = init_mesh("cpu", dist.get_world_size())
     full = torch.arange(96, dtype=torch.float32) + value
     return {"state_dict": {"w": distribute_tensor(full, mesh, [Shard(0)]),
                            "b": torch.full((3,), value)}}
@@ -56,7 +56,7 @@ def _fail_sharded_save(directory: str, how: str, fail_ranks: list[int], name: st
         if how == "write":
             _FileSystemWriter.write_data = write_data
         else:
-            ckpt.os.replace = replace  # type: ignore[attr-defined]
+            os.replace = replace
     try:
         ckpt.save_sharded(directory / name, _tensors(2.0), {"step": 2})
     except BaseException as e:  # noqa: BLE001
@@ -64,7 +64,7 @@ def _fail_sharded_save(directory: str, how: str, fail_ranks: list[int], name: st
     else:
         error = None
     finally:
-        _FileSystemWriter.write_data, ckpt.os.replace = real_write, real_replace
+        _FileSystemWriter.write_data, os.replace = real_write, real_replace
     dist.barrier()  # every rank came out of the failed save, with no collective left pending
     hidden = _hidden(directory)
     visible = sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
@@ -112,7 +112,7 @@ def _fail_full_save(path: str):
         return real_replace(src, dst)
 
     if dist.get_rank() == 0:
-        ckpt.os.replace = replace  # type: ignore[attr-defined]
+        os.replace = replace
     try:
         ckpt.save_full(Path(path), {"state_dict": {"w": torch.zeros(4)}, "step": 2})
     except BaseException as e:  # noqa: BLE001
@@ -120,7 +120,7 @@ def _fail_full_save(path: str):
     else:
         error = None
     finally:
-        ckpt.os.replace = real_replace
+        os.replace = real_replace
     dist.barrier()
     return error, _hidden(Path(path).parent), torch.load(path, weights_only=True)["step"]
 

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from examples.gpt import GPT, GPTConfig
-from lightning_vescale._sharding import is_sharded
-from lightning_vescale.fabric import VeScaleFabricStrategy
+from lightning_vescale import VeScaleFabricStrategy
+from lightning_vescale._lightning.sharding import is_sharded
 
 CFG = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=True)
 LR = 1e-2

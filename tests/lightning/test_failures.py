@@ -1,6 +1,6 @@
 """Failure hardening of the Lightning layer: a failing rank never leaves the others hanging, and a
 failed checkpoint save never damages the previous checkpoint (design note [failures] in
-``strategy.py``, atomic saves in ``_checkpoint.py``).
+``strategy.py``, atomic saves in ``lightning_vescale.checkpoint``).
 
 Every run here is bounded: in-process fork-launcher fits run under a SIGALRM deadline that kills
 the workers if it fires (the test then fails instead of hanging), subprocess runs under
@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_vescale import _checkpoint as ckpt
-from lightning_vescale.fabric import VeScaleFabricStrategy
-from lightning_vescale.strategy import VeScaleFSDPStrategy
+from lightning_vescale import VeScaleFabricStrategy, VeScaleFSDPStrategy
+from lightning_vescale import checkpoint as ckpt
+from lightning_vescale._lightning.peers import all_ranks_arrive
 from tests.lightning._lit import TinyGPT, dataloader, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -245,7 +245,7 @@ def _inject(how: str, rank: int) -> None:
                 raise OSError("injected: rename failed (rank 0)")
             return real(src, dst)
 
-        ckpt.os.replace = replace  # type: ignore[attr-defined]
+        os.replace = replace
 
 
 @pytest.mark.parametrize("how", ["write", "hook", "rename"])
@@ -361,17 +361,15 @@ def test_exception_agreement_counts_every_rank(worlds):
 
 
 def _agree_body():
-    from lightning_vescale.strategy import _all_ranks_arrive
-
-    all_arrive = _all_ranks_arrive("t/all", dist.get_world_size(), timedelta(seconds=5))
-    only_rank0 = (_all_ranks_arrive("t/one", 2, timedelta(seconds=0.3))
+    all_arrive = all_ranks_arrive("t/all", dist.get_world_size(), timedelta(seconds=5))
+    only_rank0 = (all_ranks_arrive("t/one", 2, timedelta(seconds=0.3))
                   if dist.get_rank() == 0 else False)
     dist.barrier()
     # Rank 1 gives up after 0.3 s; rank 0 arrives later and sees both counts: it must still
     # take the recorded decision (not all ranks) instead of entering a collective alone.
     if dist.get_rank() == 0:
         time.sleep(1.0)
-    late = _all_ranks_arrive("t/late", 2, timedelta(seconds=0.3))
+    late = all_ranks_arrive("t/late", 2, timedelta(seconds=0.3))
     dist.barrier()
     return [all_arrive, only_rank0, late]
 

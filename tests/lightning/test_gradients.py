@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from examples.gpt import GPT, GPTConfig
-from lightning_vescale._sharding import make_mesh, shard_model
+from lightning_vescale._lightning.sharding import shard_model
+from lightning_vescale.mesh import init_mesh
 from lightning_vescale.precision import ShardedGradScaler, clip_grad_norm_, clip_grad_value_
 
 CFG = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=True)
@@ -20,7 +21,7 @@ def _models(rank_batches: bool):
     dense = GPT(CFG)
     sharded = GPT(CFG)
     sharded.load_state_dict(dense.state_dict())
-    shard_model(sharded, units=None, mesh=make_mesh(torch.device("cpu"), dist.get_world_size()),
+    shard_model(sharded, units=None, mesh=init_mesh("cpu", dist.get_world_size()),
                 device=torch.device("cpu"), mp_policy=None, granularity=None,
                 reshard_after_forward=True)
     ws, rank = dist.get_world_size(), dist.get_rank()

@@ -74,10 +74,10 @@ def test_collect_training_tensors_matches_module_and_adam_sizes():
 
 
 def test_collect_counts_8bit_optimizer_states():
-    from lightning_vescale.optim import adamw8bit
+    from lightning_vescale.optim import AdamW8bit
 
     m = torch.nn.Linear(256, 64)  # weight: 16384 elements (8-bit states), bias: 64 (fp32 states)
-    opt = adamw8bit.AdamW8bit(m.parameters(), block_size=256, min_8bit_size=4096)
+    opt = AdamW8bit(m.parameters(), block_size=256, min_8bit_size=4096)
     m(torch.randn(2, 256)).sum().backward()
     opt.step()
     b = account(device="cpu", **collect_training_tensors([m], [opt]))

@@ -11,23 +11,24 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.fabric import Fabric
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch import nn
 
 from examples.gpt import GPT, MLP, Block, GPTConfig
-from lightning_vescale._registry import register_strategies
-from lightning_vescale._sharding import make_granularity, resolve_sharding_units
-from lightning_vescale.fabric import VeScaleFabricStrategy
-from lightning_vescale.precision import (
-    ShardedGradScaler,
+from lightning_vescale import (
     VeScaleFabricPrecision,
+    VeScaleFabricStrategy,
+    VeScaleFSDPStrategy,
     VeScalePrecision,
 )
-from lightning_vescale.strategy import VeScaleFSDPStrategy, _VeScaleMultiProcessingLauncher
+from lightning_vescale._lightning.launcher import VeScaleMultiProcessingLauncher
+from lightning_vescale._lightning.sharding import make_granularity, resolve_sharding_units
+from lightning_vescale.precision import ShardedGradScaler
 from tests.lightning._lit import trainer
 
 ROOT = Path(__file__).resolve().parents[2]
-register_strategies()
 
 
 # -- resolution by name ----------------------------------------------------------------------------
@@ -39,8 +40,9 @@ def test_strategy_resolves_by_name_and_is_distributed():
     assert t.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
     assert t.strategy.state_dict_type == "sharded"
     fork = trainer("vescale_fsdp_fork", devices=2)
-    assert isinstance(fork.strategy.launcher, _VeScaleMultiProcessingLauncher)
-    register_strategies()  # idempotent
+    assert isinstance(fork.strategy.launcher, VeScaleMultiProcessingLauncher)
+    VeScaleFSDPStrategy.register_strategies(StrategyRegistry)  # again (import did): idempotent
+    VeScaleFabricStrategy.register_strategies(FABRIC_STRATEGIES)
 
 
 def test_fabric_strategy_resolves_by_name():

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from examples.gpt import GPT
-from lightning_vescale import _checkpoint as ckpt
+from lightning_vescale import checkpoint as ckpt
 from tests.lightning._lit import (
     CONFIG,
     SaveAtEnd,

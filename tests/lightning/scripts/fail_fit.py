@@ -23,11 +23,12 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import OnExceptionCheckpoint  # noqa: E402
 
-import lightning_vescale.strategy as strategy_module  # noqa: E402
+from lightning_vescale import VeScaleFSDPStrategy  # noqa: E402
+from lightning_vescale._lightning import peers  # noqa: E402
 from tests.lightning._lit import TinyGPT, dataloader, trainer  # noqa: E402
 
 TIMEOUT = timedelta(seconds=float(os.environ.get("FAIL_FIT_TIMEOUT", "60")))
-strategy_module._EXCEPTION_AGREEMENT_WINDOW = timedelta(
+peers.EXCEPTION_AGREEMENT_WINDOW = timedelta(
     seconds=float(os.environ.get("FAIL_FIT_WINDOW", "3")))
 RAISED_AT = [0.0]
 
@@ -51,7 +52,7 @@ def main(out_dir: str, fail_rank: int, on_exception_checkpoint: bool) -> None:
     Path(out_dir, f"pid_rank{rank}").write_text(str(os.getpid()))
     callbacks = [OnExceptionCheckpoint(str(Path(out_dir, "ckpt")))] if on_exception_checkpoint \
         else []
-    strategy = strategy_module.VeScaleFSDPStrategy(timeout=TIMEOUT)
+    strategy = VeScaleFSDPStrategy(timeout=TIMEOUT)
     t = trainer(strategy, max_steps=3, callbacks=callbacks, enable_checkpointing=bool(callbacks))
     start = time.monotonic()
     try:

@@ -1,8 +1,7 @@
-"""Layer 5 (private): the sharding helpers shared by the Trainer and the Fabric strategies.
+"""How both strategies turn a model into ``fully_shard`` groups (and check the arguments for it).
 
-Both faces (``strategy.py``, ``fabric.py``) turn the user's arguments into ``fully_shard``
-groups the same way; this module holds that logic plus the few process-group helpers both
-need, so neither face imports the other.
+The Trainer and the Fabric strategy shard the same way; this module is that one implementation.
+It talks to the engine (layer 3) through its public API only.
 
 Design note [sharding-units]
 ----------------------------
@@ -37,42 +36,31 @@ import math
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-)
-from lightning.fabric.utilities.distributed import group as _group
-from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.optim import Optimizer
 
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+from lightning_vescale.fsdp import VeScaleFSDPModule, fully_shard, materialize
+from lightning_vescale.planner import resolve_granularity
 
 __all__ = [
     "DEFAULT_OPTIMIZER_BLOCK_SIZE",
     "DEFAULT_MIN_BLOCK_NUMEL",
     "is_sharded",
-    "set_gradient_sync",
     "reshard_all",
+    "NoGradSync",
     "validate_sharding_args",
     "validate_timeout",
     "validate_state_dict_type",
     "make_granularity",
     "resolve_sharding_units",
+    "has_meta",
     "shard_model",
     "remap_optimizer_params",
-    "make_mesh",
-    "set_world_ranks",
-    "connect",
-    "barrier",
-    "broadcast",
 ]
 
 #: The default ``optimizer_block_size``: AdamW8bit's (and bitsandbytes') quantization block.
@@ -82,44 +70,33 @@ DEFAULT_MIN_BLOCK_NUMEL = 4096
 
 
 # ------------------------------------------------------------------------------------------------
-# Engine adapter (layer 3): the only place that touches lightning_vescale.fsdp internals.
+# Groups of a sharded model (through the engine's public API)
 # ------------------------------------------------------------------------------------------------
-def _fsdp() -> Any:
-    import lightning_vescale.fsdp as fsdp
-
-    return fsdp
-
-
-def _states(module: Module) -> list[Any]:
-    return _fsdp()._state.states_in(module)
-
-
-def _state_of(module: Module) -> Any:
-    return _fsdp().get_state(module)
+def _sharded_modules(module: Module) -> list[VeScaleFSDPModule]:
+    return [m for m in module.modules() if isinstance(m, VeScaleFSDPModule)]
 
 
 def is_sharded(module: Module) -> bool:
     """True if ``fully_shard`` was applied to ``module`` or any submodule."""
-    return bool(_states(module))
+    return bool(_sharded_modules(module))
 
 
-def set_gradient_sync(module: Module, enabled: bool) -> None:
+def _set_gradient_sync(module: Module, enabled: bool) -> None:
     """Turn reduce-scatter after backward on/off for every group under ``module``."""
-    fsdp = _fsdp()
-    for m in module.modules():
-        if isinstance(m, fsdp.VeScaleFSDPModule):
-            m.set_requires_gradient_sync(enabled, recurse=False)
+    for m in _sharded_modules(module):
+        m.set_requires_gradient_sync(enabled, recurse=False)
 
 
 def reshard_all(module: Module) -> None:
-    """Put every group under ``module`` back to its at-rest (sharded) state, if it is not."""
-    for st in _states(module):
-        group = getattr(st, "group", None)
-        if group is not None and group.is_unsharded:
-            group.reshard()
+    """Put every group under ``module`` back to its at-rest (sharded) state, if it is not.
+
+    (``reshard()`` of a group that is already sharded changes nothing.)
+    """
+    for m in _sharded_modules(module):
+        m.reshard()
 
 
-class _NoGradSync(AbstractContextManager):
+class NoGradSync(AbstractContextManager):
     """Skip reduce-scatter inside the context (gradient accumulation), restore on exit."""
 
     def __init__(self, module: Module, enabled: bool = True) -> None:
@@ -128,15 +105,15 @@ class _NoGradSync(AbstractContextManager):
 
     def __enter__(self) -> None:
         if self._enabled:
-            set_gradient_sync(self._module, False)
+            _set_gradient_sync(self._module, False)
 
     def __exit__(self, *exc: Any) -> None:
         if self._enabled:
-            set_gradient_sync(self._module, True)
+            _set_gradient_sync(self._module, True)
 
 
 # ------------------------------------------------------------------------------------------------
-# Sharding plan helpers (shared with the Trainer strategy)
+# Arguments
 # ------------------------------------------------------------------------------------------------
 def validate_sharding_args(sharding_units: Any, granularity: Any, optimizer_block_size: Any,
                            optimizer_min_block_numel: Any) -> Optional[list[Union[str, type]]]:
@@ -230,8 +207,6 @@ def make_granularity(granularity: Union[int, str, None], optimizer_block_size: O
         if granularity is None or isinstance(granularity, int):
             return granularity if granularity is not None else optimizer_block_size
         # a string granularity ("row", "<k>rows"): make the row count block-aligned too
-        from lightning_vescale.planner import resolve_granularity
-
         g = resolve_granularity(granularity, shape)
         return math.lcm(g, optimizer_block_size)
 
@@ -271,7 +246,8 @@ def resolve_sharding_units(root: Module, units: Optional[Sequence[Union[str, typ
     return found
 
 
-def _has_meta(module: Module) -> bool:
+def has_meta(module: Module) -> bool:
+    """True if any parameter or buffer of ``module`` is on the meta device."""
     return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
 
 
@@ -279,7 +255,7 @@ def shard_model(
     root: Module,
     *,
     units: Optional[Sequence[Union[str, type]]],
-    mesh: "DeviceMesh",
+    mesh: DeviceMesh,
     device: torch.device,
     mp_policy: Any,
     granularity: Optional[Callable[[str, Tensor], Any]],
@@ -291,27 +267,26 @@ def shard_model(
     A meta-device model is sharded on meta, then materialised (``fsdp.materialize``: DBuffers on
     ``device``, ``reset_parameters()`` of every submodule, each rank keeps its ranges).
     """
-    fsdp = _fsdp()
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     if granularity is not None:
         kwargs["granularity"] = granularity
-    is_meta = _has_meta(root)
+    is_meta = has_meta(root)
     if is_sharded(root):
-        if _state_of(root) is None:  # the user sharded some units: add the missing root only
+        if not isinstance(root, VeScaleFSDPModule):  # the user sharded units: add the root only
             if not is_meta:
                 _move_unsharded(root, device)
-            fsdp.fully_shard(root, **kwargs)
+            fully_shard(root, **kwargs)
     else:
         chosen = resolve_sharding_units(root, units)
         if not is_meta:
             root.to(device)
         for unit in chosen:
-            fsdp.fully_shard(unit, **kwargs)
-        fsdp.fully_shard(root, **kwargs)
+            fully_shard(unit, **kwargs)
+        fully_shard(root, **kwargs)
     if is_meta:
-        fsdp.materialize(root, device)
+        materialize(root, device)
     _move_unsharded(root, device)
 
 
@@ -344,60 +319,3 @@ def remap_optimizer_params(optimizer: Optimizer, old_names: dict[int, str],
                 )
             params.append(new[name])
         group["params"] = params
-
-
-
-# ------------------------------------------------------------------------------------------------
-# Small distributed helpers (both strategies)
-# ------------------------------------------------------------------------------------------------
-def make_mesh(device: torch.device, world_size: int) -> "DeviceMesh":
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_shard",))
-
-
-def set_world_ranks(strategy: Any) -> None:
-    """Tell the cluster environment and ``rank_zero_only`` this process's global rank.
-
-    ``strategy`` is either of our strategies (Trainer or Fabric): both have the same
-    ``node_rank``/``local_rank``/``num_processes``/``num_nodes``/``global_rank``.
-    """
-    env = strategy.cluster_environment
-    if env is not None:
-        env.set_global_rank(strategy.node_rank * strategy.num_processes + strategy.local_rank)
-        env.set_world_size(strategy.num_nodes * strategy.num_processes)
-    # lightning.pytorch, lightning.fabric and lightning_utilities share this one function object.
-    rank_zero_only.rank = strategy.global_rank
-
-
-def connect(cluster_environment: Any, backend: Optional[str], device: torch.device,
-            world_size: int, timeout: Optional[timedelta]) -> tuple[str, "DeviceMesh"]:
-    """Initialise the default process group and the 1-D device mesh over it.
-
-    The backend defaults to the device's (``gloo`` on CPU, ``nccl`` on CUDA); ``timeout`` bounds
-    every collective of the run (design note [failures] in ``strategy.py``). Returns the backend
-    used and the mesh, which reuses the default group.
-    """
-    backend = backend or _get_default_process_group_backend_for_device(device)
-    kwargs: dict[str, Any] = {"timeout": timeout}
-    if device.type != "cpu":
-        kwargs["device_id"] = device  # eager NCCL communicator bound to this rank's device
-    _init_dist_connection(cluster_environment, backend, **kwargs)
-    return backend, make_mesh(device, world_size)
-
-
-def barrier(device: torch.device) -> None:
-    if not _distributed_is_initialized():
-        return
-    if torch.distributed.get_backend() == "nccl" and device.index is not None:
-        torch.distributed.barrier(device_ids=[device.index])
-    else:
-        torch.distributed.barrier()
-
-
-def broadcast(obj: Any, src: int = 0) -> Any:
-    if not _distributed_is_initialized():
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-    return box[0]

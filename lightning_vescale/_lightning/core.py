@@ -1,0 +1,293 @@
+"""The one core of the Trainer strategy and the Fabric strategy.
+
+Design note [strategy-core]
+---------------------------
+Lightning has two strategy hierarchies (``lightning.pytorch`` for the Trainer, ``lightning.fabric``
+for Fabric) with the same notions under partly different names. Like Lightning's own
+``ModelParallelStrategy`` pair, both faces of this package are thin; everything they have in
+common is :class:`VeScaleStrategyCore`, a mixin listed *first* in each face's bases so that its
+hooks take precedence over Lightning's defaults:
+
+* constructor validation (:meth:`VeScaleStrategyCore._init_core`) and the properties (device mesh,
+  root device, node/process counts, sampler arguments, backend, ``state_dict_type``);
+* no ``CheckpointIO`` plugin: the strategies write checkpoints themselves (see
+  ``lightning_vescale.checkpoint``), so a plugin is refused with a ``ValueError`` naming it and
+  reading ``checkpoint_io`` raises instead of returning a plugin nothing would use;
+* environment set-up: world ranks (Lightning's Trainer connector calls ``set_world_ranks``,
+  Fabric's ``_set_world_ranks``: the same method), the default process group with the strategy's
+  ``timeout``, the 1-D data-parallel mesh from :func:`lightning_vescale.mesh.init_mesh`;
+* sharding through ``_lightning/sharding.py`` with the precision plugin's mixed-precision policy;
+* collectives: ``broadcast`` and the barrier behind the peer-exception guard of design note
+  [failures] (``strategy.py``; only the Trainer can be handling an exception, see
+  :meth:`VeScaleStrategyCore._handling_exception`), the ``reduce``/``all_reduce`` body;
+* the checkpoint path every rank agrees on, and teardown (which never touches a CheckpointIO).
+
+What differs stays in the faces: the Trainer's LightningModule wrapper, launchers, optimizer
+set-up, checkpoint layout (``optimizer_states``) and hooks; Fabric's ``setup_module``/state keys.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, NamedTuple, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning_utilities.core.rank_zero import rank_zero_only
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn import Module
+from typing_extensions import override
+
+from lightning_vescale._lightning.peers import ExceptionAgreement
+from lightning_vescale._lightning.sharding import (
+    make_granularity,
+    shard_model,
+    validate_sharding_args,
+    validate_state_dict_type,
+    validate_timeout,
+)
+from lightning_vescale.checkpoint import check_checkpoint_path
+from lightning_vescale.mesh import init_mesh
+from lightning_vescale.precision import _VeScalePrecisionMixin
+
+__all__ = ["RegistryEntry", "VeScaleStrategyCore"]
+
+
+class RegistryEntry(NamedTuple):
+    """A name a strategy registers under (``strategy="<name>"``), with its constructor keywords."""
+
+    name: str
+    description: str
+    init_kwargs: dict[str, Any]
+
+
+class VeScaleStrategyCore:
+    """What ``VeScaleFSDPStrategy`` and ``VeScaleFabricStrategy`` share (design note
+    [strategy-core]). A face lists it first in its bases, calls :meth:`_init_core` after
+    Lightning's ``__init__`` and provides :attr:`_vescale_precision`."""
+
+    # Lightning's ParallelStrategy (either hierarchy) provides these.
+    accelerator: Any
+    cluster_environment: Any
+    parallel_devices: Optional[list[torch.device]]
+    local_rank: int
+    node_rank: int
+    global_rank: int
+    world_size: int
+
+    #: The names the face registers in its framework's strategy registry.
+    _registry_entries: tuple[RegistryEntry, ...] = ()
+
+    def _init_core(
+        self,
+        *,
+        sharding_units: Any,
+        granularity: Optional[Union[int, str]],
+        optimizer_block_size: Optional[int],
+        optimizer_min_block_numel: int,
+        reshard_after_forward: bool,
+        state_dict_type: Any,
+        process_group_backend: Optional[str],
+        timeout: Any,
+    ) -> None:
+        """Validate and store the arguments both strategies take (errors name the parameter)."""
+        self._sharding_units = validate_sharding_args(
+            sharding_units, granularity, optimizer_block_size, optimizer_min_block_numel)
+        self._granularity = granularity
+        self._optimizer_block_size = optimizer_block_size
+        self._optimizer_min_block_numel = optimizer_min_block_numel
+        self._reshard_after_forward = reshard_after_forward
+        self._state_dict_type = validate_state_dict_type(state_dict_type)
+        self._process_group_backend = process_group_backend
+        self._timeout: Optional[timedelta] = validate_timeout(timeout)
+        self._num_nodes = 1
+        self._device_mesh: Optional[DeviceMesh] = None
+        self._exception_agreement = ExceptionAgreement()
+
+    # -- what a face provides --------------------------------------------------------------------
+    @property
+    def _vescale_precision(self) -> _VeScalePrecisionMixin:
+        """The face's precision plugin (``precision_plugin`` / ``precision``)."""
+        raise NotImplementedError
+
+    def _handling_exception(self) -> bool:
+        """Whether this rank is handling an exception (collectives then check their peers)."""
+        return False
+
+    # -- properties ------------------------------------------------------------------------------
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists only after the processes are initialised.")
+        return self._device_mesh
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    def state_dict_type(self) -> str:
+        return self._state_dict_type
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        raise NotImplementedError(
+            f"{type(self).__name__} writes checkpoints itself and has no CheckpointIO plugin; "
+            "save and load through the Trainer/Fabric (trainer.save_checkpoint, fabric.save).")
+
+    @checkpoint_io.setter
+    @override
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        self._reject_checkpoint_io(io)
+
+    def _reject_checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        if io is not None:
+            raise ValueError(
+                f"{type(self).__name__} writes checkpoints itself (a distributed-checkpoint "
+                f"directory, or one file with state_dict_type='full'), so the CheckpointIO plugin "
+                f"{type(io).__name__} would be ignored. Remove it from the Trainer's or Fabric's "
+                "plugins=[...] / checkpoint_io=.")
+
+    # -- environment -----------------------------------------------------------------------------
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]  (Lightning's: the accelerator's device)
+        reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        device = self.root_device
+        backend = (self._process_group_backend
+                   or _get_default_process_group_backend_for_device(device))
+        kwargs: dict[str, Any] = {"timeout": self._timeout}  # bounds every collective of the run
+        if device.type != "cpu":
+            kwargs["device_id"] = device  # eager NCCL communicator bound to this rank's device
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self._process_group_backend = backend
+        self._device_mesh = init_mesh(device.type, self.world_size)  # reuses the default group
+        self._vescale_precision._set_device_type(device.type)
+
+    def set_world_ranks(self) -> None:
+        """Tell the cluster environment and ``rank_zero_only`` this process's global rank."""
+        env = self.cluster_environment
+        if env is not None:
+            env.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            env.set_world_size(self.num_nodes * self.num_processes)
+        # lightning.pytorch, lightning.fabric and lightning_utilities share this one function.
+        rank_zero_only.rank = self.global_rank
+
+    _set_world_ranks = set_world_ranks  # the name Fabric's connector calls
+
+    # -- sharding --------------------------------------------------------------------------------
+    def _shard(self, module: Module) -> None:
+        """``fully_shard`` the units of ``module`` and ``module`` itself (design note
+        [sharding-units]), on this rank's device, with the precision plugin's policy."""
+        shard_model(module, units=self._sharding_units, mesh=self.device_mesh,
+                    device=self.root_device,
+                    mp_policy=self._vescale_precision.mixed_precision_policy,
+                    granularity=make_granularity(self._granularity, self._optimizer_block_size,
+                                                 self._optimizer_min_block_numel),
+                    reshard_after_forward=self._reshard_after_forward)
+
+    # -- collectives -----------------------------------------------------------------------------
+    def _check_peers(self, what: str) -> None:
+        """While this rank handles an exception, enter the collective ``what`` only if every rank
+        does (design note [failures]); otherwise a no-op."""
+        if self._handling_exception():
+            self._exception_agreement.check(what, rank=self.global_rank, timeout=self._timeout)
+
+    def _barrier(self, what: str) -> None:
+        self._check_peers(what)
+        if not _distributed_is_initialized():
+            return
+        device = self.root_device
+        if torch.distributed.get_backend() == "nccl" and device.index is not None:
+            torch.distributed.barrier(device_ids=[device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._check_peers("broadcast")
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @staticmethod
+    def _all_reduce(tensor: Union[Tensor, Any], group: Optional[Any],
+                    reduce_op: Optional[Union[ReduceOp, str]]) -> Union[Tensor, Any]:
+        """The body of the Trainer's ``reduce`` and Fabric's ``all_reduce``."""
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self._vescale_precision.teardown()
+        self.accelerator.teardown()
+
+    # -- registration ----------------------------------------------------------------------------
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register :attr:`_registry_entries` (idempotent: a registered name is left as it is)."""
+        if not torch.distributed.is_available():
+            return
+        for entry in cls._registry_entries:
+            if entry.name not in strategy_registry:
+                strategy_registry.register(entry.name, cls, description=entry.description,
+                                           **entry.init_kwargs)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def _refuse_storage_options(self, storage_options: Optional[Any]) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not "
+                            "supported: the strategy writes checkpoints itself.")
+
+    def _checkpoint_target(self, path: _PATH) -> Path:
+        """The path a save writes to: rank 0's (every rank must write the same checkpoint)."""
+        return Path(self.broadcast(path))
+
+    def _checkpoint_source(self, path: _PATH) -> Path:
+        """The checkpoint a load reads: rank 0's path, checked to be one of our formats."""
+        return check_checkpoint_path(Path(self.broadcast(path)))

@@ -1,0 +1,184 @@
+"""Where checkpoints live on disk: path checks, atomic publish, cleanup of failed saves.
+
+The rules are those of design note [checkpoint-formats] (``lightning_vescale/checkpoint``):
+a save writes into a hidden sibling ``.<name>.tmp-<token>`` and rank 0 renames it onto the final
+name; a directory already there is first moved aside to ``.<name>.old-<token>``. Nothing here
+knows what is inside a checkpoint.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "METADATA_FILENAME",
+    "is_sharded_checkpoint",
+    "check_checkpoint_path",
+    "remove_checkpoint",
+]
+
+METADATA_FILENAME = "meta.pt"  # same name as Lightning's ModelParallel/FSDP strategies
+_DCP_METADATA = ".metadata"
+
+
+# ------------------------------------------------------------------------------------------------
+# Paths
+# ------------------------------------------------------------------------------------------------
+def is_sharded_checkpoint(path: Path) -> bool:
+    """A directory with DCP metadata (a sharded checkpoint; a full one is a single file)."""
+    path = Path(path)
+    return path.is_dir() and (path / _DCP_METADATA).is_file()
+
+
+def check_checkpoint_path(path: Path) -> Path:
+    """Raise a clear error unless ``path`` is a checkpoint in one of our two formats."""
+    path = Path(path)
+    if not path.exists():
+        aside = _hidden_siblings(path, "old")
+        hint = (f" A previous checkpoint moved aside by an interrupted save exists at "
+                f"{str(aside[-1])!r}: rename it to {path.name!r} to use it.") if aside else ""
+        raise FileNotFoundError(
+            f"Checkpoint path {str(path)!r} does not exist. Pass the path of a checkpoint file "
+            f"(state_dict_type='full') or directory (state_dict_type='sharded').{hint}"
+        )
+    if path.is_dir() and not is_sharded_checkpoint(path):
+        raise ValueError(
+            f"The path {str(path)!r} is a directory but not a sharded checkpoint (it has no "
+            f"{_DCP_METADATA!r} file). Point to a directory written by the vescale_fsdp strategy "
+            "or to a single full checkpoint file."
+        )
+    return path
+
+
+def rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _broadcast_object(obj: Any) -> Any:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
+# ------------------------------------------------------------------------------------------------
+# Hidden siblings, removal
+# ------------------------------------------------------------------------------------------------
+def _hidden_siblings(path: Path, kind: str) -> list[Path]:
+    """The ``.<name>.<kind>-<token>`` siblings of ``path`` (``kind``: ``"tmp"`` or ``"old"``)."""
+    if not path.parent.is_dir():
+        return []
+    return sorted(path.parent.glob(f".{glob.escape(path.name)}.{kind}-*"))
+
+
+def _sibling(path: Path, kind: str, token: str) -> Path:
+    return path.with_name(f".{path.name}.{kind}-{token}")
+
+
+def _new_token() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+def temp_sibling(path: Path) -> Path:
+    """Collective: the hidden temporary a save to ``path`` writes into (one name on all ranks)."""
+    return _sibling(path, "tmp", _broadcast_object(_new_token()))
+
+
+def _remove_path(path: Path) -> None:
+    """Remove a file, link or directory tree; a missing path is fine."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def discard(path: Path) -> None:
+    """Best-effort :func:`_remove_path` (cleanup must never mask the error being handled)."""
+    try:
+        _remove_path(path)
+    except OSError:
+        pass
+
+
+def remove_checkpoint(path: Any) -> None:
+    """Remove the checkpoint at ``path`` (a full file or a sharded directory) together with the
+    hidden ``.<name>.tmp-*`` / ``.<name>.old-*`` siblings that failed or interrupted saves to
+    that name left behind.
+
+    Not a collective: call it on one rank (global rank 0), like Lightning's
+    ``Strategy.remove_checkpoint``. A missing ``path`` is not an error; an error removing
+    ``path`` itself is raised, the siblings are removed on a best-effort basis.
+    """
+    path = Path(path)
+    siblings = _hidden_siblings(path, "tmp") + _hidden_siblings(path, "old")
+    _remove_path(path)
+    for stale in siblings:
+        discard(stale)
+
+
+# ------------------------------------------------------------------------------------------------
+# Publishing
+# ------------------------------------------------------------------------------------------------
+def publish(tmp: Path, final: Path) -> None:
+    """Rank 0: move the finished ``tmp`` onto ``final`` without ever corrupting ``final``."""
+    if final.exists() and (final.is_dir() or tmp.is_dir()):
+        old = _sibling(final, "old", _new_token())
+        os.replace(final, old)
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            os.replace(old, final)  # put the previous checkpoint back: never leave the name empty
+            raise
+        discard(old)
+    else:
+        os.replace(tmp, final)  # atomic for files (and for a new directory name)
+    try:  # leftovers of killed saves; best effort: this must not fail a save that succeeded
+        for stale in _hidden_siblings(final, "tmp"):
+            discard(stale)
+    except OSError:
+        pass
+
+
+def rank0_agreed(fn: Callable[[], Any], what: str) -> Any:
+    """Run ``fn`` on rank 0 and make every rank agree on whether it worked.
+
+    A failure on rank 0 must not leave the other ranks waiting in a later collective: the
+    outcome is all-reduced, rank 0 re-raises its error and the others raise a pointer to it.
+    """
+    out, error = None, None
+    if rank() == 0:
+        try:
+            out = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the agreement
+            error = e
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+        if dist.get_backend() == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed = bool(flag.item())
+    else:
+        failed = error is not None
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"Rank 0 failed to {what}; see its traceback.")
+    return out
+
+
+def serialize(obj: Any) -> bytes:
+    """``torch.save`` into bytes (fails early, before any file is written, if unpicklable)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()

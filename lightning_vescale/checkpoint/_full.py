@@ -1,0 +1,129 @@
+"""The full format: one ``torch.save`` file from rank 0, loadable without this package.
+
+Model tensors are full, under the module's FQNs; optimizer states are the plain torch format
+(full tensors, integer keys in parameter order). :func:`consolidate` turns a sharded directory
+into this format offline. See design note [checkpoint-formats] (``lightning_vescale/checkpoint``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_vescale.checkpoint._files import (
+    METADATA_FILENAME,
+    check_checkpoint_path,
+    discard,
+    is_sharded_checkpoint,
+    publish,
+    rank0_agreed,
+    temp_sibling,
+)
+from lightning_vescale.checkpoint._state_dicts import (
+    load_full_model_state,
+    load_full_optimizer_state,
+    missing_optimizer_error,
+)
+
+__all__ = ["save_full", "read_full", "load_full", "consolidate"]
+
+
+def save_full(path: Path, checkpoint: dict[str, Any]) -> None:
+    """Collective: rank 0 writes ``checkpoint`` (already gathered) to one file, atomically."""
+    path = Path(path)
+    if path.is_dir() and not is_sharded_checkpoint(path):
+        raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
+    tmp = temp_sibling(path)
+
+    def write() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            torch.save(checkpoint, tmp)
+            publish(tmp, path)
+        except BaseException:
+            discard(tmp)  # rank 0 alone writes the full format
+            raise
+
+    rank0_agreed(write, f"write the checkpoint {path}")
+
+
+def read_full(path: Path, *, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """Read a full checkpoint file memory-mapped on CPU (tensors are sliced when loaded)."""
+    return torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+
+
+def load_full(checkpoint: dict[str, Any], module: Module, optimizers: Mapping[str, Optimizer],
+              *, path: Path, model_key: str = "state_dict", strict: bool = True
+              ) -> dict[str, Any]:
+    """Load a full checkpoint (as :func:`read_full` returns it) into a sharded module and its
+    optimizers, slicing every tensor to this rank's part.
+
+    ``checkpoint[model_key]`` is the model's state dict; ``optimizers`` maps keys of
+    ``checkpoint`` to optimizers. Under ``strict`` a missing optimizer key raises a ``KeyError``,
+    otherwise that optimizer is left as it is. The loaded entries are removed from
+    ``checkpoint``, which is returned (``path`` is only for error messages).
+    """
+    if model_key not in checkpoint:
+        raise ValueError(f"{str(path)!r} is not a Lightning checkpoint (no {model_key!r} key).")
+    load_full_model_state(checkpoint.pop(model_key), module, strict=strict)
+    for key, optimizer in optimizers.items():
+        if key not in checkpoint:
+            if strict:
+                saved = [k for k, v in checkpoint.items()
+                         if isinstance(v, dict) and "param_groups" in v]
+                raise missing_optimizer_error(key, saved)
+            continue
+        load_full_optimizer_state(checkpoint.pop(key), module, optimizer)
+    return checkpoint
+
+
+def consolidate(path: Path, *, weights_only: Optional[bool] = False) -> dict[str, Any]:
+    """Read a sharded checkpoint directory into one full, plain checkpoint dict (no process group).
+
+    Model tensors come back full under ``"state_dict"``; optimizer states become the plain torch
+    format (integer keys in parameter-group order) under ``"optimizer_states"``, so the result can
+    be ``torch.save``-d and loaded by a single-process or DDP run. Runs in one process.
+    """
+    path = check_checkpoint_path(Path(path))
+    if not path.is_dir():
+        raise ValueError(f"{str(path)!r} is already a single-file (full) checkpoint.")
+    md = FileSystemReader(str(path)).read_metadata()
+    flat: dict[str, Any] = {}
+    for key, meta in md.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            flat[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        elif isinstance(meta, BytesStorageMetadata):
+            flat[key] = None
+    _load_state_dict(flat, storage_reader=FileSystemReader(str(path)),
+                     planner=DefaultLoadPlanner(), no_dist=True)
+    nested = unflatten_state_dict(flat, md.planner_data) if md.planner_data else flat
+    checkpoint = dict(torch.load(path / METADATA_FILENAME, weights_only=weights_only))
+    checkpoint["state_dict"] = nested.pop("state_dict", {})
+    opt_keys = sorted((k for k in nested if k.startswith("optimizer_")),
+                      key=lambda k: int(k.split("_", 1)[1]))
+    if opt_keys:
+        checkpoint["optimizer_states"] = [_index_keyed(nested[key]) for key in opt_keys]
+    return checkpoint
+
+
+def _index_keyed(osd: dict[str, Any]) -> dict[str, Any]:
+    """An FQN-keyed optimizer state dict (the sharded format's) in the plain torch format."""
+    order = [fqn for g in osd["param_groups"] for fqn in g["params"]]
+    index = {fqn: i for i, fqn in enumerate(order)}
+    groups, start = [], 0
+    for g in osd["param_groups"]:
+        n = len(g["params"])
+        groups.append({**g, "params": list(range(start, start + n))})
+        start += n
+    return {"state": {index[f]: s for f, s in osd.get("state", {}).items()},
+            "param_groups": groups}

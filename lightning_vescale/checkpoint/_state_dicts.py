@@ -1,0 +1,266 @@
+"""State dicts of a sharded module and its optimizers: built for a save, applied on a load.
+
+Both formats of design note [checkpoint-formats] are keyed by FQNs (``state_dict()`` names).
+Building: :func:`model_state` / :func:`optimizer_state`, sharded (``DTensor`` values, no
+communication) or full (gathered one tensor at a time, CPU tensors on rank 0). Applying a *full*
+state dict to a sharded module or optimizer slices every tensor down to this rank's part
+(:func:`load_full_model_state`, :func:`load_full_optimizer_state`), so at most one full tensor
+exists at a time. The file formats themselves live in ``_sharded.py`` and ``_full.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_vescale.checkpoint._files import rank
+from lightning_vescale.mesh import MeshInfo
+from lightning_vescale.placement import RaggedShard, local_slice, ragged_from_local
+
+__all__ = [
+    "model_state",
+    "optimizer_state",
+    "load_full_model_state",
+    "load_full_optimizer_state",
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# Tensors
+# ------------------------------------------------------------------------------------------------
+def _full(t: Any) -> Any:
+    """The full CPU tensor of a ``DTensor`` (collective over its mesh) or tensor; else ``t``."""
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    if isinstance(t, Tensor):
+        t = t.detach().cpu()
+    return t
+
+
+def _ragged_placement(t: DTensor) -> RaggedShard | None:
+    """The ``RaggedShard`` of a DTensor on a 1-D mesh (this package's parameters), else None."""
+    placement = t.placements[0]
+    if t.device_mesh.ndim == 1 and isinstance(placement, RaggedShard):
+        return placement
+    return None
+
+
+@torch.no_grad()
+def _copy_full_into(target: Tensor, full: Tensor, name: str) -> None:
+    """Write the rank's part of ``full`` into ``target`` (a DTensor or a plain tensor)."""
+    if tuple(full.shape) != tuple(target.shape):
+        raise ValueError(
+            f"Checkpoint tensor {name!r} has shape {tuple(full.shape)} but the model/optimizer "
+            f"expects {tuple(target.shape)}; was the checkpoint written for another model?"
+        )
+    if not isinstance(target, DTensor):
+        target.copy_(full)
+        return
+    local = target.to_local()
+    mesh, placements = target.device_mesh, target.placements
+    ragged = _ragged_placement(target)
+    if ragged is not None:
+        local.view(-1).copy_(local_slice(full, ragged, MeshInfo.from_mesh(mesh).shard_rank))
+        return
+    src = DTensor.from_local(full.to(device=local.device, dtype=local.dtype), mesh,
+                             [Replicate()] * mesh.ndim, run_check=False)
+    local.copy_(src.redistribute(mesh, placements).to_local())
+
+
+def _zero_grad_for(param: Tensor) -> Tensor:
+    """A zero gradient for ``param``, built from its local tensor (no DTensor op needed)."""
+    if not isinstance(param, DTensor):
+        return torch.zeros_like(param)
+    zeros = torch.zeros_like(param.to_local())
+    ragged = _ragged_placement(param)
+    if ragged is not None:
+        return ragged_from_local(zeros, param.device_mesh, ragged, param.shape, param.stride(),
+                                 autograd=False, check=False)
+    return DTensor.from_local(zeros, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+# ------------------------------------------------------------------------------------------------
+# Building state dicts
+# ------------------------------------------------------------------------------------------------
+def model_state(module: Module, *, full: bool) -> dict[str, Any]:
+    """The module's state dict: sharded (DTensors, no communication) or full.
+
+    ``full=True`` gathers one tensor at a time (a collective: call on every rank) and returns
+    CPU tensors on rank 0 and ``{}`` elsewhere.
+    """
+    sd = module.state_dict()
+    if not full:
+        return sd
+    out = {k: _full(v) if isinstance(v, Tensor) else v for k, v in sd.items()}
+    return out if rank() == 0 else {}
+
+
+def params_of(optimizer: Optimizer) -> list[Tensor]:
+    """The optimizer's parameters in index order (the keys of its ``state_dict()``)."""
+    return list(itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups))
+
+
+def index_to_fqn(module: Module, optimizer: Optimizer) -> dict[int, str]:
+    """Optimizer parameter index -> the parameter's FQN in ``module`` (first name if tied)."""
+    fqns = {id(p): name for name, p in module.named_parameters()}
+    mapping: dict[int, str] = {}
+    for idx, p in enumerate(params_of(optimizer)):
+        if id(p) not in fqns:
+            raise ValueError(
+                "An optimizer holds a parameter that is not a parameter of the model; create the "
+                "optimizer from the sharded model's parameters (in `configure_optimizers`, or "
+                "after `setup_module` with Fabric)."
+            )
+        mapping[idx] = fqns[id(p)]
+    return mapping
+
+
+def optimizer_state(module: Module, optimizer: Optimizer, *, full: bool) -> dict[str, Any]:
+    """The optimizer's ``state_dict()``, sharded (keyed by FQN) or full (keyed by index).
+
+    Sharded: ``{"state": {fqn: {...DTensors...}}, "param_groups": [{..., "params": [fqn]}]}``.
+    Full: the plain torch format with full CPU tensors on rank 0 (``{}`` elsewhere); a
+    collective, call on every rank.
+    """
+    sd = optimizer.state_dict()
+    if full:
+        state = {idx: {k: _full(v) if isinstance(v, Tensor) else v for k, v in s.items()}
+                 for idx, s in sd["state"].items()}
+        return {"state": state, "param_groups": sd["param_groups"]} if rank() == 0 else {}
+    fqn = index_to_fqn(module, optimizer)
+    return {
+        "state": {fqn[idx]: dict(s) for idx, s in sd["state"].items()},
+        "param_groups": [{**g, "params": [fqn[i] for i in g["params"]]}
+                         for g in sd["param_groups"]],
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# Applying state dicts
+# ------------------------------------------------------------------------------------------------
+def strict_check(missing: Iterable[str], unexpected: Iterable[str], strict: bool,
+                 what: str = "the model") -> None:
+    """Under ``strict``, raise if the checkpoint and ``what`` do not have the same keys."""
+    missing, unexpected = sorted(missing), sorted(unexpected)
+    if strict and (missing or unexpected):
+        raise RuntimeError(
+            f"Error(s) in loading the checkpoint into {what} (strict=True):\n"
+            f"  missing keys: {missing}\n  unexpected keys: {unexpected}\n"
+            "Pass strict_loading=False (LightningModule.strict_loading / Fabric "
+            "load(strict=False)) "
+            "to ignore them."
+        )
+
+
+def missing_optimizer_error(key: str, saved: Iterable[str]) -> KeyError:
+    """The error for a requested optimizer whose key has no state in the checkpoint (strict);
+    ``saved``: the keys the checkpoint does hold optimizer states under."""
+    return KeyError(
+        f"The checkpoint has no optimizer state under {key!r} (it has optimizer states under "
+        f"{sorted(saved)}). Load the optimizer under the key it was saved with, or pass "
+        "strict=False to leave the optimizer as it is."
+    )
+
+
+def init_optim_state(optimizer: Optimizer) -> None:
+    """Create the optimizer's states: its own ``init_state()`` if it has one, else a
+    zero-gradient, zero-lr step (as DCP does).
+
+    Zero gradients are built from each parameter's local tensor, so this needs no DTensor op
+    support beyond wrapping a local tensor.
+    """
+    if optimizer.state:
+        return
+    init_state = getattr(optimizer, "init_state", None)  # e.g. lightning_vescale.optim.Muon
+    if callable(init_state):
+        init_state()
+        return
+    params = [p for p in params_of(optimizer) if p.requires_grad]
+    if any(p.grad is not None for p in params):
+        return
+    for p in params:
+        p.grad = _zero_grad_for(p)
+    lrs = []
+    for g in optimizer.param_groups:
+        if "lr" in g:
+            lrs.append(g["lr"])
+            g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], Tensor) else 0.0
+    try:
+        optimizer.step()
+    finally:
+        for g in optimizer.param_groups:
+            if "lr" in g:
+                g["lr"] = lrs.pop(0)
+        optimizer.zero_grad(set_to_none=True)
+
+
+def load_into_optimizer(optimizer: Optimizer, state: dict[int, Any],
+                        param_groups: list[dict[str, Any]]) -> None:
+    """``optimizer.load_state_dict`` that also drops the states of parameters not in ``state``
+    (``init_optim_state`` created them; a parameter with no saved state starts fresh)."""
+    dropped = [p for i, p in enumerate(params_of(optimizer))
+               if i not in state and p in optimizer.state]
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    for p in dropped:
+        optimizer.state.pop(p, None)
+
+
+@torch.no_grad()
+def load_full_model_state(state_dict: Mapping[str, Any], module: Module, *,
+                          strict: bool = True) -> None:
+    """Load a full (single-process) state dict into a sharded module, slicing per rank."""
+    msd = module.state_dict()
+    missing = [k for k in msd if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in msd]
+    strict_check(missing, unexpected, strict)
+    for name, target in msd.items():
+        if name in state_dict and isinstance(target, Tensor):
+            _copy_full_into(target, state_dict[name], name)
+
+
+@torch.no_grad()
+def load_full_optimizer_state(opt_state: Mapping[str, Any], module: Module,
+                              optimizer: Optimizer) -> None:
+    """Load a full optimizer state dict (plain torch format, index keys) into a sharded
+    optimizer."""
+    init_optim_state(optimizer)
+    sd = optimizer.state_dict()
+    saved_state = opt_state.get("state", {})
+    if saved_state and isinstance(next(iter(saved_state)), str):  # FQN-keyed (consolidated)
+        fqn2idx = {v: k for k, v in index_to_fqn(module, optimizer).items()}
+        saved_state = {fqn2idx[k]: v for k, v in saved_state.items()}
+    state = {}
+    for idx, st in sd["state"].items():
+        if idx not in saved_state:
+            continue
+        new = {}
+        for sk, sv in st.items():
+            if sk not in saved_state[idx]:
+                new[sk] = sv
+                continue
+            value = saved_state[idx][sk]
+            if isinstance(sv, Tensor) and (isinstance(sv, DTensor) or sv.dim() > 0):
+                _copy_full_into(sv, value, f"optimizer state {sk} of parameter #{idx}")
+                new[sk] = sv
+            elif isinstance(sv, Tensor) and isinstance(value, Tensor):
+                new[sk] = value.to(device=sv.device, dtype=sv.dtype).reshape(sv.shape)
+            else:
+                new[sk] = value
+        state[idx] = new
+    saved_groups = opt_state.get("param_groups", sd["param_groups"])
+    if len(saved_groups) != len(sd["param_groups"]):
+        raise ValueError(
+            f"The checkpoint's optimizer has {len(saved_groups)} parameter groups but the "
+            f"optimizer has {len(sd['param_groups'])}; configure the same parameter groups."
+        )
+    groups = [{**saved, "params": cur["params"]} for saved, cur in
+              zip(saved_groups, sd["param_groups"])]
+    load_into_optimizer(optimizer, state, groups)
