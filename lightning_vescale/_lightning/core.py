@@ -52,7 +52,7 @@ from typing_extensions import override
 
 from lightning_vescale._lightning.peers import ExceptionAgreement
 from lightning_vescale._lightning.sharding import (
-    make_granularity,
+    ShardGranularity,
     shard_model,
     validate_sharding_args,
     validate_state_dict_type,
@@ -105,9 +105,10 @@ class VeScaleStrategyCore:
         """Validate and store the arguments both strategies take (errors name the parameter)."""
         self._sharding_units = validate_sharding_args(
             sharding_units, granularity, optimizer_block_size, optimizer_min_block_numel)
-        self._granularity = granularity
         self._optimizer_block_size = optimizer_block_size
-        self._optimizer_min_block_numel = optimizer_min_block_numel
+        self._granularity = ShardGranularity(granularity=granularity,
+                                             optimizer_block_size=optimizer_block_size,
+                                             min_block_numel=optimizer_min_block_numel)
         self._reshard_after_forward = reshard_after_forward
         self._state_dict_type = validate_state_dict_type(state_dict_type)
         self._process_group_backend = process_group_backend
@@ -220,8 +221,7 @@ class VeScaleStrategyCore:
         shard_model(module, units=self._sharding_units, mesh=self.device_mesh,
                     device=self.root_device,
                     mp_policy=self._vescale_precision.mixed_precision_policy,
-                    granularity=make_granularity(self._granularity, self._optimizer_block_size,
-                                                 self._optimizer_min_block_numel),
+                    granularity=self._granularity,
                     reshard_after_forward=self._reshard_after_forward)
 
     # -- collectives -----------------------------------------------------------------------------

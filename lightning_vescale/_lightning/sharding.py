@@ -31,6 +31,7 @@ keeps its own ranges. The result equals non-meta initialisation with the same se
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Iterable, Sequence
@@ -45,7 +46,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_vescale.fsdp import VeScaleFSDPModule, fully_shard, materialize
-from lightning_vescale.planner import resolve_granularity
+from lightning_vescale.optim import DEFAULT_BLOCK_SIZE, DEFAULT_MIN_8BIT_SIZE
+from lightning_vescale.planner import check_granularity, resolve_granularity
 
 __all__ = [
     "DEFAULT_OPTIMIZER_BLOCK_SIZE",
@@ -56,7 +58,7 @@ __all__ = [
     "validate_sharding_args",
     "validate_timeout",
     "validate_state_dict_type",
-    "make_granularity",
+    "ShardGranularity",
     "resolve_sharding_units",
     "has_meta",
     "shard_model",
@@ -64,9 +66,9 @@ __all__ = [
 ]
 
 #: The default ``optimizer_block_size``: AdamW8bit's (and bitsandbytes') quantization block.
-DEFAULT_OPTIMIZER_BLOCK_SIZE = 256
+DEFAULT_OPTIMIZER_BLOCK_SIZE = DEFAULT_BLOCK_SIZE
 #: Tensors below this many elements keep fp32 optimizer states in AdamW8bit: no alignment needed.
-DEFAULT_MIN_BLOCK_NUMEL = 4096
+DEFAULT_MIN_BLOCK_NUMEL = DEFAULT_MIN_8BIT_SIZE
 
 
 # ------------------------------------------------------------------------------------------------
@@ -139,22 +141,15 @@ def validate_sharding_args(sharding_units: Any, granularity: Any, optimizer_bloc
         raise ValueError(
             f"optimizer_min_block_numel must be an int >= 0, got {optimizer_min_block_numel!r}."
         )
-    if granularity is not None:
-        if isinstance(granularity, bool) or not isinstance(granularity, (int, str)):
-            raise TypeError(
-                f"granularity must be an int (elements), a string ('element', 'row', '<k>rows') "
-                f"or None, got {granularity!r}."
-            )
-        if isinstance(granularity, int):
-            if granularity < 1:
-                raise ValueError(f"granularity must be >= 1, got granularity={granularity}.")
-            if optimizer_block_size is not None and granularity % optimizer_block_size:
-                raise ValueError(
-                    f"granularity={granularity} is not a multiple of optimizer_block_size="
-                    f"{optimizer_block_size}: block-wise optimizer states would straddle ranks. "
-                    f"Use granularity={math.lcm(granularity, optimizer_block_size)} or set "
-                    "optimizer_block_size=None if the optimizer is not block-wise."
-                )
+    check_granularity(granularity)
+    if isinstance(granularity, int) and optimizer_block_size is not None \
+            and granularity % optimizer_block_size:
+        raise ValueError(
+            f"granularity={granularity} is not a multiple of optimizer_block_size="
+            f"{optimizer_block_size}: block-wise optimizer states would straddle ranks. "
+            f"Use granularity={math.lcm(granularity, optimizer_block_size)} or set "
+            "optimizer_block_size=None if the optimizer is not block-wise."
+        )
     return units
 
 
@@ -189,28 +184,25 @@ def validate_state_dict_type(state_dict_type: Any) -> str:
     return state_dict_type
 
 
-def make_granularity(granularity: Union[int, str, None], optimizer_block_size: Optional[int],
-                     min_block_numel: int) -> Optional[Callable[[str, Tensor], Any]]:
-    """The per-parameter granularity given to ``fully_shard`` (``None`` = engine default).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardGranularity:
+    """The strategy's granularity policy, given to ``fully_shard`` as its per-parameter callable.
 
-    See design note [sharding-units]: large tensors get a multiple of the optimizer block size,
-    small ones the user's granularity (or element granularity).
+    See design note [sharding-units]: tensors of at least ``min_block_numel`` elements get the
+    user's ``granularity`` rounded up to a multiple of ``optimizer_block_size`` (so block-wise
+    optimizer states never straddle ranks); smaller ones the user's granularity as it is. Every
+    form resolves to elements here, once, through the planner's ``resolve_granularity``.
     """
-    if granularity is None and optimizer_block_size is None:
-        return None
 
-    def per_param(name: str, param: Tensor) -> Any:
+    granularity: Union[int, str, None]
+    optimizer_block_size: Optional[int]
+    min_block_numel: int
+
+    def __call__(self, name: str, param: Tensor) -> int:
         shape = tuple(param.shape)
-        numel = math.prod(shape)
-        if optimizer_block_size is None or numel < min_block_numel:
-            return granularity if granularity is not None else 1
-        if granularity is None or isinstance(granularity, int):
-            return granularity if granularity is not None else optimizer_block_size
-        # a string granularity ("row", "<k>rows"): make the row count block-aligned too
-        g = resolve_granularity(granularity, shape)
-        return math.lcm(g, optimizer_block_size)
-
-    return per_param
+        large = self.optimizer_block_size is not None and math.prod(shape) >= self.min_block_numel
+        return resolve_granularity(self.granularity, shape,
+                                   multiple_of=self.optimizer_block_size if large else None)
 
 
 def _class_matches(module: Module, units: Sequence[Union[str, type]]) -> bool:

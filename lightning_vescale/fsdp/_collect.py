@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_vescale.fsdp._param_group import Owner
 from lightning_vescale.fsdp._state import get_state, states_in
+from lightning_vescale.planner import resolve_granularity
 
 __all__ = ["CollectedParam", "GranularityArg", "check_param", "collect_params",
            "resolve_granularities"]
@@ -103,29 +104,31 @@ def check_param(name: str, param: nn.Parameter) -> None:
 
 
 def resolve_granularities(granularity: GranularityArg,
-                          named_params: Sequence[tuple[str, nn.Parameter]]
-                          ) -> dict[str, int | str]:
-    """The ``granularity`` argument as one block size (elements, ``"row"``, ``"<k>rows"``) per
-    parameter name of ``named_params``; the planner turns the strings into elements.
+                          named_params: Sequence[tuple[str, nn.Parameter]]) -> dict[str, int]:
+    """The ``granularity`` argument resolved to elements, once, per parameter name.
+
+    Every form a user can write (one int/str for all, a dict, a callable) goes through the
+    planner's :func:`~lightning_vescale.planner.resolve_granularity` here, with the parameter's
+    shape, so the group and the planner only ever see element counts.
 
     Raises:
-        ValueError: a mapping names a parameter that is not in ``named_params``.
+        ValueError: a mapping names a parameter that is not in ``named_params``; a value is not
+            a granularity (the planner's message names the valid forms).
         TypeError: an argument of another type, or a callable returning something else.
     """
     names = [n for n, _ in named_params]
-    if granularity is None:
-        return {n: 1 for n in names}
-    if isinstance(granularity, (int, str)) and not isinstance(granularity, bool):
-        return {n: granularity for n in names}
-    if isinstance(granularity, Mapping):
+    if granularity is None or (isinstance(granularity, (int, str))
+                               and not isinstance(granularity, bool)):
+        given: dict[str, object] = {n: granularity for n in names}
+    elif isinstance(granularity, Mapping):
         unknown = sorted(set(granularity) - set(names))
         if unknown:
             raise ValueError(
                 f"granularity has keys {unknown} that are not parameters of this group; valid "
                 f"names (relative to the module): {names}")
-        return {n: granularity.get(n, 1) for n in names}
-    if callable(granularity):
-        out: dict[str, int | str] = {}
+        given = {n: granularity.get(n, 1) for n in names}
+    elif callable(granularity):
+        given = {}
         for name, param in named_params:
             g = granularity(name, param)
             if isinstance(g, bool) or not isinstance(g, (int, str)):
@@ -133,7 +136,11 @@ def resolve_granularities(granularity: GranularityArg,
                     f"the granularity callable returned {g!r} for parameter {name!r}; it must "
                     "return a block size in elements (int), 'row' or '<k>rows' (return 1 for "
                     "element-wise sharding).")
-            out[name] = g
-        return out
-    raise TypeError(f"granularity must be None, an int, a str, a dict name->int or a callable "
-                    f"(name, param)->int, got {type(granularity).__name__}")
+            given[name] = g
+    else:
+        raise TypeError(f"granularity must be None, an int, a str, a dict name->int or a "
+                        f"callable (name, param)->int, got {type(granularity).__name__}")
+    shapes = dict(named_params)
+    return {n: resolve_granularity(g, tuple(shapes[n].shape),  # type: ignore[arg-type]
+                                   name=f"granularity[{n!r}]")
+            for n, g in given.items()}

@@ -124,13 +124,13 @@ class ParamGroup:
         params: the managed parameters (names relative to the group's module).
         mesh_info: the shard group (every DBuffer and DTensor of the group uses it).
         mp_policy: the user's policy, kept whole: DBuffer dtypes come from it.
-        granularity: block size per parameter name (elements, ``"row"``, ``"<k>rows"``).
+        granularity: block size in elements per parameter name (resolved by ``fully_shard``).
         reshard_after_forward: free the unsharded parameters after forward.
         fqn: a label for buffer names and error messages.
     """
 
     def __init__(self, *, params: list[ManagedParam], mesh_info: MeshInfo,
-                 mp_policy: MixedPrecisionPolicy, granularity: dict[str, int | str],
+                 mp_policy: MixedPrecisionPolicy, granularity: dict[str, int],
                  reshard_after_forward: bool, fqn: str = "") -> None:
         self.fqn = fqn
         self.params = params

@@ -114,6 +114,7 @@ def resolve_granularity(
     shape: Sequence[int],
     *,
     multiple_of: int | None = None,
+    name: str = "granularity",
 ) -> int:
     """Granularity in elements for a tensor of ``shape``: the one resolution of every form.
 
@@ -121,11 +122,13 @@ def resolve_granularity(
     optimizer states that must not straddle ranks (e.g. ``multiple_of=256``: ``None`` gives 256,
     ``"row"`` of a ``(64, 96)`` matrix gives ``lcm(96, 256) = 768``).
 
+    ``name`` is the argument's name in error messages.
+
     Raises:
         TypeError, ValueError: as :func:`check_granularity`; ``ValueError`` for a
             ``multiple_of`` that is not an ``int >= 1``.
     """
-    form = _parse(granularity, "granularity")
+    form = _parse(granularity, name)
     if form.rows:
         shape = tuple(shape)
         row = shape[-1] if len(shape) >= 2 else 1

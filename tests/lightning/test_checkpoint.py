@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from examples.gpt import GPT, GPTConfig
 from lightning_vescale import checkpoint as ckpt
-from lightning_vescale._lightning.sharding import make_granularity, shard_model
+from lightning_vescale._lightning.sharding import ShardGranularity, shard_model
 from lightning_vescale.mesh import init_mesh
 from lightning_vescale.optim import AdamW8bit, Muon
 
@@ -26,7 +26,9 @@ def _setup(seed: int, blocks_opt: str = "adamw8bit"):
     model = GPT(CFG)
     shard_model(model, units=None, mesh=init_mesh("cpu", dist.get_world_size()),
                 device=torch.device("cpu"), mp_policy=None,
-                granularity=make_granularity(None, 256, 4096), reshard_after_forward=True)
+                granularity=ShardGranularity(granularity=None, optimizer_block_size=256,
+                                             min_block_numel=4096),
+                reshard_after_forward=True)
     blocks = [p for n, p in model.named_parameters() if n.startswith("blocks.")]
     rest = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
     first = (AdamW8bit(blocks, lr=1e-2, weight_decay=0.1) if blocks_opt == "adamw8bit"

@@ -24,7 +24,7 @@ from lightning_vescale import (
     VeScalePrecision,
 )
 from lightning_vescale._lightning.launcher import VeScaleMultiProcessingLauncher
-from lightning_vescale._lightning.sharding import make_granularity, resolve_sharding_units
+from lightning_vescale._lightning.sharding import ShardGranularity, resolve_sharding_units
 from lightning_vescale.precision import ShardedGradScaler
 from tests.lightning._lit import trainer
 
@@ -101,14 +101,20 @@ def test_argument_validation():
 
 
 def test_granularity_aligns_large_tensors_to_the_optimizer_block():
-    fn = make_granularity(None, 256, 4096)
+    def granularity(g, block, min_numel=4096):
+        return ShardGranularity(granularity=g, optimizer_block_size=block,
+                                min_block_numel=min_numel)
+
+    fn = granularity(None, 256)
     assert fn("w", torch.empty(64, 256)) == 256  # 16384 elements: block-aligned
     assert fn("b", torch.empty(4095)) == 1  # below the 8-bit threshold: no padding
-    assert make_granularity(None, None, 4096) is None
-    assert make_granularity(1024, 256, 4096)("w", torch.empty(64, 256)) == 1024
+    assert granularity(None, None)("w", torch.empty(64, 256)) == 1  # engine default: elements
+    assert granularity(1024, 256)("w", torch.empty(64, 256)) == 1024
     # "row" granularity of a (64, 96) matrix = 96 elements -> lcm with the block = 768
-    assert make_granularity("row", 256, 4096)("w", torch.empty(64, 96)) == 768
-    assert make_granularity("row", 256, 4096)("w", torch.empty(96)) == "row"
+    assert granularity("row", 256)("w", torch.empty(64, 96)) == 768
+    # small tensors keep the user's granularity, resolved to elements ("row" of a vector: 1)
+    assert granularity("row", 256)("w", torch.empty(96)) == 1
+    assert granularity("2rows", 256)("w", torch.empty(4, 8)) == 16
 
 
 def test_sharding_units():
@@ -149,7 +155,7 @@ def test_cli_yaml_and_command_line_overrides(monkeypatch):
     ], run=False)
     s = cli.trainer.strategy
     assert s._reshard_after_forward is False and s._sharding_units == ["Block", "MLP"]
-    assert s._granularity == "row" and s.state_dict_type == "full"
+    assert s._granularity.granularity == "row" and s.state_dict_type == "full"
     assert isinstance(s.precision_plugin, VeScalePrecision)
     assert s.precision_plugin.precision == "bf16-mixed"
 
