@@ -137,6 +137,11 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler
 
     @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        self._inherit_block_size(optimizer)
+        return super().setup_optimizer(optimizer)
+
+    @override
     def setup_module(self, module: Module) -> Module:
         module = self.precision.convert_module(module)
         self._shard(module)

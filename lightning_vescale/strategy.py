@@ -265,6 +265,8 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
+        for optimizer in self.optimizers:
+            self._inherit_block_size(optimizer)
 
     @override
     def model_to_device(self) -> None:

@@ -60,6 +60,7 @@ from lightning_vescale._lightning.sharding import (
 )
 from lightning_vescale.checkpoint import check_checkpoint_path
 from lightning_vescale.mesh import init_mesh
+from lightning_vescale.optim import AdamW8bit
 from lightning_vescale.precision import _VeScalePrecisionMixin
 
 __all__ = ["RegistryEntry", "VeScaleStrategyCore"]
@@ -223,6 +224,12 @@ class VeScaleStrategyCore:
                     mp_policy=self._vescale_precision.mixed_precision_policy,
                     granularity=self._granularity,
                     reshard_after_forward=self._reshard_after_forward)
+
+    def _inherit_block_size(self, optimizer: Any) -> None:
+        """An ``AdamW8bit`` that stated no ``block_size`` quantizes in the blocks the shards were
+        aligned to: the user states ``optimizer_block_size`` once, on the strategy."""
+        if isinstance(optimizer, AdamW8bit):
+            optimizer.inherit_block_size(self._optimizer_block_size)
 
     # -- collectives -----------------------------------------------------------------------------
     def _check_peers(self, what: str) -> None:

@@ -99,7 +99,10 @@ class AdamW8bit(ShardedOptimizer):
         lr, betas, eps, weight_decay, maximize: as ``torch.optim.AdamW``.
         amsgrad: only ``False`` is supported.
         block_size: elements per quantization block (per group); sharded parameters need shard
-            bounds on multiples of it.
+            bounds on multiples of it. ``None`` (default): the block size the parameters were
+            sharded for, so it is stated once: under ``VeScaleFSDPStrategy`` /
+            ``VeScaleFabricStrategy`` their ``optimizer_block_size`` (see
+            :meth:`inherit_block_size`), otherwise ``DEFAULT_BLOCK_SIZE`` (256).
         min_8bit_size: parameters with fewer GLOBAL elements keep fp32 moments.
         chunk_size: elements processed per vectorised pass (rounded down to a multiple of
             ``block_size``); bounds the fp32 temporaries of a step to ~20 bytes x ``chunk_size``.
@@ -118,7 +121,7 @@ class AdamW8bit(ShardedOptimizer):
         *,
         amsgrad: bool = False,
         maximize: bool = False,
-        block_size: int = DEFAULT_BLOCK_SIZE,
+        block_size: int | None = None,
         min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
     ) -> None:
@@ -155,7 +158,7 @@ class AdamW8bit(ShardedOptimizer):
         if not st:
             return {}
         if "exp_avg_codes" in st:
-            bs = self._group_of(p)["block_size"]
+            bs = group_block_size(self._group_of(p))
             return {
                 "exp_avg": QuantizedMoment(codes=st["exp_avg_codes"], absmax=st["exp_avg_absmax"],
                                            signed=True, block_size=bs).dequantize(),
@@ -164,6 +167,21 @@ class AdamW8bit(ShardedOptimizer):
                                               block_size=bs).dequantize(),
             }
         return {k: st[k].reshape(-1).clone() for k in FP32_KEYS}
+
+    def inherit_block_size(self, block_size: int | None) -> None:
+        """Give every group that did not state a ``block_size`` this one.
+
+        The strategies call it with their ``optimizer_block_size`` right after the optimizers
+        are created, so ``AdamW8bit()`` quantizes in the blocks the shards were aligned to and
+        the user states the block size once. Groups that stated one keep it (a mismatch with the
+        sharding raises at the first step, naming the fix); ``None`` leaves the default.
+        """
+        if block_size is None:
+            return
+        _check_hparams({**self.defaults, "block_size": block_size}, where="AdamW8bit")
+        for group in self.param_groups:
+            if group["block_size"] is None:
+                group["block_size"] = block_size
 
     def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
         for g in self.param_groups:
@@ -178,7 +196,7 @@ class AdamW8bit(ShardedOptimizer):
         layout = param_layout(p, where=f"AdamW8bit: parameter {name}")
         quantized = layout.numel >= int(group["min_8bit_size"])
         if quantized:
-            check_block_aligned(layout, int(group["block_size"]), who="AdamW8bit", name=name)
+            check_block_aligned(layout, group_block_size(group), who="AdamW8bit", name=name)
         return layout, quantized
 
     # -- step ------------------------------------------------------------------------------------
@@ -187,7 +205,7 @@ class AdamW8bit(ShardedOptimizer):
             self._step_group(gi, group)
 
     def _step_group(self, gi: int, group: dict[str, Any]) -> None:
-        bs = int(group["block_size"])
+        bs = group_block_size(group)
         if group.get("amsgrad", False):
             raise ValueError("AdamW8bit does not support amsgrad=True; set amsgrad=False.")
         entries: list[StepEntry] = []
@@ -258,7 +276,7 @@ class AdamW8bit(ShardedOptimizer):
             elif layout is None:
                 out[k] = v if k.endswith("_absmax") else v.view(p.shape)
             elif k.endswith("_absmax"):
-                out[k] = layout.per_block(int(ref.group["block_size"])).to_dtensor(v)
+                out[k] = layout.per_block(group_block_size(ref.group)).to_dtensor(v)
             else:
                 out[k] = layout.to_dtensor(v, p.stride())
         return out
@@ -285,7 +303,7 @@ class AdamW8bit(ShardedOptimizer):
 
     def _import_state(self, ref: ParamRef, st: dict[str, Any]) -> dict[str, Any]:
         p, group, name = ref.param, ref.group, ref.name
-        bs = int(group["block_size"])
+        bs = group_block_size(group)
         layout, quantized = self._layout(p, group, name)
         device = local_view(p.detach()).device
         out: dict[str, Any] = {}
@@ -333,6 +351,14 @@ class AdamW8bit(ShardedOptimizer):
         return out
 
 
+def group_block_size(group: dict[str, Any]) -> int:
+    """A group's block size; an unstated one (``None``) becomes ``DEFAULT_BLOCK_SIZE`` at its
+    first use, so every later read (steps, state dicts) sees the same number."""
+    if group.get("block_size") is None:
+        group["block_size"] = DEFAULT_BLOCK_SIZE
+    return int(group["block_size"])
+
+
 def _check_hparams(h: dict[str, Any], *, where: str) -> None:
     """The hyper-parameter checks of ``AdamW8bit`` (constructor, added and loaded groups)."""
     if h.get("amsgrad", False):
@@ -362,13 +388,19 @@ def _check_hparams(h: dict[str, Any], *, where: str) -> None:
                          "each in [0, 1), e.g. betas=(0.9, 0.999)")
     if not all(0.0 <= number("betas", b, "betas") < 1.0 for b in pair):
         raise ValueError(f"{where}: Invalid betas={betas!r}; each must be in [0, 1)")
-    for name in ("block_size", "chunk_size"):
-        value = h[name]
+    if h["block_size"] is not None:  # None: inherited or the default (group_block_size)
+        value = h["block_size"]
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{where}: {name} must be a positive int, got {name}={value!r}")
-    if h["chunk_size"] < h["block_size"]:
+            raise ValueError(f"{where}: block_size must be a positive int, got "
+                             f"block_size={value!r} (or None: the block size the parameters "
+                             "were sharded for)")
+    value = h["chunk_size"]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{where}: chunk_size must be a positive int, got chunk_size={value!r}")
+    block_size = h["block_size"] if h["block_size"] is not None else DEFAULT_BLOCK_SIZE
+    if h["chunk_size"] < block_size:
         raise ValueError(f"{where}: chunk_size={h['chunk_size']} must be >= "
-                         f"block_size={h['block_size']}")
+                         f"block_size={block_size}")
     m = h["min_8bit_size"]
     if isinstance(m, bool) or not isinstance(m, int) or m < 0:
         raise ValueError(f"{where}: min_8bit_size must be an int >= 0, got min_8bit_size={m!r}")
