@@ -1,13 +1,15 @@
 """Where checkpoints live on disk: path checks, atomic publish, cleanup of failed saves.
 
 The rules are those of design note [checkpoint-formats] (``lightning_vescale/checkpoint``):
-a save writes into a hidden sibling ``.<name>.tmp-<token>`` and rank 0 renames it onto the final
-name; a directory already there is first moved aside to ``.<name>.old-<token>``. Nothing here
-knows what is inside a checkpoint.
+a save writes into a hidden sibling ``.<name>.tmp-<token>`` and rank 0 publishes it at the final
+name in one atomic step (:func:`publish`). Nothing here knows what is inside a checkpoint.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import glob
 import io
 import os
@@ -130,21 +132,68 @@ def remove_checkpoint(path: Any) -> None:
 # ------------------------------------------------------------------------------------------------
 # Publishing
 # ------------------------------------------------------------------------------------------------
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+@functools.lru_cache(maxsize=1)
+def _renameat2() -> Callable[..., int] | None:
+    """libc's ``renameat2`` (Linux, glibc >= 2.28), or ``None`` where there is none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the paths ``a`` and ``b`` in one atomic step (``renameat2(RENAME_EXCHANGE)``).
+
+    Returns ``False``, having changed nothing, where the platform or file system cannot
+    (not Linux, or e.g. some network file systems); other errors raise ``OSError``.
+    """
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"renameat2({str(a)!r}, {str(b)!r}, RENAME_EXCHANGE) failed: "
+                       f"{os.strerror(err)}")
+
+
 def publish(tmp: Path, final: Path) -> None:
-    """Rank 0: move the finished ``tmp`` onto ``final`` without ever corrupting ``final``."""
+    """Rank 0: move the finished ``tmp`` onto ``final`` without ever corrupting ``final``.
+
+    A new name, or a file replacing a file, is one ``os.replace``. A checkpoint replacing a
+    directory (or a directory replacing a file) is swapped in with one atomic exchange, so a
+    process killed at any instant leaves a whole checkpoint at ``final``, the old or the new;
+    the old one, now at ``tmp``, is removed after. Where the file system cannot exchange, the
+    old one is renamed aside to ``.<name>.old-<token>`` first (a kill between the two renames
+    leaves ``final`` missing and the previous checkpoint at the ``.old-`` name, which
+    :func:`check_checkpoint_path` points to). After a successful publish the leftovers of killed
+    saves to the same name (``.tmp-*``, ``.old-*``) are removed.
+    """
     if final.exists() and (final.is_dir() or tmp.is_dir()):
-        old = _sibling(final, "old", _new_token())
-        os.replace(final, old)
-        try:
-            os.replace(tmp, final)
-        except BaseException:
-            os.replace(old, final)  # put the previous checkpoint back: never leave the name empty
-            raise
-        discard(old)
+        if exchange(tmp, final):
+            discard(tmp)  # now the previous checkpoint
+        else:
+            old = _sibling(final, "old", _new_token())
+            os.replace(final, old)
+            try:
+                os.replace(tmp, final)
+            except BaseException:
+                os.replace(old, final)  # put the previous checkpoint back: never leave it empty
+                raise
+            discard(old)
     else:
         os.replace(tmp, final)  # atomic for files (and for a new directory name)
     try:  # leftovers of killed saves; best effort: this must not fail a save that succeeded
-        for stale in _hidden_siblings(final, "tmp"):
+        for stale in _hidden_siblings(final, "tmp") + _hidden_siblings(final, "old"):
             discard(stale)
     except OSError:
         pass

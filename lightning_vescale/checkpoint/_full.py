@@ -7,21 +7,18 @@ into this format offline. See design note [checkpoint-formats] (``lightning_vesc
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_vescale.checkpoint._files import (
-    METADATA_FILENAME,
     check_checkpoint_path,
     discard,
     is_sharded_checkpoint,
@@ -29,6 +26,8 @@ from lightning_vescale.checkpoint._files import (
     rank0_agreed,
     temp_sibling,
 )
+from lightning_vescale.checkpoint._sharded import read_side_file
+from lightning_vescale.checkpoint._trust import CheckpointLoadError, load, read_metadata
 from lightning_vescale.checkpoint._state_dicts import (
     load_full_model_state,
     load_full_optimizer_state,
@@ -58,8 +57,21 @@ def save_full(path: Path, checkpoint: dict[str, Any]) -> None:
 
 
 def read_full(path: Path, *, weights_only: Optional[bool] = None) -> dict[str, Any]:
-    """Read a full checkpoint file memory-mapped on CPU (tensors are sliced when loaded)."""
-    return torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    """Read a full checkpoint file memory-mapped on CPU (tensors are sliced when loaded).
+
+    ``weights_only=None`` means ``True`` (safe: no arbitrary objects are unpickled); pass
+    ``False`` for trusted files only.
+    """
+    weights_only = True if weights_only is None else weights_only
+    try:
+        return torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        raise CheckpointLoadError(
+            f"Refusing to load {path}: {err}. If you trust this checkpoint, load it with "
+            "weights_only=False.") from err
+    except (EOFError, RuntimeError) as err:
+        raise CheckpointLoadError(f"The checkpoint file {path} is damaged or truncated "
+                                  f"({type(err).__name__}: {err}).") from err
 
 
 def load_full(checkpoint: dict[str, Any], module: Module, optimizers: Mapping[str, Optimizer],
@@ -87,27 +99,27 @@ def load_full(checkpoint: dict[str, Any], module: Module, optimizers: Mapping[st
     return checkpoint
 
 
-def consolidate(path: Path, *, weights_only: Optional[bool] = False) -> dict[str, Any]:
+def consolidate(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
     """Read a sharded checkpoint directory into one full, plain checkpoint dict (no process group).
 
     Model tensors come back full under ``"state_dict"``; optimizer states become the plain torch
     format (integer keys in parameter-group order) under ``"optimizer_states"``, so the result can
-    be ``torch.save``-d and loaded by a single-process or DDP run. Runs in one process.
+    be ``torch.save``-d and loaded by a single-process or DDP run. Runs in one process. Loading is
+    safe and verified as for training (``weights_only=False`` only for trusted files).
     """
     path = check_checkpoint_path(Path(path))
     if not path.is_dir():
         raise ValueError(f"{str(path)!r} is already a single-file (full) checkpoint.")
-    md = FileSystemReader(str(path)).read_metadata()
+    md = read_metadata(path, weights_only=weights_only)
     flat: dict[str, Any] = {}
     for key, meta in md.state_dict_metadata.items():
         if isinstance(meta, TensorStorageMetadata):
             flat[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
         elif isinstance(meta, BytesStorageMetadata):
             flat[key] = None
-    _load_state_dict(flat, storage_reader=FileSystemReader(str(path)),
-                     planner=DefaultLoadPlanner(), no_dist=True)
+    load(flat, path, weights_only=weights_only, no_dist=True)
     nested = unflatten_state_dict(flat, md.planner_data) if md.planner_data else flat
-    checkpoint = dict(torch.load(path / METADATA_FILENAME, weights_only=weights_only))
+    checkpoint = dict(read_side_file(path, weights_only=weights_only))
     checkpoint["state_dict"] = nested.pop("state_dict", {})
     opt_keys = sorted((k for k in nested if k.startswith("optimizer_")),
                       key=lambda k: int(k.split("_", 1)[1]))

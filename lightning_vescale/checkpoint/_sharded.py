@@ -5,6 +5,10 @@ key, e.g. ``"state_dict"``, and one key per optimizer, e.g. ``"optimizer_0"``, w
 keyed by FQN); ``<dir>/meta.pt`` holds everything else, written by rank 0. See design note
 [checkpoint-formats] (``lightning_vescale/checkpoint``) for atomicity and cleanup.
 
+Loading is safe and verified (design note [checkpoint-trust] in ``_trust.py``): restricted
+unpickling of ``.metadata``, ``weights_only`` byte entries and ``meta.pt``, and the CRC-32s of
+``.integrity.json`` checked; ``weights_only=False`` is the opt-out for trusted files.
+
 Loading reads straight into the parameters' local shards: a sharded module's ``state_dict()``
 shares storage with its parameters, so DCP's read planning (resharding from any layout) writes
 into them in place. Optimizers get templates from their own ``state_dict()`` (states created
@@ -13,13 +17,14 @@ first), filled by DCP and handed back through ``load_state_dict``.
 
 from __future__ import annotations
 
+import io
+import pickle
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -33,6 +38,14 @@ from lightning_vescale.checkpoint._files import (
     rank0_agreed,
     serialize,
     temp_sibling,
+)
+from lightning_vescale.checkpoint._trust import (
+    CheckpointLoadError,
+    checksum_items,
+    load,
+    read_metadata,
+    read_verified_file,
+    write_manifest,
 )
 from lightning_vescale.checkpoint._state_dicts import (
     index_to_fqn,
@@ -58,44 +71,49 @@ def save_sharded(path: Path, tensors: dict[str, Any], metadata: dict[str, Any]) 
         )
     tmp = temp_sibling(path)
 
-    def prepare() -> bytes:
+    def prepare() -> None:
         data = serialize(metadata)  # fail early (before any file is written) if unpicklable
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-        return data
+        (tmp / METADATA_FILENAME).write_bytes(data)
 
-    meta_bytes = rank0_agreed(prepare, f"prepare the checkpoint directory {tmp}")
+    rank0_agreed(prepare, f"prepare the checkpoint directory {tmp}")
     try:  # DCP propagates any rank's write error to all ranks (as a BaseException)
         dcp.save(tensors, checkpoint_id=tmp)
+        items = checksum_items(tmp)  # collective; raises on every rank if any rank failed
     except BaseException as e:  # noqa: BLE001
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise  # raised outside DCP's agreement: other ranks may still be writing into tmp
-        # DCP raises only after its gather of every rank's write result and the broadcast of
-        # the outcome, so no live rank writes into tmp any more: rank 0 (DCP's coordinator)
-        # removes it, no collective needed (see the design note).
+        # DCP (and checksum_items) raise only after gathering every rank's outcome, so no live
+        # rank writes into tmp any more: rank 0 (DCP's coordinator) removes it, no collective
+        # needed (see the design note).
         if rank() == 0:
             discard(tmp)
+            cleanup = "the partial write was removed"
+        else:
+            cleanup = (f"rank 0 removes the partial write {tmp.name!r}; if rank 0 died, the next "
+                       "save to this path (or remove_checkpoint) removes it")
         raise RuntimeError(
             f"Saving the sharded checkpoint {str(path)!r} failed; any previous checkpoint at that "
-            f"path is untouched and the partial write was removed. Cause: {e}"
+            f"path is untouched and {cleanup}. Cause: {e}"
         ) from e
 
-    def write_metadata_and_publish() -> None:
+    def write_manifest_and_publish() -> None:
         try:
-            (tmp / METADATA_FILENAME).write_bytes(meta_bytes)
+            write_manifest(tmp, items, extra_files=(METADATA_FILENAME,))
             publish(tmp, path)
         except BaseException:
             discard(tmp)  # only rank 0 touches tmp now (DCP finished on every rank)
             raise
 
-    rank0_agreed(write_metadata_and_publish, f"publish the checkpoint at {path}")
+    rank0_agreed(write_manifest_and_publish, f"publish the checkpoint at {path}")
 
 
 # ------------------------------------------------------------------------------------------------
 # What a checkpoint holds
 # ------------------------------------------------------------------------------------------------
-def _dcp_keys(path: Path) -> set[str]:
-    return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata.keys())
+def _dcp_keys(path: Path, weights_only: bool = True) -> set[str]:
+    return set(read_metadata(path, weights_only=weights_only).state_dict_metadata.keys())
 
 
 def _top_level_keys(flat_keys: Iterable[str], requested: Iterable[str]) -> set[str]:
@@ -104,14 +122,15 @@ def _top_level_keys(flat_keys: Iterable[str], requested: Iterable[str]) -> set[s
     return {k for k in requested if any(f == k or f.startswith(f"{k}.") for f in flat_keys)}
 
 
-def sharded_checkpoint_has(path: Path, keys: Iterable[str]) -> set[str]:
+def sharded_checkpoint_has(path: Path, keys: Iterable[str], *,
+                           weights_only: Optional[bool] = None) -> set[str]:
     """Which of ``keys`` (top-level state keys) a sharded checkpoint holds tensors/objects for."""
-    return _top_level_keys(_dcp_keys(Path(path)), keys)
+    return _top_level_keys(_dcp_keys(Path(path), _safe(weights_only)), keys)
 
 
-def count_sharded_optimizers(path: Path) -> int:
+def count_sharded_optimizers(path: Path, *, weights_only: Optional[bool] = None) -> int:
     """How many ``optimizer_<i>`` entries (the Trainer's keys) a sharded checkpoint holds."""
-    keys = _dcp_keys(path)
+    keys = _dcp_keys(path, _safe(weights_only))
     return len({k.split(".", 1)[0] for k in keys if k.startswith("optimizer_")})
 
 
@@ -230,8 +249,9 @@ def load_sharded(
     Returns the contents of ``meta.pt``.
     """
     path = Path(path)
+    safe = _safe(weights_only)
     modules = modules or {}
-    available = _dcp_keys(path)
+    available = _dcp_keys(path, safe)
     present = _top_level_keys(available, list(optimizers) + list(modules))
     for key in optimizers:
         if key not in present and strict:
@@ -255,7 +275,7 @@ def load_sharded(
             templates[key], opt_flat = _optimizer_template(key, opt, module, available)
             flat.update(opt_flat)
 
-    dcp.load(flat, checkpoint_id=path)
+    load(flat, path, weights_only=safe)
 
     for key, found in extra.items():  # tensors were loaded in place; this also sets objects
         loaded = {name: unflatten_state_dict({k: flat[k] for k in flat_entries}, mapping)[
@@ -263,4 +283,23 @@ def load_sharded(
         found.module.load_state_dict(loaded, strict=False)  # strictness was checked above
     for key, template in templates.items():
         _apply_optimizer(key, template, flat, available)
-    return torch.load(path / METADATA_FILENAME, weights_only=weights_only)
+    return read_side_file(path, weights_only=safe)
+
+
+def _safe(weights_only: Optional[bool]) -> bool:
+    """``None`` (Lightning's and torch's default) means safe loading."""
+    return True if weights_only is None else bool(weights_only)
+
+
+def read_side_file(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
+    """``meta.pt`` (the non-tensor part of the checkpoint), verified against the manifest."""
+    data = read_verified_file(path, METADATA_FILENAME, what="non-tensor state")
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        raise CheckpointLoadError(
+            f"Refusing to load {path / METADATA_FILENAME}: {err}. If you trust this checkpoint, "
+            "load it with weights_only=False.") from err
+    except Exception as err:
+        raise CheckpointLoadError(f"{path / METADATA_FILENAME} is damaged "
+                                  f"({type(err).__name__}: {err}).") from err

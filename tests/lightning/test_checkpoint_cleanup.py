@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_vescale import checkpoint as ckpt
+from lightning_vescale.checkpoint import _files as checkpoint_files
 from lightning_vescale.mesh import init_mesh
 
 RUN_TIMEOUT_S = 90.0  # a hang becomes a TimeoutError well before the harness' default
@@ -43,6 +44,7 @@ def _fail_sharded_save(directory: str, how: str, fail_ranks: list[int], name: st
     ckpt.save_sharded(good, _tensors(1.0), {"step": 1})
     rank = dist.get_rank()
     real_write, real_replace = _FileSystemWriter.write_data, os.replace
+    real_exchange = checkpoint_files.exchange
 
     def write_data(self, plan, planner):
         raise OSError(f"injected: no space left on device (rank {rank})")
@@ -52,11 +54,17 @@ def _fail_sharded_save(directory: str, how: str, fail_ranks: list[int], name: st
             raise OSError("injected: rename failed")
         return real_replace(src, dst)
 
+    def exchange(a, b):  # the atomic swap onto an existing checkpoint fails the same way
+        if ".tmp-" in os.fspath(a):
+            raise OSError("injected: rename failed")
+        return real_exchange(a, b)
+
     if rank in fail_ranks:
         if how == "write":
             _FileSystemWriter.write_data = write_data
         else:
             os.replace = replace
+            checkpoint_files.exchange = exchange
     try:
         ckpt.save_sharded(directory / name, _tensors(2.0), {"step": 2})
     except BaseException as e:  # noqa: BLE001
@@ -65,6 +73,7 @@ def _fail_sharded_save(directory: str, how: str, fail_ranks: list[int], name: st
         error = None
     finally:
         _FileSystemWriter.write_data, os.replace = real_write, real_replace
+        checkpoint_files.exchange = real_exchange
     dist.barrier()  # every rank came out of the failed save, with no collective left pending
     hidden = _hidden(directory)
     visible = sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))

@@ -86,7 +86,7 @@ def test_checkpoint_formats_and_contents(runs):
     sharded, full = paths["sharded"], paths["full"]
     assert ckpt.is_sharded_checkpoint(sharded)
     files = sorted(p.name for p in __import__("pathlib").Path(sharded).iterdir())
-    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert files == [".integrity.json", ".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
     meta = torch.load(f"{sharded}/meta.pt", weights_only=False)
     assert meta["global_step"] == 3 and "loops" in meta and "state_dict" not in meta
     assert "optimizer_states" not in meta and "lr_schedulers" in meta

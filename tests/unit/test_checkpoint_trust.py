@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_vescale._safe_dcp import (
+from lightning_vescale.checkpoint._trust import (
     INTEGRITY_FILENAME,
     CheckpointLoadError,
     load,

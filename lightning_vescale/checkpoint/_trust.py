@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.default_planner import (
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.futures import Future
 
@@ -66,7 +67,9 @@ __all__ = [
     "read_verified_file",
     "raise_load_error",
     "safe_planner",
+    "checksum_items",
     "write_integrity_manifest",
+    "write_manifest",
 ]
 
 #: The manifest of checksums beside ``.metadata`` in every sharded checkpoint we write.
@@ -348,20 +351,21 @@ def safe_planner(*, weights_only: bool = True, empty: bool = False) -> LoadPlann
 
 def load(state_dict: dict[str, Any], path: str | os.PathLike, *, weights_only: bool = True,
          verify: bool = True, planner: LoadPlanner | None = None,
-         process_group: dist.ProcessGroup | None = None) -> None:
+         process_group: dist.ProcessGroup | None = None, no_dist: bool = False) -> None:
     """``dcp.load`` through :class:`SafeFileSystemReader` and :func:`safe_planner`.
 
     A failure on any rank becomes one :class:`CheckpointLoadError` naming the rank and the file
     (DCP's own ``CheckpointException`` derives from ``BaseException``, so ``except Exception``
-    would not even see it).
+    would not even see it). ``no_dist=True`` reads in this process alone, even inside a
+    distributed job (offline consolidation).
     """
-    import torch.distributed.checkpoint as dcp
-
     if planner is None:
         planner = safe_planner(weights_only=weights_only)
     reader = SafeFileSystemReader(path, weights_only=weights_only, verify=verify)
     try:
-        dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=process_group)
+        _load_state_dict(state_dict, storage_reader=reader, planner=planner,
+                         process_group=process_group,
+                         no_dist=no_dist or not (dist.is_available() and dist.is_initialized()))
     except CheckpointException as err:
         raise_load_error(err, Path(path))
 
@@ -394,40 +398,59 @@ def _checksum_files(root: Path, metadata: Metadata, files: list[str]) -> dict[st
     return out
 
 
-def write_integrity_manifest(root: Path, group: dist.ProcessGroup | None = None, *,
-                             extra_files: tuple[str, ...] = ()) -> None:
-    """Record CRC-32s of every stored item and of ``.metadata`` in ``root/.integrity.json``.
+def checksum_items(root: Path, group: dist.ProcessGroup | None = None) -> dict[str, int]:
+    """CRC-32 of every item a DCP directory stores; collective over ``group`` when distributed.
 
-    ``extra_files`` (names relative to ``root``, e.g. a side file of non-tensor state) get a
-    whole-file checksum too; read them back with :func:`read_verified_file`.
-
-    Collective over ``group`` when torch.distributed is initialised (call it on every rank right
-    after ``dcp.save``): the data files are split across ranks, each reads its share back (from
-    the page cache, just written) and rank 0 writes the manifest.
+    Call it on every rank right after ``dcp.save``: the data files are split across ranks, each
+    reads its share back (from the page cache, just written), and every rank gets the merged
+    table. A failure on any rank raises on every rank (the outcome is gathered first), so no rank
+    is left waiting in a later collective.
     """
     root = Path(root)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(group) if distributed else 0
     world = dist.get_world_size(group) if distributed else 1
-    metadata = read_metadata(root)
-    files = sorted({info.relative_path for info in metadata.storage_data.values()})
-    mine = _checksum_files(root, metadata, files[rank::world])
+    try:
+        metadata = read_metadata(root)
+        files = sorted({info.relative_path for info in metadata.storage_data.values()})
+        mine: dict[str, int] | str = _checksum_files(root, metadata, files[rank::world])
+    except Exception as err:  # noqa: BLE001 - reported to every rank below
+        mine = f"{type(err).__name__}: {err}"
+    gathered: list[Any] = [None] * world
     if distributed:
-        gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, mine, group=group)
     else:
         gathered = [mine]
-    if rank != 0:
-        return
+    failures = [f"rank {r}: {g}" for r, g in enumerate(gathered) if isinstance(g, str)]
+    if failures:
+        raise RuntimeError(f"Checksumming the checkpoint {root} failed: {'; '.join(failures)}")
     items: dict[str, int] = {}
     for part in gathered:
         items.update(part)
+    return items
+
+
+def write_manifest(root: Path, items: Mapping[str, int], *,
+                   extra_files: tuple[str, ...] = ()) -> None:
+    """Write ``root/.integrity.json`` (one process): the item checksums of
+    :func:`checksum_items`, and whole-file checksums of ``.metadata`` and ``extra_files`` (names
+    relative to ``root``, e.g. a side file of non-tensor state; read them back with
+    :func:`read_verified_file`)."""
+    root = Path(root)
     whole_files = {}
     for name in (_METADATA_FILENAME, *extra_files):
         data = (root / name).read_bytes()
         whole_files[name] = {"size": len(data), "crc32": _crc32(data)}
     manifest = {"version": _MANIFEST_VERSION, "algorithm": "crc32", "files": whole_files,
-                "items": items}
+                "items": dict(items)}
     tmp = root / (INTEGRITY_FILENAME + ".tmp")
     tmp.write_text(json.dumps(manifest, sort_keys=True))
     os.replace(tmp, root / INTEGRITY_FILENAME)
+
+
+def write_integrity_manifest(root: Path, group: dist.ProcessGroup | None = None, *,
+                             extra_files: tuple[str, ...] = ()) -> None:
+    """:func:`checksum_items` (collective) then :func:`write_manifest` on rank 0."""
+    items = checksum_items(root, group)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank(group) == 0:
+        write_manifest(root, items, extra_files=extra_files)
