@@ -79,7 +79,17 @@ _MANIFEST_VERSION = 1
 
 
 class CheckpointLoadError(RuntimeError):
-    """A checkpoint file is missing, damaged, fails its checksum, or holds a refused object."""
+    """A checkpoint file is missing, damaged, fails its checksum, or holds a refused object.
+
+    In a distributed run the message starts with ``[rank r]``, the rank that found the problem
+    (``rank`` defaults to this process's global rank).
+    """
+
+    def __init__(self, detail: str, *, rank: int | None = None) -> None:
+        if rank is None and dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank()
+        self.detail, self.rank = detail, rank
+        super().__init__(detail if rank is None else f"[rank {rank}] {detail}")
 
 
 # -- restricted metadata unpickling ---------------------------------------------------------------
@@ -377,7 +387,7 @@ def raise_load_error(err: CheckpointException, path: Path) -> None:
               for rank, exc in sorted(failures.items())}
     for rank, cause in causes.items():  # our errors first: they name the file
         if isinstance(cause, CheckpointLoadError):
-            raise CheckpointLoadError(f"[rank {rank}] {cause}") from cause
+            raise CheckpointLoadError(cause.detail, rank=rank) from cause
     detail = "; ".join(f"rank {rank}: {type(c).__name__}: {c}" for rank, c in causes.items())
     raise CheckpointLoadError(
         f"Loading the sharded checkpoint {path} failed: {detail or err}") from err
