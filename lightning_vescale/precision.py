@@ -64,6 +64,7 @@ __all__ = [
     "VeScalePrecision",
     "VeScaleFabricPrecision",
     "ShardedGradScaler",
+    "as_sharded_scaler",
     "clip_grad_norm_",
     "clip_grad_value_",
     "PrecisionFlag",
@@ -213,6 +214,29 @@ class ShardedGradScaler(torch.amp.GradScaler):
         return found
 
 
+def as_sharded_scaler(scaler: Any, device_type: str) -> Optional[ShardedGradScaler]:
+    """``scaler`` as a :class:`ShardedGradScaler` on ``device_type``, with every setting kept.
+
+    A plain ``torch.amp.GradScaler`` (e.g. one passed to Lightning's ``MixedPrecision`` plugin)
+    would let ranks disagree on found-inf; it is replaced by a sharded one that carries its
+    scale, growth/backoff factors, growth interval, growth tracker and ``enabled`` flag (its
+    ``state_dict``), so a user's ``init_scale=1024, growth_interval=100`` is never dropped.
+    """
+    if scaler is None:
+        return None
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler (or a ShardedGradScaler), got "
+                        f"{type(scaler).__name__}")
+    if isinstance(scaler, ShardedGradScaler) and scaler._device == device_type:
+        return scaler
+    out = ShardedGradScaler(device_type, enabled=scaler.is_enabled(),
+                            process_group=getattr(scaler, "process_group", None))
+    if scaler.is_enabled():
+        # state_dict() works before the first step too (the scale is then init_scale)
+        out.load_state_dict(scaler.state_dict())
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # Precision plugins
 # ------------------------------------------------------------------------------------------------
@@ -242,14 +266,13 @@ class _VeScalePrecisionMixin:
         self._mixed_precision_policy = _policy_for(precision)
         if precision == "16-mixed" and scaler is None:
             scaler = ShardedGradScaler(device or _default_device_type())
-        self.scaler = scaler
+        self.scaler = as_sharded_scaler(scaler, device or getattr(scaler, "_device", "cuda"))
 
     def _set_device_type(self, device_type: str) -> None:
         """Called by the strategy once the root device is known (autocast + scaler device)."""
         self._device_type = device_type
-        if self.scaler is not None and getattr(self.scaler, "_device", device_type) != device_type:
-            # the scaler was made before the device was known; nothing is accumulated in it yet
-            self.scaler = ShardedGradScaler(device_type)
+        # the scaler may have been made before the device was known: move it, settings kept
+        self.scaler = as_sharded_scaler(self.scaler, device_type)
 
     # -- dtypes ----------------------------------------------------------------------------------
     @property
@@ -331,7 +354,8 @@ class VeScalePrecision(_VeScalePrecisionMixin, Precision):
     Args:
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"``. See design
             note [precision] in this module for what each means for the sharded engine.
-        scaler: only with ``"16-mixed"``: a :class:`ShardedGradScaler` (one is created otherwise).
+        scaler: only with ``"16-mixed"``: a :class:`ShardedGradScaler`, or any
+            ``torch.amp.GradScaler`` whose settings are carried into one; one is created otherwise.
         device: device type for ``autocast``/the scaler; the strategy sets it from its root device.
     """
 
@@ -412,7 +436,10 @@ def to_vescale_precision(plugin: Any, *, fabric: bool = False) -> Any:
     if type(plugin).__name__ in ("MixedPrecision", "HalfPrecision", "FSDPPrecision") and \
             flag in _SUPPORTED:
         device = getattr(plugin, "device", None)
-        return target(flag, device=device if device in ("cpu", "cuda") else None)
+        device = device if device in ("cpu", "cuda") else None
+        # Lightning's MixedPrecision holds the user's GradScaler: carry its settings over
+        scaler = getattr(plugin, "scaler", None) if flag == "16-mixed" else None
+        return target(flag, scaler=scaler, device=device)
     raise ValueError(
         f"The vescale_fsdp strategy cannot use the precision plugin {type(plugin).__name__}"
         f"(precision={flag!r}). Use precision= one of {', '.join(repr(p) for p in _SUPPORTED)}, "

@@ -166,3 +166,20 @@ def test_cli_strategy_by_name():
     cli = main(args=["--trainer.strategy=vescale_fsdp", "--trainer.accelerator=cpu",
                      "--trainer.devices=2", "--trainer.logger=false"], run=False)
     assert isinstance(cli.trainer.strategy, VeScaleFSDPStrategy)
+
+
+# -- the user's GradScaler settings are carried into the sharded scaler -------------------------
+def test_grad_scaler_settings_are_carried_into_the_sharded_scaler():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_vescale.precision import to_vescale_precision
+
+    user = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_factor=3.0, backoff_factor=0.25,
+                                growth_interval=7)
+    plugin = to_vescale_precision(MixedPrecision("16-mixed", "cpu", scaler=user))
+    for scaler in (plugin.scaler, VeScalePrecision("16-mixed", scaler=user).scaler):
+        assert isinstance(scaler, ShardedGradScaler)
+        assert scaler.get_scale() == 1024.0 and scaler.get_growth_factor() == 3.0
+        assert scaler.get_backoff_factor() == 0.25 and scaler.get_growth_interval() == 7
+    disabled = VeScalePrecision("16-mixed", scaler=torch.amp.GradScaler("cpu", enabled=False))
+    assert isinstance(disabled.scaler, ShardedGradScaler) and not disabled.scaler.is_enabled()
