@@ -15,6 +15,10 @@ storage            elements   dtype            lifetime
                                                freed after reduce-scatter
 ``grad_shard``     ``S``      ``dtype``        from a reduce-scatter until every sharded
                                                gradient was dropped (``zero_grad``)
+``grad_acc``       ``W * S``  ``reduce_dtype`` only while gradient sync is off and
+                                               ``reduce_dtype != param_dtype``: the unsharded
+                                               gradients of the unsynced backwards, summed in
+                                               the reduce dtype (:meth:`accumulate_grad`)
 =================  =========  ===============  ==============================================
 
 The owned slice is separate storage (not a slice of ``full``), so freeing ``full`` never frees
@@ -40,6 +44,12 @@ Design note [dbuffer-collectives]
   gradient (autograd accumulated into the views): no copy-in. One whole-buffer cast when the
   reduce dtype differs, one whole-shard add when accumulating onto existing sharded gradients.
 * Group operations (zero, scale, cast) are one kernel per buffer, never per tensor.
+* Gradient accumulation without sync (``set_requires_gradient_sync(False)``) in mixed
+  precision: each backward's ``grad_full`` holds one micro-batch's gradient in ``param_dtype``;
+  :meth:`accumulate_grad` adds it into ``grad_acc`` (``reduce_dtype``, e.g. fp32) and frees it,
+  so the sum over micro-batches is taken in ``reduce_dtype`` (as FSDP2's
+  ``unsharded_accumulated_grad``), not in bf16. The next reduce-scatter adds the last
+  micro-batch into ``grad_acc`` in place and reduces that (no extra cast buffer).
 
 Async ops return a :class:`CommHandle`; ``wait()`` finishes the collective and the buffer-level
 epilogue (cast back, accumulate, free temporaries). Synchronous ops return an already-waited
@@ -170,6 +180,8 @@ class DBuffer:
         self.full = torch.empty(N, dtype=self.param_dtype, device=self.device)
         self.grad_full = torch.empty(N, dtype=self.param_dtype, device=self.device)
         self.grad_shard: torch.Tensor | None = None
+        #: unsynced gradients summed in reduce_dtype (see [dbuffer-collectives]); usually None
+        self.grad_acc: torch.Tensor | None = None
         self._grad_fresh = True  # grad_full holds no gradient (zero it on materialise)
         lo = self.rank * S
         self._local: dict[str, tuple[int, int]] = {}
@@ -306,6 +318,30 @@ class DBuffer:
         self._resize(self.grad_full, False)
         self._grad_fresh = True
 
+    @property
+    def accumulates_in_reduce_dtype(self) -> bool:
+        """Whether unsynced gradients are summed in ``reduce_dtype`` (it differs from
+        ``param_dtype``): see :meth:`accumulate_grad`."""
+        return self.reduce_dtype != self.param_dtype
+
+    def accumulate_grad(self) -> None:
+        """Fold this backward's unsharded gradient into :attr:`grad_acc` and free it.
+
+        Called at the end of a backward without gradient sync when ``reduce_dtype`` differs
+        from ``param_dtype`` (design note [dbuffer-collectives]); a no-op otherwise or when no
+        gradient was materialised. The next :meth:`materialize_grad` starts from zero.
+        """
+        if not self.accumulates_in_reduce_dtype or self.is_meta:
+            return
+        if not self.is_grad_materialized or self._grad_fresh:
+            return
+        with torch.no_grad():
+            if self.grad_acc is None:
+                self.grad_acc = self.grad_full.to(self.reduce_dtype)
+            else:
+                self.grad_acc.add_(self.grad_full)
+        self.free_grad()
+
     def memory_bytes(self) -> dict[str, int]:
         """Bytes currently allocated, by role (see design note [dbuffer-memory])."""
         def nbytes(t: torch.Tensor | None) -> int:
@@ -316,7 +352,7 @@ class DBuffer:
             "param_shard": nbytes(self.shard),
             "param_unsharded": nbytes(self.full),
             "grad_shard": nbytes(self.grad_shard),
-            "grad_unsharded": nbytes(self.grad_full),
+            "grad_unsharded": nbytes(self.grad_full) + nbytes(self.grad_acc),
             "comm": self._comm_bytes,
         }
 
@@ -383,8 +419,13 @@ class DBuffer:
                         accumulate: bool) -> CommHandle:
         direct = not accumulate and self.reduce_dtype == self.dtype
         gs = self._ensure_grad_shard(zero=not direct)
-        inp = self.grad_full if self.reduce_dtype == self.param_dtype else \
-            self.grad_full.to(self.reduce_dtype)  # one cast for the whole group
+        if self.grad_acc is not None:  # unsynced micro-batches, summed in reduce_dtype
+            inp, self.grad_acc = self.grad_acc, None
+            inp.add_(self.grad_full)  # the last micro-batch, added in reduce_dtype in place
+        elif self.reduce_dtype == self.param_dtype:
+            inp = self.grad_full
+        else:
+            inp = self.grad_full.to(self.reduce_dtype)  # one cast for the whole group
         out = gs if direct else torch.empty(self.shard_size, dtype=self.reduce_dtype,
                                             device=self.device)
         extra = 0

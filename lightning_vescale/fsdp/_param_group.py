@@ -443,6 +443,31 @@ class ParamGroup:
         if not async_op:
             self.wait_for_reduce()
 
+    def accumulate_unsynced(self) -> None:
+        """End of a backward without gradient sync: sum its gradients in ``reduce_dtype``.
+
+        With ``set_requires_gradient_sync(False)`` gradients stay unsharded until the next
+        synced backward. When the policy's ``reduce_dtype`` differs from ``param_dtype`` (bf16
+        compute, fp32 reduction) each buffer folds this backward's ``grad_full`` into its
+        ``reduce_dtype`` accumulator and frees it (``DBuffer.accumulate_grad``), so micro-batches
+        are summed in fp32 as with FSDP2, not in bf16. Idempotent; a no-op for buffers without
+        new gradients or whose dtypes agree (those keep accumulating in ``grad_full``).
+        """
+        if self._reduce is not None:
+            return
+        folded = False
+        for buf in self.buffers.values():
+            if buf.accumulates_in_reduce_dtype and buf.is_grad_materialized:
+                buf.accumulate_grad()
+                folded = True
+        if not folded:
+            return
+        self._grads_ready = False  # the next gradient re-materialises and re-points
+        for mp in self.params:
+            if mp.unsharded is not None and mp.buffer is not None \
+                    and not mp.buffer.is_grad_materialized:
+                mp.unsharded.grad = None  # re-pointed at a fresh grad_full next backward
+
     def _prepare_accumulate(self, mps: list[ManagedParam]) -> None:
         # Rare path: the user kept sharded grads from an earlier step (no zero_grad or
         # zero_grad(set_to_none=False)). Regions without a kept gradient start from zero;

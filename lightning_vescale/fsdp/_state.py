@@ -266,6 +266,8 @@ class RootContext:
             for group in self.groups:  # groups without a structural completion, in tree order
                 if group.should_reduce():
                     group.reduce_scatter(async_op=False)
+                else:
+                    group.accumulate_unsynced()  # no sync: sum in reduce_dtype (if it differs)
                 group.reshard()
             self._publish_grads()
             for st in self.all_states:
@@ -453,6 +455,8 @@ class FSDPState:
             group.post_backward()
             if group.should_reduce():
                 self.ctx.reduce_scatter(group)
+            else:
+                group.accumulate_unsynced()
 
     def reset_post_backward(self) -> None:
         self._post_backward_expected = self._post_backward_seen = 0
