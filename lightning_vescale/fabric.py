@@ -32,6 +32,7 @@ from lightning_vescale._lightning.sharding import (
     DEFAULT_MIN_BLOCK_NUMEL,
     DEFAULT_OPTIMIZER_BLOCK_SIZE,
     NoGradSync,
+    check_optimizer_params,
     has_meta,
     is_sharded,
     remap_optimizer_params,
@@ -135,6 +136,14 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
         for opt in optimizers:
             remap_optimizer_params(opt, names, module)
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        check_optimizer_params(optimizer, "Make sure to create the optimizer after setting up "
+                               "the model (`model = fabric.setup_module(model)`, then the "
+                               "optimizer from `model.parameters()`), or pass both to "
+                               "`fabric.setup(model, optimizer)`.")
+        return super().setup_optimizer(optimizer)
 
     @override
     def setup_module(self, module: Module) -> Module:

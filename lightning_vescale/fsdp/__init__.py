@@ -10,15 +10,17 @@ Public: :func:`fully_shard`, :class:`MixedPrecisionPolicy`, :class:`VeScaleFSDPM
 ``_state_dict.py`` [fsdp-state-dict], ``lightning_vescale/dbuffer.py`` [dbuffer-memory]
 [dbuffer-views] [dbuffer-collectives].
 
-Modules import one way: ``api`` -> ``_collect`` / ``_materialize`` / ``_state_dict`` ->
-``_state`` -> ``_param_group`` -> ``_policy`` / ``_common``.
+Modules import one way: ``api`` -> ``_module`` / ``_collect`` / ``_state_dict`` ->
+``_materialize`` -> ``_state`` -> ``_param_group`` -> ``_policy`` / ``_common`` / ``_tree``.
 """
 
 from lightning_vescale.fsdp._common import TrainingState
 from lightning_vescale.fsdp._materialize import materialize
 from lightning_vescale.fsdp._param_group import ManagedParam, ParamGroup
+from lightning_vescale.fsdp._replaced import check_optimizer, find_replaced
 from lightning_vescale.fsdp._state import FSDPState, get_state
 from lightning_vescale.fsdp.api import (
+    CPUOffloadPolicy,
     MixedPrecisionPolicy,
     VeScaleFSDPModule,
     dbuffers,
@@ -26,20 +28,25 @@ from lightning_vescale.fsdp.api import (
     iter_param_groups,
     memory_bytes,
     param_fqn_map,
+    register_fsdp_forward_method,
 )
 
 __all__ = [
+    "CPUOffloadPolicy",
     "FSDPState",
     "ManagedParam",
     "MixedPrecisionPolicy",
     "ParamGroup",
     "TrainingState",
     "VeScaleFSDPModule",
+    "check_optimizer",
     "dbuffers",
+    "find_replaced",
     "fully_shard",
     "get_state",
     "iter_param_groups",
     "materialize",
     "memory_bytes",
     "param_fqn_map",
+    "register_fsdp_forward_method",
 ]

@@ -15,10 +15,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_vescale.fsdp._param_group import Owner
+from lightning_vescale.fsdp._replaced import mark_replaced, taken_by
 from lightning_vescale.fsdp._state import get_state, states_in
 
 __all__ = ["CollectedParam", "GranularityArg", "check_param", "collect_params",
-           "resolve_granularities"]
+           "remember_taken", "resolve_granularities"]
 
 #: The ``granularity`` argument of ``fully_shard``.
 GranularityArg = Union[None, int, str, Mapping[str, Union[int, str]],
@@ -28,53 +29,78 @@ GranularityArg = Union[None, int, str, Mapping[str, Union[int, str]],
 class CollectedParam(NamedTuple):
     """One parameter a ``fully_shard`` call takes."""
 
-    name: str  #: first name relative to the module (what ``named_parameters`` reports)
+    name: str  #: its key in the group: first name relative to its module (``"k.name"`` in lists)
     param: nn.Parameter
     owners: list[Owner]  #: every ``(module, attr)`` that registers it
-    aliases: list[str]  #: every name relative to the module, in owner order
+    aliases: list[str]  #: every name relative to the group's module, in owner order
+    #: every name relative to the list's module ``k``, as ``(k, name)`` (``k`` is 0 for one module)
+    scoped_aliases: list[tuple[int, str]]
 
 
-def collect_params(module: nn.Module) -> list[CollectedParam]:
-    """``module``'s parameters that no inner group owns, in ``named_parameters`` order.
+def remember_taken(collected: Sequence[CollectedParam], where: str) -> None:
+    """Record that ``collected`` were sharded (replaced) by the ``fully_shard`` call described by
+    ``where`` (e.g. ``"Embedding"``), so that a later call finding one of them raises (a tie
+    across groups) and so does an optimizer stepping one (design note [fsdp-replaced])."""
+    for c in collected:
+        mark_replaced(c.param, f"{where}.{c.aliases[0]}" if where else c.aliases[0],
+                      original=True)
+
+
+def _describe(modules: Sequence[nn.Module], k: int, name: str) -> str:
+    label = type(modules[k]).__name__
+    return f"{label}.{name}" if len(modules) == 1 else f"[{k}] {label}.{name}"
+
+
+def collect_params(modules: Sequence[nn.Module]) -> list[CollectedParam]:
+    """The parameters of ``modules`` (one ``fully_shard`` call) that no inner group owns, in
+    ``named_parameters`` order, module by module; a parameter tied across them is one entry.
 
     Raises:
-        ValueError: a parameter is tied to a parameter of an inner group.
+        ValueError: a parameter is tied to a parameter an earlier ``fully_shard`` call took (an
+            inner group, or a sibling group): FSDP2's rule, checked at the call.
     """
     inner_ids: set[int] = set()
-    for st in states_in(module):
-        if st.group is not None:
-            for mp in st.group.params:
-                inner_ids.update((id(mp.sharded), id(mp.unsharded)))
-                orig = mp.original_weakref() if mp.original_weakref is not None else None
-                if orig is not None:  # still referenced elsewhere, e.g. by a tied head
-                    inner_ids.add(id(orig))
+    for module in modules:
+        for st in states_in(module):
+            if st.group is not None:
+                for mp in st.group.params:
+                    inner_ids.update((id(mp.sharded), id(mp.unsharded)))
+    tops = {id(m) for m in modules}
     found: dict[int, CollectedParam] = {}
     seen_modules: set[int] = set()
 
-    def visit(m: nn.Module, prefix: str) -> None:
+    def visit(m: nn.Module, k: int, prefix: str) -> None:
         if id(m) in seen_modules:
             return
         seen_modules.add(id(m))
         for attr, p in m._parameters.items():
             if p is None:
                 continue
-            name = prefix + attr
-            if id(p) in inner_ids:
+            rel = prefix + attr
+            here = _describe(modules, k, rel)
+            earlier = taken_by(p)
+            if id(p) in inner_ids or earlier is not None:
+                where = f"the earlier fully_shard group of {earlier}" if earlier else \
+                    "an inner fully_shard group"
                 raise ValueError(
-                    f"parameter {name!r} is shared with (tied to) a parameter of an inner "
-                    "fully_shard group; tied parameters must live in one group: call "
-                    "fully_shard on a common ancestor only (e.g. leave the embedding and the "
-                    "output head to the root).")
-            entry = found.setdefault(id(p), CollectedParam(name, p, [], []))
+                    f"parameter {here} is shared with (tied to) a parameter already managed by "
+                    f"{where}; a tie across two groups would be silently broken. Put the tied "
+                    "modules in one group: fully_shard([module_a, module_b]) (e.g. the "
+                    "embedding and the output head), or leave both to a common ancestor's "
+                    "fully_shard call.")
+            name = rel if len(modules) == 1 else f"{k}.{rel}"
+            entry = found.setdefault(id(p), CollectedParam(name, p, [], [], []))
             if not any(o.module is m and o.attr == attr for o in entry.owners):
                 entry.owners.append(Owner(m, attr))
-                entry.aliases.append(name)
+                entry.aliases.append(rel if len(modules) == 1 else f"{k}.{rel}")
+                entry.scoped_aliases.append((k, rel))
         for cname, child in m._modules.items():
-            if child is None or get_state(child) is not None:
+            if child is None or get_state(child) is not None or id(child) in tops:
                 continue
-            visit(child, prefix + cname + ".")
+            visit(child, k, prefix + cname + ".")
 
-    visit(module, "")
+    for k, module in enumerate(modules):
+        visit(module, k, "")
     return list(found.values())
 
 

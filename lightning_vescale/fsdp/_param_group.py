@@ -58,13 +58,16 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
 from lightning_vescale.dbuffer import CommHandle, DBuffer
 from lightning_vescale.fsdp._common import TrainingState
-from lightning_vescale.fsdp._policy import MixedPrecisionPolicy
+from lightning_vescale.fsdp._policy import CPUOffloadPolicy, MixedPrecisionPolicy
+from lightning_vescale.fsdp._replaced import mark_replaced
 from lightning_vescale.mesh import MeshInfo
 from lightning_vescale.placement import ragged_from_local
 from lightning_vescale.planner import plan_layout
@@ -99,9 +102,36 @@ class ManagedParam:
     unsharded: nn.Parameter | None = None
     got_grad: bool = False  # received a gradient since its last reduce-scatter
     aliases: list[str] = field(default_factory=list)  # all names (tied params have several)
+    #: all names relative to module ``k`` of a ``fully_shard([...])`` list, as ``(k, name)``
+    scoped_aliases: list[tuple[int, str]] = field(default_factory=list)
     #: weak reference to the user's parameter before sharding (tie detection by later groups)
     original_weakref: weakref.ref | None = None
     hooks: list[Any] = field(default_factory=list)
+
+
+_PARTIAL_GROUPS: dict[tuple[DeviceMesh, int], tuple[dist.ProcessGroup, DeviceMesh]] = {}
+
+
+def make_partial_group(mesh_info: MeshInfo, k: int) -> None:
+    """Create (collectively, once per mesh and ``k``) the groups of ``k`` consecutive shard
+    ranks that ``reshard_after_forward=k`` gathers in (FSDP2: ``mesh.view(-1, k)``).
+
+    Every rank must call it at the same point (``fully_shard`` does): it creates process groups.
+    """
+    key = (mesh_info.mesh, k)
+    if key in _PARTIAL_GROUPS:
+        return
+    ranks = mesh_info.mesh.mesh.reshape(-1, k)
+    sub = DeviceMesh(mesh_info.device_type, ranks)
+    _PARTIAL_GROUPS[key] = (sub.get_group(1), sub)
+
+
+def _partial_group(mesh_info: MeshInfo, k: int) -> tuple[dist.ProcessGroup, int]:
+    """The group of ``k`` ranks this rank all-gathers in after ``reshard_after_forward=k``, and
+    this rank's index in it."""
+    make_partial_group(mesh_info, k)
+    group, _ = _PARTIAL_GROUPS[(mesh_info.mesh, k)]
+    return group, mesh_info.shard_rank % k
 
 
 class BackwardRoot(Protocol):
@@ -125,20 +155,32 @@ class ParamGroup:
         mesh_info: the shard group (every DBuffer and DTensor of the group uses it).
         mp_policy: the user's policy, kept whole: DBuffer dtypes come from it.
         granularity: block size per parameter name (elements, ``"row"``, ``"<k>rows"``).
-        reshard_after_forward: free the unsharded parameters after forward.
+        reshard_after_forward: free the unsharded parameters after forward (an ``int`` ``k``:
+            keep them sharded over groups of ``k`` ranks until backward, FSDP2's meaning).
         fqn: a label for buffer names and error messages.
+        offload: ``CPUOffloadPolicy``: shards and sharded gradients in CPU memory.
     """
 
     def __init__(self, *, params: list[ManagedParam], mesh_info: MeshInfo,
                  mp_policy: MixedPrecisionPolicy, granularity: dict[str, int | str],
-                 reshard_after_forward: bool, fqn: str = "") -> None:
+                 reshard_after_forward: bool | int, fqn: str = "",
+                 offload: CPUOffloadPolicy | None = None) -> None:
         self.fqn = fqn
         self.params = params
         self.mesh_info = mesh_info
         self.mp_policy = mp_policy
         self.granularity = granularity
         self.reshard_after_forward = reshard_after_forward
+        self.offload = offload
         self.reduce_grads = True  # set_requires_gradient_sync
+        # FSDPModule setters (design note [fsdp-module] in _module.py)
+        self.reshard_after_backward = True
+        self.unshard_in_backward = True
+        self.gradient_divide_factor: float | None = None  # None: the shard-group size (AVG)
+        self.force_sum_reduction = False
+        self.explicit_backward_prefetch: list[ParamGroup] | None = None
+        # list groups: (the ``_apply`` function, modules of the list it reached) of the last pass
+        self.applying: tuple[Any, set[int]] | None = None
         # One DBuffer per (dtype, trainable at build time); see design note [fsdp-grads].
         self.buffers: dict[tuple[torch.dtype, bool], DBuffer] = {}
         self.modules_hold_unsharded = False
@@ -178,7 +220,9 @@ class ParamGroup:
             rdt = policy.reduce_dtype if policy.reduce_dtype is not None else pdt
             buf = DBuffer(plan, dtype=dtype, device=device, mesh_info=self.mesh_info,
                           param_dtype=pdt, reduce_dtype=rdt,
-                          name=f"{self.fqn or '<root>'}[{dtype}{'' if trainable else ', frozen'}]")
+                          name=f"{self.fqn or '<root>'}[{dtype}{'' if trainable else ', frozen'}]",
+                          offload=self.offload is not None,
+                          pin_memory=self.offload is not None and self.offload.pin_memory)
             self.buffers[(dtype, trainable)] = buf
             for mp in mps:
                 mp.buffer = buf
@@ -201,6 +245,9 @@ class ParamGroup:
     def _make_param_objects(self, mp: ManagedParam) -> None:
         buf = mp.buffer
         assert buf is not None
+        if mp.sharded is not None:  # a rebuild: an optimizer holding the old one trains nothing
+            mark_replaced(mp.sharded, f"{self.fqn}.{mp.name}" if self.fqn else mp.name,
+                          original=False)
         local = buf.local_view(mp.name)
         dt = ragged_from_local(local, self.mesh_info.mesh, buf.placement(mp.name), mp.shape,
                                autograd=False, check=False)
@@ -270,6 +317,28 @@ class ParamGroup:
         if self.modules_hold_unsharded:
             self.swap(sharded=True)
 
+    def reshard_after_forward_now(self) -> None:
+        """The post-forward reshard ``reshard_after_forward`` asks for: all (``True``), none
+        (``False``, or ``1``), or to groups of ``k`` ranks (an ``int``; design note
+        [dbuffer-memory]'s ``partial``)."""
+        raf = self.reshard_after_forward
+        if raf is True or raf == self.mesh_info.shard_size:
+            self.reshard()
+        elif raf is False or raf == 1:
+            return
+        else:
+            group, rank = _partial_group(self.mesh_info, int(raf))
+            self._wait_for_gather()
+            for buf in self.buffers.values():
+                buf.reshard_to(group, int(raf), rank)
+            if self.modules_hold_unsharded:
+                self.swap(sharded=True)
+
+    @property
+    def has_partial(self) -> bool:
+        """Whether a buffer keeps a ``reshard_after_forward=<int>`` chunk."""
+        return any(buf.partial is not None for buf in self.buffers.values())
+
     def _wait_for_gather(self) -> None:
         if self._gather is not None:
             for h in self._gather:
@@ -297,9 +366,10 @@ class ParamGroup:
         # E.g. a second backward through a retained graph after the first one reduced the
         # group: this backward's gradients must be reduced too.
         self.expect_gradients()
-        self.unshard()
-        self.wait_for_unshard()
-        if self._num_trainable == 0:
+        if self.unshard_in_backward:
+            self.unshard()
+            self.wait_for_unshard()
+        if self._num_trainable == 0 or self.explicit_backward_prefetch is not None:
             self.prefetch_backward_once()  # else when half of the gradients arrived
 
     def post_backward(self) -> None:
@@ -311,13 +381,19 @@ class ParamGroup:
         """
         self.training_state = TrainingState.POST_BACKWARD
         self.prefetch_backward_once()
-        self.reshard()  # parameters are done: free them before the reduce-scatter runs
+        if self.reshard_after_backward:
+            self.reshard()  # parameters are done: free them before the reduce-scatter runs
 
     def prefetch_backward_once(self) -> None:
         """Ask the root to all-gather the next group in backward order, once per backward."""
         if self._backward_prefetched or self.root is None:
             return
         self._backward_prefetched = True
+        if self.explicit_backward_prefetch is not None:  # set_modules_to_backward_prefetch
+            for group in self.explicit_backward_prefetch:
+                if group.training_state is TrainingState.IDLE:
+                    group.unshard(async_op=True)
+            return
         self.root.prefetch_backward(self)
 
     def reset_backward(self) -> None:
@@ -414,7 +490,21 @@ class ParamGroup:
                             view.add_(g)
                     mp.unsharded.grad = view
 
-    def reduce_scatter(self, async_op: bool = True, op: str = "avg") -> None:
+    def discard_gradients(self) -> None:
+        """Drop unreduced gradients (unsharded, and the unsynced accumulators): the recovery of
+        ``reset_iter_state()``. Sharded gradients already published stay."""
+        self.wait_for_reduce()
+        for buf in self.buffers.values():
+            buf.free_grad()
+            buf.grad_acc = None
+        self._grads_ready = False
+        self.needs_reduce = False
+        for mp in self.params:
+            mp.got_grad = False
+            if mp.unsharded is not None:
+                mp.unsharded.grad = None
+
+    def reduce_scatter(self, async_op: bool = True, op: str | None = None) -> None:
         """Launch the reduce-scatter of every buffer that holds trainable parameters.
 
         Every such buffer is reduced, whether or not this rank received gradients for it (a
@@ -423,6 +513,14 @@ class ParamGroup:
         :meth:`publish_grads`, once every rank's arrivals are known.
         """
         assert self._reduce is None, "a reduce-scatter is already in flight"
+        scale = None
+        if op is None:
+            if self.gradient_divide_factor is not None:  # set_gradient_divide_factor
+                op, scale = "sum", 1.0 / self.gradient_divide_factor
+            elif self.force_sum_reduction:  # set_force_sum_reduction_for_comms
+                op, scale = "sum", 1.0 / self.mesh_info.shard_size
+            else:
+                op = "avg"
         handles = []
         for buf in self.buffers.values():
             mps = [mp for mp in self.params if mp.buffer is buf and mp.requires_grad]
@@ -436,7 +534,8 @@ class ParamGroup:
                              for mp in mps)
             if accumulate:
                 self._prepare_accumulate(mps)
-            handles.append(buf.reduce_scatter(async_op=async_op, op=op, accumulate=accumulate))
+            handles.append(buf.reduce_scatter(async_op=async_op, op=op, accumulate=accumulate,
+                                              scale=scale))
         self._reduce = handles
         self.reduced = True
         self.needs_reduce = False

@@ -75,3 +75,35 @@ def shard_mlp(impl: str, model: MLP, **kw) -> MLP:
 
 def copy_model(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+class TiedLM(nn.Module):
+    """Embedding, a block, an output head tied to the embedding (``head.weight is emb.weight``)."""
+
+    def __init__(self, vocab: int = 11, dim: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.block = nn.Sequential(nn.Linear(dim, dim), nn.Tanh())
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.emb(ids)))
+
+
+def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                       ids[:, 1:].reshape(-1))
+
+
+def expect_raises(fn: Callable[[], object], exc: type, *words: str) -> str | None:
+    """``None`` if ``fn()`` raises ``exc`` whose message has every word, else what happened."""
+    try:
+        fn()
+    except exc as e:
+        missing = [w for w in words if w not in str(e)]
+        return None if not missing else f"{exc.__name__} lacks {missing}: {e}"
+    except Exception as e:  # noqa: BLE001
+        return f"expected {exc.__name__}, got {type(e).__name__}: {e}"
+    return f"expected {exc.__name__}, nothing raised"
