@@ -107,9 +107,13 @@ def collect_params(modules: Sequence[nn.Module]) -> list[CollectedParam]:
 def check_param(name: str, param: nn.Parameter) -> None:
     """Raise if ``fully_shard`` cannot shard ``param`` (named ``name`` in the messages).
 
+    Integer and bool parameters (``requires_grad=False``: they cannot require grad) are sharded
+    like frozen floating-point ones, in a DBuffer of their own dtype that mixed precision never
+    casts (FSDP2 shards them too).
+
     Raises:
         ValueError: ``param`` is already a DTensor.
-        TypeError: a sparse, complex or non-floating-point parameter.
+        TypeError: a sparse or complex parameter.
     """
     if isinstance(param, DTensor):
         raise ValueError(
@@ -122,10 +126,6 @@ def check_param(name: str, param: nn.Parameter) -> None:
         raise TypeError(f"parameter {name!r} is complex ({param.dtype}); fully_shard supports "
                         "real floating-point parameters; store it as a real view "
                         "(torch.view_as_real).")
-    if not param.is_floating_point():
-        raise TypeError(f"parameter {name!r} has dtype {param.dtype}; fully_shard shards "
-                        "floating-point parameters only; register integer/bool state as a "
-                        "buffer (module.register_buffer) instead.")
 
 
 def resolve_granularities(granularity: GranularityArg,

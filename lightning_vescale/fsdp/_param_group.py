@@ -216,8 +216,11 @@ class ParamGroup:
         for (dtype, trainable), mps in buckets.items():
             specs = [(mp.name, mp.shape, self.granularity[mp.name]) for mp in mps]
             plan = plan_layout(specs, self.mesh_info.shard_size)
-            pdt = policy.param_dtype if policy.param_dtype is not None else dtype
-            rdt = policy.reduce_dtype if policy.reduce_dtype is not None else pdt
+            if dtype.is_floating_point:
+                pdt = policy.param_dtype if policy.param_dtype is not None else dtype
+                rdt = policy.reduce_dtype if policy.reduce_dtype is not None else pdt
+            else:  # integer/bool parameters (never trainable) keep their dtype: no cast
+                pdt = rdt = dtype
             buf = DBuffer(plan, dtype=dtype, device=device, mesh_info=self.mesh_info,
                           param_dtype=pdt, reduce_dtype=rdt,
                           name=f"{self.fqn or '<root>'}[{dtype}{'' if trainable else ', frozen'}]",

@@ -35,14 +35,8 @@ def _errors_body():
     from lightning_vescale.fsdp import MixedPrecisionPolicy, fully_shard, get_state
 
     out = {}
-    out["int_param"] = _expect(
-        lambda: fully_shard(_WithParam(nn.Parameter(torch.ones(3, dtype=torch.long),
-                                                    requires_grad=False))),
-        TypeError, "'p'", "torch.int64", "register_buffer")
-    out["bool_param"] = _expect(
-        lambda: fully_shard(_WithParam(nn.Parameter(torch.ones(3, dtype=torch.bool),
-                                                    requires_grad=False))),
-        TypeError, "'p'", "torch.bool")
+    # (integer/bool parameters are sharded now, like FSDP2: tests/distributed/
+    # test_fsdp2_compat_api.py)
     out["complex_param"] = _expect(
         lambda: fully_shard(_WithParam(nn.Parameter(torch.ones(3, dtype=torch.complex64)))),
         TypeError, "'p'", "complex")
