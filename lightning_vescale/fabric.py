@@ -19,7 +19,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.strategies.strategy import _apply_filter, _BackwardSyncControl
 from lightning.fabric.utilities.distributed import ReduceOp
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from torch import Tensor
@@ -193,11 +193,14 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
                         storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
         self._refuse_storage_options(storage_options)
-        if filter is not None:
-            raise NotImplementedError(f"{type(self).__name__} does not support `filter`.")
+        full = self._state_dict_type == "full"
+        if filter is not None and not full:
+            raise NotImplementedError(  # Lightning's FSDPStrategy has the same rule
+                f"{type(self).__name__} saves `filter`ed checkpoints only with "
+                "state_dict_type='full': a filtered sharded checkpoint could not be loaded back. "
+                "Use VeScaleFabricStrategy(state_dict_type='full') for filtered saves.")
         path = self._checkpoint_target(path)
         _, module = _find_module(state)
-        full = self._state_dict_type == "full"
         for m in state.values():
             if isinstance(m, Module):
                 reshard_all(m)
@@ -211,7 +214,11 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
             else:
                 metadata[key] = obj.state_dict() if isinstance(obj, _Stateful) else obj
         if full:
-            ckpt.save_full(path, {**tensors, **metadata})
+            checkpoint: dict[str, Any] = {}
+            for key, value in {**tensors, **metadata}.items():
+                # Lightning's rule: filter[key](name, value) keeps an item of that key's dict
+                _apply_filter(key, filter or {}, value, checkpoint)
+            ckpt.save_full(path, checkpoint)
         else:
             ckpt.save_sharded(path, tensors, metadata)
 
