@@ -1,8 +1,12 @@
 """Which parameters one ``fully_shard`` call takes, checked, with their granularity resolved.
 
-A group owns the parameters of its module that no inner group owns. A parameter registered
-under several names (tied weights) is one parameter with several *owners* ``(module, attr)`` and
-*aliases* (its names relative to the module); it must not be split across groups.
+A group owns the parameters of its module (or of the modules of a ``fully_shard([a, b])`` list)
+that no inner group owns. A parameter registered under several names (tied weights) is one
+parameter with several *owners* ``(module, attr)`` and *aliases* (its names relative to the
+module); it must not be split across groups. Every parameter a call takes is recorded
+(``_replaced.py``), so that a later call meeting it again, in an ancestor or in a *sibling*
+module (an output head tied to an already sharded embedding), raises FSDP2's ``ValueError``
+naming both and the fix (``fully_shard([embedding, head])``) instead of splitting the tie.
 """
 
 from __future__ import annotations

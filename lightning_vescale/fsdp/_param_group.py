@@ -58,9 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
@@ -68,6 +66,7 @@ from lightning_vescale.dbuffer import CommHandle, DBuffer
 from lightning_vescale.fsdp._common import TrainingState
 from lightning_vescale.fsdp._policy import CPUOffloadPolicy, MixedPrecisionPolicy
 from lightning_vescale.fsdp._replaced import mark_replaced
+from lightning_vescale.fsdp._subgroups import partial_group
 from lightning_vescale.mesh import MeshInfo
 from lightning_vescale.placement import ragged_from_local
 from lightning_vescale.planner import plan_layout
@@ -107,31 +106,6 @@ class ManagedParam:
     #: weak reference to the user's parameter before sharding (tie detection by later groups)
     original_weakref: weakref.ref | None = None
     hooks: list[Any] = field(default_factory=list)
-
-
-_PARTIAL_GROUPS: dict[tuple[DeviceMesh, int], tuple[dist.ProcessGroup, DeviceMesh]] = {}
-
-
-def make_partial_group(mesh_info: MeshInfo, k: int) -> None:
-    """Create (collectively, once per mesh and ``k``) the groups of ``k`` consecutive shard
-    ranks that ``reshard_after_forward=k`` gathers in (FSDP2: ``mesh.view(-1, k)``).
-
-    Every rank must call it at the same point (``fully_shard`` does): it creates process groups.
-    """
-    key = (mesh_info.mesh, k)
-    if key in _PARTIAL_GROUPS:
-        return
-    ranks = mesh_info.mesh.mesh.reshape(-1, k)
-    sub = DeviceMesh(mesh_info.device_type, ranks)
-    _PARTIAL_GROUPS[key] = (sub.get_group(1), sub)
-
-
-def _partial_group(mesh_info: MeshInfo, k: int) -> tuple[dist.ProcessGroup, int]:
-    """The group of ``k`` ranks this rank all-gathers in after ``reshard_after_forward=k``, and
-    this rank's index in it."""
-    make_partial_group(mesh_info, k)
-    group, _ = _PARTIAL_GROUPS[(mesh_info.mesh, k)]
-    return group, mesh_info.shard_rank % k
 
 
 class BackwardRoot(Protocol):
@@ -330,7 +304,7 @@ class ParamGroup:
         elif raf is False or raf == 1:
             return
         else:
-            group, rank = _partial_group(self.mesh_info, int(raf))
+            group, rank = partial_group(self.mesh_info, int(raf))
             self._wait_for_gather()
             for buf in self.buffers.values():
                 buf.reshard_to(group, int(raf), rank)

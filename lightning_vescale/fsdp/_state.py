@@ -10,8 +10,11 @@ FSDP2) and shares its :class:`RootContext` with every state in its module tree (
 the prefetch setting, the reduce-scatter in flight, whether the final callback is queued. A
 state keeps only what is its own: its group, the mixed-precision policy, its
 :class:`~lightning_vescale.fsdp._common.TrainingState` (design note [fsdp-training-state]),
-its forward depth and its post-backward count. The root never reshards after forward (its
-parameters are needed first in backward) and drives per-iteration bookkeeping.
+its forward depth and its post-backward count. With FSDP2's default
+(``reshard_after_forward=None``) the root keeps its parameters after forward (they are needed
+first in backward); an explicit value is honoured for the root too. The root drives
+per-iteration bookkeeping. The modules of one ``fully_shard([a, b])`` call share one state: the
+first of them to run forward unshards the group, the last one's post-forward reshards it.
 
 Forward: the pre-hook all-gathers (or waits for a prefetched all-gather), registers the
 unsharded parameters and prefetches the next group in the recorded forward order with
@@ -30,7 +33,11 @@ different times, their collectives would pair wrongly. So completion is structur
 FSDP2: the pre-forward wraps the module's forward inputs that require grad in
 :class:`_PostBackward`, an identity whose backward runs once the gradients of those inputs
 are complete. That needs the module's whole backward, and it is the same point in the backward
-pass on every rank. (With several forwards of one module, the last one's backward counts.) The
+pass on every rank. (With several forwards of one module, the last one's backward counts; if any
+forward with grad had no input needing a gradient, e.g. the token ids of a list group's
+embedding, the group has no structural end in this iteration and the final callback completes
+it.) Inputs and outputs are searched for tensors through dataclasses, namedtuples, dicts, lists
+and pytree-registered classes (``_tree.py``). The
 gradient arrivals only time the early prefetch; if that has not fired by completion, it is
 issued then, before the reduce-scatter, so every rank's collectives come in the same order.
 A complete group first reshards (its parameters are no longer needed, frozen ones included)
@@ -460,7 +467,7 @@ class FSDPState:
         return args, kwargs
 
     def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        inputs = [t for t in tensors_in((args, kwargs)) if t.requires_grad]
+        inputs = [t for t in tensors_in((args, kwargs) if kwargs else args) if t.requires_grad]
         if not inputs:
             # no input gradient: the group's backward has no structural end this iteration,
             # the final callback completes it
@@ -470,7 +477,13 @@ class FSDPState:
         outs = _PostBackward.apply(self, *unique)
         replace = {id(t): o for t, o in zip(unique, outs)}
         self._post_backward_expected += 1
-        return map_tensors(lambda t: replace.get(id(t), t), (args, kwargs))
+
+        def swap(t: torch.Tensor) -> torch.Tensor:
+            return replace.get(id(t), t)
+
+        if not kwargs:
+            return map_tensors(swap, args), kwargs
+        return map_tensors(swap, (args, kwargs))
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if in_backward() or self._forward_depth > 1:

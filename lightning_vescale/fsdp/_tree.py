@@ -27,29 +27,38 @@ def _is_dataclass_instance(x: Any) -> bool:
     return dataclasses.is_dataclass(x) and not isinstance(x, type)
 
 
-def _is_namedtuple(x: Any) -> bool:
-    return isinstance(x, tuple) and hasattr(x, "_fields")
+_Tensor = torch.Tensor
+_PLAIN_SEQUENCES = (tuple, list)
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     """``tree`` with every tensor ``t`` replaced by ``fn(t)``; containers are rebuilt (a
-    dataclass with ``dataclasses.replace``), leaves that are no tensor are kept."""
-    if isinstance(tree, torch.Tensor):
+    dataclass with ``dataclasses.replace``), leaves that are no tensor are kept.
+
+    Runs in every forward hook: the common shapes (a tensor, a plain tuple/list/dict) are
+    tested first, with exact type checks.
+    """
+    kind = type(tree)
+    if isinstance(tree, _Tensor):
         return fn(tree)
+    if kind in _PLAIN_SEQUENCES:
+        return kind(map_tensors(fn, v) for v in tree)
+    if kind is dict:
+        return {k: map_tensors(fn, v) for k, v in tree.items()}
     if _is_dataclass_instance(tree):
         changes = {f.name: map_tensors(fn, getattr(tree, f.name))
                    for f in dataclasses.fields(tree) if f.init and hasattr(tree, f.name)}
         return dataclasses.replace(tree, **changes)
-    if _is_namedtuple(tree):
-        return type(tree)(*(map_tensors(fn, v) for v in tree))
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # namedtuple
+        return kind(*(map_tensors(fn, v) for v in tree))
     if isinstance(tree, (list, tuple, set, frozenset)):
-        return type(tree)(map_tensors(fn, v) for v in tree)
+        return kind(map_tensors(fn, v) for v in tree)
     if isinstance(tree, Mapping):
         out = copy.copy(tree)
         for k, v in tree.items():
             out[k] = map_tensors(fn, v)  # type: ignore[index]
         return out
-    node = pytree.SUPPORTED_NODES.get(type(tree))
+    node = pytree.SUPPORTED_NODES.get(kind)
     if node is not None:
         children, context = node.flatten_fn(tree)
         return node.unflatten_fn([map_tensors(fn, c) for c in children], context)
@@ -57,7 +66,8 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
 
 
 def tensors_in(tree: Any) -> list[torch.Tensor]:
-    """Every tensor in ``tree`` (same traversal as :func:`map_tensors`), without rebuilding.
+    """Every tensor in ``tree`` (same traversal as :func:`map_tensors`, in no particular
+    order), without rebuilding.
 
     Iterative on purpose: a recursive closure is a reference cycle (function <-> cell) that
     would hold the found tensors, and with them their autograd graphs and hooks, until the
@@ -65,19 +75,24 @@ def tensors_in(tree: Any) -> list[torch.Tensor]:
     """
     out: list[torch.Tensor] = []
     stack = [tree]
+    pop, push, add = stack.pop, stack.extend, out.append
     while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            out.append(x)
+        x = pop()
+        kind = type(x)
+        if isinstance(x, _Tensor):
+            add(x)
+        elif kind in _PLAIN_SEQUENCES:
+            push(x)
+        elif kind is dict:
+            push(x.values())
         elif _is_dataclass_instance(x):
-            stack.extend(reversed([getattr(x, f.name) for f in dataclasses.fields(x)
-                                   if hasattr(x, f.name)]))
+            push([getattr(x, f.name) for f in dataclasses.fields(x) if hasattr(x, f.name)])
         elif isinstance(x, (list, tuple, set, frozenset)):
-            stack.extend(reversed(list(x)))
+            push(x)
         elif isinstance(x, Mapping):
-            stack.extend(reversed(list(x.values())))
+            push(x.values())
         else:
-            node = pytree.SUPPORTED_NODES.get(type(x))
+            node = pytree.SUPPORTED_NODES.get(kind)
             if node is not None:
-                stack.extend(reversed(list(node.flatten_fn(x)[0])))
+                push(node.flatten_fn(x)[0])
     return out

@@ -2,12 +2,16 @@
 
 Design note [fsdp-api]
 ----------------------
-``fully_shard(module)`` turns the parameters of ``module`` that no inner ``fully_shard`` call
-owns into one :class:`~lightning_vescale.fsdp._param_group.ParamGroup` (one DBuffer per dtype),
-registers an :class:`~lightning_vescale.fsdp._state.FSDPState` with the forward hooks, and
-changes the module's class to a subclass mixing in :class:`VeScaleFSDPModule` (as FSDP2 does)
-so that ``module.set_requires_gradient_sync``, ``reshard``/``unshard`` and the device-move
-handling of ``_apply`` exist. Call it bottom-up: on each block, then on the root.
+``fully_shard(module)`` (or ``fully_shard([a, b])``) turns the parameters of the module(s)
+that no inner ``fully_shard`` call owns into one
+:class:`~lightning_vescale.fsdp._param_group.ParamGroup` (one DBuffer per dtype), registers an
+:class:`~lightning_vescale.fsdp._state.FSDPState` with the forward hooks, and changes each
+module's class to a subclass mixing in :class:`VeScaleFSDPModule`, itself a subclass of
+torch's ``FSDPModule`` (design note [fsdp-module] in ``_module.py``), so that FSDP2's methods
+and ``isinstance`` checks work. Call it bottom-up: on each block, then on the root. The
+arguments are FSDP2's, with FSDP2's meaning (``reshard_after_forward=None`` by default,
+``offload_policy``, ``ignored_params``), plus ``granularity``; ``shard_placement_fn`` is refused
+(the planner chooses the layout).
 
 Parameters keep their data: each rank copies its owned range of every parameter into its shard
 (the caller guarantees the same values on every rank, e.g. by seeding, as with FSDP2). A module
@@ -40,7 +44,7 @@ from lightning_vescale.fsdp._collect import (
     resolve_granularities,
 )
 from lightning_vescale.fsdp._module import VeScaleFSDPModule, register_fsdp_forward_method
-from lightning_vescale.fsdp._param_group import ManagedParam, ParamGroup, make_partial_group
+from lightning_vescale.fsdp._param_group import ManagedParam, ParamGroup
 from lightning_vescale.fsdp._policy import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -49,6 +53,7 @@ from lightning_vescale.fsdp._policy import (
 )
 from lightning_vescale.fsdp._replaced import install_optimizer_check
 from lightning_vescale.fsdp._state import FSDPState, get_state
+from lightning_vescale.fsdp._subgroups import make_partial_group
 from lightning_vescale.fsdp._state_dict import register_state_dict_hooks
 from lightning_vescale.mesh import MeshInfo, default_device_type, init_mesh
 
