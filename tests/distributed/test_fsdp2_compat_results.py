@@ -114,7 +114,15 @@ def _tied_list_group_body(impl: str, steps: int):
         ref_opt.step()
         ref_opt.zero_grad()
     tied = model.head.weight is model.emb.weight
-    return full_params(model), {n: p.detach().clone() for n, p in ref.named_parameters()}, tied
+    got = full_params(model)
+    # a full state dict loads back into the list group under both names of the tied weight
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    torch.manual_seed(7)
+    other = TiedLM()
+    set_model_state_dict(model, other.state_dict(), options=StateDictOptions(full_state_dict=True))
+    reloaded = all(torch.equal(full_params(model)[n], p) for n, p in other.named_parameters())
+    return got, {n: p.detach().clone() for n, p in ref.named_parameters()}, tied and reloaded
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -159,3 +159,38 @@ def test_fabric_save_filter_full(worlds, tmp_path):
 def test_fabric_save_filter_sharded_is_refused(worlds, tmp_path):
     for msg in worlds(2).run(_fabric_filter_body, str(tmp_path), "sharded"):
         assert "state_dict_type='full'" in msg, msg
+
+
+# -- Lightning's own FSDPModule branches reach our methods ---------------------------------------
+def _model_parallel_body():
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    from lightning_vescale.fsdp import fully_shard, get_state
+
+    def parallelize(model, device_mesh):
+        for block in model.blocks:
+            fully_shard(block, mesh=device_mesh["data_parallel"])
+        return fully_shard(model, mesh=device_mesh["data_parallel"])
+
+    world = dist.get_world_size()
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=ModelParallelStrategy(
+        parallelize, data_parallel_size=world, tensor_parallel_size=1))
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(GPT(CONFIG))
+    opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.block_size))
+    group = get_state(model.module.blocks[0]).group
+    with fabric.no_backward_sync(model, enabled=True):  # isinstance(m, FSDPModule) in Lightning
+        inside = group.reduce_grads
+        fabric.backward(model(x, x))
+    after = group.reduce_grads
+    fabric.backward(model(x, x))
+    opt.step()
+    return inside, after
+
+
+def test_lightning_model_parallel_no_backward_sync_reaches_our_groups(worlds):
+    for inside, after in worlds(2).run(_model_parallel_body):
+        assert (inside, after) == (False, True)
