@@ -368,7 +368,7 @@ class ParamGroup:
         self._backward_prefetched = True
         if self.explicit_backward_prefetch is not None:  # set_modules_to_backward_prefetch
             for group in self.explicit_backward_prefetch:
-                if group.training_state is TrainingState.IDLE:
+                if group.training_state is TrainingState.IDLE and group.unshard_in_backward:
                     group.unshard(async_op=True)
             return
         self.root.prefetch_backward(self)

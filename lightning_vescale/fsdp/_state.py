@@ -265,8 +265,9 @@ class RootContext:
             group = nxt.group
             if group is None:
                 continue
-            if skip_started and group.training_state is not TrainingState.IDLE:
-                continue  # already through its backward (e.g. the root's late gradients)
+            if skip_started and (group.training_state is not TrainingState.IDLE
+                                 or not group.unshard_in_backward):
+                continue  # already through its backward, or never gathered in backward
             group.unshard(async_op=True)
             return
 
@@ -527,8 +528,10 @@ class FSDPState:
                 self.group.pre_backward()
             elif self.backward_prefetch is not None:  # set_modules_to_backward_prefetch
                 for st in self.backward_prefetch:
-                    if st.group is not None and st.group.training_state is TrainingState.IDLE:
-                        st.group.unshard(async_op=True)
+                    g = st.group
+                    if g is not None and g.training_state is TrainingState.IDLE \
+                            and g.unshard_in_backward:
+                        g.unshard(async_op=True)
             else:
                 self.ctx.prefetch_backward(self)
 

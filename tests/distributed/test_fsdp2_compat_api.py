@@ -530,3 +530,40 @@ def test_ignored_params(worlds, impl):
     res = worlds(2).run(_ignored_body, impl)
     assert all(plain for plain, _ in res)
     assert not torch.allclose(res[0][1], res[1][1])  # local gradients, not averaged
+
+
+# -- set_unshard_in_backward(False): a group whose backward needs no parameter values --------------
+def _no_unshard_in_backward_body(impl: str):
+    from tests.distributed._fsdp2_compat import TiedLM, lm_loss
+
+    fs = fully_shard_of(impl)
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = TiedLM()
+    model.head.weight = nn.Parameter(model.head.weight.detach().clone())  # untie
+    ref = copy.deepcopy(model)
+    fs(model.emb)
+    model.emb.set_unshard_in_backward(False)  # the embedding's backward reads only indices
+    fs(model)
+    gathers = []
+    if impl == "ours":  # count the embedding group's all-gathers during backward
+        from lightning_vescale.fsdp import get_state
+        from lightning_vescale.fsdp._common import in_backward
+
+        for buf in get_state(model.emb).group.buffers.values():
+            orig = buf.all_gather
+
+            def spy(async_op=False, _orig=orig):
+                gathers.append(in_backward())
+                return _orig(async_op=async_op)
+            buf.all_gather = spy
+    g = torch.Generator().manual_seed(2)
+    ids = [torch.randint(0, 11, (2 * world, 6), generator=g) for _ in range(3)]
+    return (*_train_pair(model, ref, 3, lambda s: ids[s], lm_loss), gathers)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_unshard_in_backward_false(worlds, impl):
+    got, want, gathers = worlds(2).run(_no_unshard_in_backward_body, impl)[0]
+    _close(got, want, impl)
+    assert impl == "torch" or (gathers and not any(gathers)), gathers  # forward only
