@@ -19,7 +19,12 @@ from lightning_vescale.planner import LayoutPlan, TensorSpec, plan_layout
 
 # Layer 2-3: the engine.
 from lightning_vescale.dbuffer import DBuffer
-from lightning_vescale.fsdp import MixedPrecisionPolicy, fully_shard
+from lightning_vescale.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 # Layer 5: Lightning and Fabric.
 from lightning_vescale.callbacks import MemoryProfiler
@@ -34,6 +39,7 @@ VeScaleFSDPStrategy.register_strategies(_TRAINER_STRATEGIES)
 VeScaleFabricStrategy.register_strategies(_FABRIC_STRATEGIES)
 
 __all__ = [
+    "CPUOffloadPolicy",
     "DBuffer",
     "LayoutPlan",
     "MemoryProfiler",
@@ -47,4 +53,5 @@ __all__ = [
     "fully_shard",
     "plan_layout",
     "ragged_from_local",
+    "register_fsdp_forward_method",
 ]

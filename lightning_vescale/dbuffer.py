@@ -15,6 +15,12 @@ storage            elements   dtype            lifetime
                                                freed after reduce-scatter
 ``grad_shard``     ``S``      ``dtype``        from a reduce-scatter until every sharded
                                                gradient was dropped (``zero_grad``)
+``partial``        ``W*S/k``  ``param_dtype``  ``reshard_after_forward=k``: from forward to
+                                               backward, this rank's chunk (``reshard_to``)
+``grad_acc``       ``W * S``  ``reduce_dtype`` only while gradient sync is off and
+                                               ``reduce_dtype != param_dtype``: the unsharded
+                                               gradients of the unsynced backwards, summed in
+                                               the reduce dtype (:meth:`accumulate_grad`)
 =================  =========  ===============  ==============================================
 
 The owned slice is separate storage (not a slice of ``full``), so freeing ``full`` never frees
@@ -40,6 +46,22 @@ Design note [dbuffer-collectives]
   gradient (autograd accumulated into the views): no copy-in. One whole-buffer cast when the
   reduce dtype differs, one whole-shard add when accumulating onto existing sharded gradients.
 * Group operations (zero, scale, cast) are one kernel per buffer, never per tensor.
+* Gradient accumulation without sync (``set_requires_gradient_sync(False)``) in mixed
+  precision: each backward's ``grad_full`` holds one micro-batch's gradient in ``param_dtype``;
+  :meth:`accumulate_grad` adds it into ``grad_acc`` (``reduce_dtype``, e.g. fp32) and frees it,
+  so the sum over micro-batches is taken in ``reduce_dtype`` (as FSDP2's
+  ``unsharded_accumulated_grad``), not in bf16. The next reduce-scatter adds the last
+  micro-batch into ``grad_acc`` in place and reduces that (no extra cast buffer).
+
+Design note [dbuffer-offload]
+-----------------------------
+With ``offload=True`` (``CPUOffloadPolicy``) ``shard`` and ``grad_shard`` live in CPU memory
+(pinned when ``pin_memory`` and an accelerator exist), so the sharded parameters, their
+gradients and the optimizer states built from them are CPU tensors, as with FSDP2. ``full`` and
+``grad_full`` stay on ``device``: the all-gather input is one copy of the whole shard to
+``device`` per group (cast to ``param_dtype`` on the way), and the reduce-scatter writes a
+device tensor that its epilogue copies (or adds) into the host ``grad_shard``. Both copies are
+made even when ``device`` is the CPU, so the offload path is the same code everywhere.
 
 Async ops return a :class:`CommHandle`; ``wait()`` finishes the collective and the buffer-level
 epilogue (cast back, accumulate, free temporaries). Synchronous ops return an already-waited
@@ -137,6 +159,11 @@ class DBuffer:
         param_dtype: dtype of the unsharded parameters/gradients and of the all-gather
             (default ``dtype``).
         reduce_dtype: dtype of the reduce-scatter (default ``param_dtype``).
+        offload: keep the persistent shard and the sharded gradients in CPU memory (FSDP2's
+            ``CPUOffloadPolicy``); ``device`` is then where the unsharded buffers and the
+            collectives live. See design note [dbuffer-offload].
+        pin_memory: pin the offloaded CPU storage (when an accelerator exists), so that the
+            copies to and from ``device`` can run asynchronously.
 
     See design notes [dbuffer-memory], [dbuffer-views] and [dbuffer-collectives].
     """
@@ -151,6 +178,8 @@ class DBuffer:
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         name: str = "",
+        offload: bool = False,
+        pin_memory: bool = False,
     ) -> None:
         self.plan = plan
         self.name = name
@@ -158,6 +187,15 @@ class DBuffer:
         self.group = mesh_info.shard_group if mesh_info is not None else None
         self.device = torch.device(device)
         self.is_meta = self.device.type == "meta"
+        self.offload = offload
+        #: where the persistent shard and sharded gradients live (CPU when offloading)
+        self.shard_device = torch.device("cpu") if offload and not self.is_meta else self.device
+        self._pin = (offload and pin_memory and not self.is_meta
+                     and torch.accelerator.is_available())
+        # reshard_after_forward=<int>: this rank's chunk of the unsharded buffer, kept between
+        # forward and backward, and the smaller group backward all-gathers it in
+        self.partial: torch.Tensor | None = None
+        self._partial_group: dist.ProcessGroup | None = None
         self.rank, self.world_size = self._rank_and_size(plan, mesh_info)
         self.dtype = dtype
         self.param_dtype = param_dtype or dtype
@@ -166,10 +204,12 @@ class DBuffer:
         self.shard_size, self.buffer_size = S, N
         self._shapes = {spec.name: tuple(spec.shape) for spec in plan.entries}
         # persistent owned slice (zero so padding stays zero through every collective)
-        self.shard = torch.zeros(S, dtype=dtype, device=self.device)
+        self.shard = torch.zeros(S, dtype=dtype, device=self.shard_device, pin_memory=self._pin)
         self.full = torch.empty(N, dtype=self.param_dtype, device=self.device)
         self.grad_full = torch.empty(N, dtype=self.param_dtype, device=self.device)
         self.grad_shard: torch.Tensor | None = None
+        #: unsynced gradients summed in reduce_dtype (see [dbuffer-collectives]); usually None
+        self.grad_acc: torch.Tensor | None = None
         self._grad_fresh = True  # grad_full holds no gradient (zero it on materialise)
         lo = self.rank * S
         self._local: dict[str, tuple[int, int]] = {}
@@ -248,7 +288,8 @@ class DBuffer:
     def _ensure_grad_shard(self, zero: bool = True) -> torch.Tensor:
         if self.grad_shard is None:
             make = torch.zeros if zero else torch.empty
-            self.grad_shard = make(self.shard_size, dtype=self.dtype, device=self.device)
+            self.grad_shard = make(self.shard_size, dtype=self.dtype, device=self.shard_device,
+                                   pin_memory=self._pin)
             self._grad_local_views.clear()
         return self.grad_shard
 
@@ -291,6 +332,20 @@ class DBuffer:
     def free(self) -> None:
         """Free the unsharded parameter storage; views stay valid objects (see the notes)."""
         self._resize(self.full, False)
+        self.partial = None
+        self._partial_group = None
+
+    def reshard_to(self, group: dist.ProcessGroup, size: int, rank: int) -> None:
+        """Free the unsharded storage but keep this rank's ``1/size`` of it (FSDP2's
+        ``reshard_after_forward=<int>``): the next :meth:`all_gather` gathers among the
+        ``size`` ranks of ``group`` (this rank is its ``rank``-th) instead of the shard group.
+        """
+        if self.is_meta or not self.is_materialized:
+            return
+        chunk = self.buffer_size // size
+        kept = self.full[rank * chunk:(rank + 1) * chunk].clone()
+        self.free()
+        self.partial, self._partial_group = kept, group
 
     def materialize_grad(self) -> None:
         """Allocate the unsharded gradient storage, zeroed if it holds no gradient yet."""
@@ -306,6 +361,30 @@ class DBuffer:
         self._resize(self.grad_full, False)
         self._grad_fresh = True
 
+    @property
+    def accumulates_in_reduce_dtype(self) -> bool:
+        """Whether unsynced gradients are summed in ``reduce_dtype`` (it differs from
+        ``param_dtype``): see :meth:`accumulate_grad`."""
+        return self.reduce_dtype != self.param_dtype
+
+    def accumulate_grad(self) -> None:
+        """Fold this backward's unsharded gradient into :attr:`grad_acc` and free it.
+
+        Called at the end of a backward without gradient sync when ``reduce_dtype`` differs
+        from ``param_dtype`` (design note [dbuffer-collectives]); a no-op otherwise or when no
+        gradient was materialised. The next :meth:`materialize_grad` starts from zero.
+        """
+        if not self.accumulates_in_reduce_dtype or self.is_meta:
+            return
+        if not self.is_grad_materialized or self._grad_fresh:
+            return
+        with torch.no_grad():
+            if self.grad_acc is None:
+                self.grad_acc = self.grad_full.to(self.reduce_dtype)
+            else:
+                self.grad_acc.add_(self.grad_full)
+        self.free_grad()
+
     def memory_bytes(self) -> dict[str, int]:
         """Bytes currently allocated, by role (see design note [dbuffer-memory])."""
         def nbytes(t: torch.Tensor | None) -> int:
@@ -314,9 +393,9 @@ class DBuffer:
             return t.untyped_storage().nbytes()
         return {
             "param_shard": nbytes(self.shard),
-            "param_unsharded": nbytes(self.full),
+            "param_unsharded": nbytes(self.full) + nbytes(self.partial),
             "grad_shard": nbytes(self.grad_shard),
-            "grad_unsharded": nbytes(self.grad_full),
+            "grad_unsharded": nbytes(self.grad_full) + nbytes(self.grad_acc),
             "comm": self._comm_bytes,
         }
 
@@ -347,8 +426,18 @@ class DBuffer:
             return self._all_gather(async_op)
 
     def _all_gather(self, async_op: bool) -> CommHandle:
+        group = self.group
+        partial, partial_group = self.partial, self._partial_group
+        self.partial = self._partial_group = None
         self.materialize()
-        if self.param_dtype == self.dtype:
+        if partial is not None:  # after reshard_to: gather among the smaller group
+            inp, group = partial, partial_group
+        elif self.offload:
+            # Offloaded shard: one host-to-device copy (and cast) of the whole shard, always a
+            # copy (also when device is the CPU: the same code path everywhere).
+            inp = self.shard.to(device=self.device, dtype=self.param_dtype,
+                                non_blocking=self._pin, copy=True)
+        elif self.param_dtype == self.dtype:
             inp = self.shard
         else:
             inp = self.shard.to(self.param_dtype)  # one cast for the whole group
@@ -357,7 +446,7 @@ class DBuffer:
             return CommHandle(None)
         extra = inp.numel() * inp.element_size() if inp is not self.shard else 0
         self._comm_bytes += extra
-        work = _all_gather_flat(self.full, inp, group=self.group, async_op=async_op)
+        work = _all_gather_flat(self.full, inp, group=group, async_op=async_op)
 
         def epilogue(inp=inp) -> None:  # keep ``inp`` alive until the collective finished
             self._comm_bytes -= extra
@@ -368,23 +457,31 @@ class DBuffer:
         return handle
 
     def reduce_scatter(self, async_op: bool = False, op: str | dist.ReduceOp = "avg",
-                       accumulate: bool = False) -> CommHandle:
+                       accumulate: bool = False, scale: float | None = None) -> CommHandle:
         """Reduce :attr:`grad_full` across ranks into the owned :attr:`grad_shard`, in place.
 
         ``accumulate=True`` adds onto the existing sharded gradients instead of overwriting.
+        ``scale`` multiplies the reduced shard (e.g. ``op="sum"`` then ``1 / factor``: FSDP2's
+        ``set_gradient_divide_factor``).
         The unsharded gradient storage is *not* freed; call :meth:`free_grad` after ``wait``.
         """
         self._check_collective()
         rop = _resolve_op(op)
         with record_function("vescale::reduce_scatter"):
-            return self._reduce_scatter(async_op, rop, accumulate)
+            return self._reduce_scatter(async_op, rop, accumulate, scale)
 
     def _reduce_scatter(self, async_op: bool, rop: dist.ReduceOp,
-                        accumulate: bool) -> CommHandle:
-        direct = not accumulate and self.reduce_dtype == self.dtype
+                        accumulate: bool, scale: float | None = None) -> CommHandle:
+        # offload: the collective writes on device; the epilogue copies the shard to the host
+        direct = not accumulate and self.reduce_dtype == self.dtype and not self.offload
         gs = self._ensure_grad_shard(zero=not direct)
-        inp = self.grad_full if self.reduce_dtype == self.param_dtype else \
-            self.grad_full.to(self.reduce_dtype)  # one cast for the whole group
+        if self.grad_acc is not None:  # unsynced micro-batches, summed in reduce_dtype
+            inp, self.grad_acc = self.grad_acc, None
+            inp.add_(self.grad_full)  # the last micro-batch, added in reduce_dtype in place
+        elif self.reduce_dtype == self.param_dtype:
+            inp = self.grad_full
+        else:
+            inp = self.grad_full.to(self.reduce_dtype)  # one cast for the whole group
         out = gs if direct else torch.empty(self.shard_size, dtype=self.reduce_dtype,
                                             device=self.device)
         extra = 0
@@ -395,6 +492,8 @@ class DBuffer:
         self._comm_bytes += extra
 
         def epilogue(inp=inp, out=out) -> None:
+            if scale is not None:
+                out.mul_(scale)
             if out is not gs:
                 if accumulate:
                     gs.add_(out)

@@ -19,7 +19,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.strategies.strategy import _apply_filter, _BackwardSyncControl
 from lightning.fabric.utilities.distributed import ReduceOp
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from torch import Tensor
@@ -32,6 +32,7 @@ from lightning_vescale._lightning.sharding import (
     DEFAULT_MIN_BLOCK_NUMEL,
     DEFAULT_OPTIMIZER_BLOCK_SIZE,
     NoGradSync,
+    check_optimizer_params,
     has_meta,
     is_sharded,
     remap_optimizer_params,
@@ -138,6 +139,10 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        check_optimizer_params(optimizer, "Make sure to create the optimizer after setting up "
+                               "the model (`model = fabric.setup_module(model)`, then the "
+                               "optimizer from `model.parameters()`), or pass both to "
+                               "`fabric.setup(model, optimizer)`.")
         self._inherit_block_size(optimizer)
         return super().setup_optimizer(optimizer)
 
@@ -189,11 +194,14 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
                         storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
         self._refuse_storage_options(storage_options)
-        if filter is not None:
-            raise NotImplementedError(f"{type(self).__name__} does not support `filter`.")
+        full = self._state_dict_type == "full"
+        if filter is not None and not full:
+            raise NotImplementedError(  # Lightning's FSDPStrategy has the same rule
+                f"{type(self).__name__} saves `filter`ed checkpoints only with "
+                "state_dict_type='full': a filtered sharded checkpoint could not be loaded back. "
+                "Use VeScaleFabricStrategy(state_dict_type='full') for filtered saves.")
         path = self._checkpoint_target(path)
         _, module = _find_module(state)
-        full = self._state_dict_type == "full"
         for m in state.values():
             if isinstance(m, Module):
                 reshard_all(m)
@@ -207,7 +215,11 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
             else:
                 metadata[key] = obj.state_dict() if isinstance(obj, _Stateful) else obj
         if full:
-            ckpt.save_full(path, {**tensors, **metadata})
+            checkpoint: dict[str, Any] = {}
+            for key, value in {**tensors, **metadata}.items():
+                # Lightning's rule: filter[key](name, value) keeps an item of that key's dict
+                _apply_filter(key, filter or {}, value, checkpoint)
+            ckpt.save_full(path, checkpoint)
         else:
             ckpt.save_sharded(path, tensors, metadata)
 

@@ -14,6 +14,7 @@ flag           stored shards               policy (param / reduce)    forward co
 ``bf16-mixed`` fp32                        bf16 / fp32                ``autocast(bf16)``
 ``16-mixed``   fp32                        fp16 / fp32                ``autocast(fp16)`` + scaler
 ``bf16-true``  bf16 (module cast)          none                       default dtype bf16
+``16-true``    fp16 (module cast)          none                       default dtype fp16
 =============  ==========================  =========================  =====================
 
 ``autocast`` runs on the strategy's device type (never hard-coded ``"cuda"``); it keeps numerically
@@ -70,10 +71,13 @@ __all__ = [
     "PrecisionFlag",
 ]
 
-PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed"]
+PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"]
 _SUPPORTED: tuple[str, ...] = get_args(PrecisionFlag)
 _COMPUTE_DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16,
-                   "bf16-true": torch.bfloat16, "16-mixed": torch.float16}
+                   "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
+                   "16-true": torch.float16}
+#: "true" flags: the module is cast and the shards are stored in this dtype (no autocast)
+_TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixed", 16: "16-mixed"}
 
 
@@ -278,7 +282,7 @@ class _VeScalePrecisionMixin:
     @property
     def param_dtype(self) -> torch.dtype:
         """dtype of the stored (sharded) parameters."""
-        return torch.bfloat16 if self.precision == "bf16-true" else torch.float32
+        return _TRUE_DTYPES.get(self.precision, torch.float32)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -292,8 +296,8 @@ class _VeScalePrecisionMixin:
 
     # -- module / tensors ------------------------------------------------------------------------
     def convert_module(self, module: Module) -> Module:
-        if self.precision == "bf16-true":
-            return module.to(dtype=torch.bfloat16)
+        if self.precision in _TRUE_DTYPES:
+            return module.to(dtype=_TRUE_DTYPES[self.precision])
         return module
 
     def tensor_init_context(self) -> AbstractContextManager:
@@ -306,8 +310,8 @@ class _VeScalePrecisionMixin:
         if self.precision in ("bf16-mixed", "16-mixed"):
             device_type = self._device_type or _default_device_type()
             return torch.autocast(device_type, dtype=self.compute_dtype, cache_enabled=False)
-        if self.precision == "bf16-true":
-            return _DtypeContextManager(torch.bfloat16)
+        if self.precision in _TRUE_DTYPES:
+            return _DtypeContextManager(_TRUE_DTYPES[self.precision])
         return nullcontext()
 
     def convert_input(self, data: Any) -> Any:
@@ -352,8 +356,9 @@ class VeScalePrecision(_VeScalePrecisionMixin, Precision):
     """Precision plugin for :class:`~lightning_vescale.strategy.VeScaleFSDPStrategy` (Trainer).
 
     Args:
-        precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"16-mixed"``. See design
-            note [precision] in this module for what each means for the sharded engine.
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``, ``"16-mixed"`` or
+            ``"16-true"``. See design note [precision] in this module for what each means for
+            the sharded engine.
         scaler: only with ``"16-mixed"``: a :class:`ShardedGradScaler`, or any
             ``torch.amp.GradScaler`` whose settings are carried into one; one is created otherwise.
         device: device type for ``autocast``/the scaler; the strategy sets it from its root device.
@@ -421,8 +426,8 @@ def to_vescale_precision(plugin: Any, *, fabric: bool = False) -> Any:
 
     Lightning builds ``Precision()`` / ``MixedPrecision`` / ``HalfPrecision`` from the flag
     before it knows our strategy; the strategy's ``precision_plugin`` setter calls this.
-    Unsupported flags (``"64-true"``, ``"16-true"``, transformer-engine, bitsandbytes, ...) raise
-    a ``ValueError``.
+    Unsupported flags (``"64-true"``, transformer-engine, bitsandbytes, ...) raise a
+    ``ValueError``.
     """
     target = VeScaleFabricPrecision if fabric else VeScalePrecision
     if plugin is None or isinstance(plugin, target):

@@ -85,6 +85,7 @@ from lightning_vescale._lightning.sharding import (
     DEFAULT_MIN_BLOCK_NUMEL,
     DEFAULT_OPTIMIZER_BLOCK_SIZE,
     NoGradSync,
+    check_optimizer_params,
     reshard_all,
 )
 from lightning_vescale import checkpoint as ckpt
@@ -266,6 +267,7 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
         for optimizer in self.optimizers:
+            check_optimizer_params(optimizer, _OPTIMIZER_HINT)
             self._inherit_block_size(optimizer)
 
     @override
@@ -397,6 +399,12 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
         else:
             optimizers = {}
         return ckpt.load_full(checkpoint, lm, optimizers, path=path, strict=lm.strict_loading)
+
+
+_OPTIMIZER_HINT = ("Make sure to create the optimizer in the `configure_optimizers()` hook from "
+                   "`self.parameters()` (or `self.trainer.model.parameters()`), not in "
+                   "`__init__`: the strategy shards the model before it calls "
+                   "`configure_optimizers()`.")
 
 
 def _check_optimizer_count(configured: int, saved: int) -> None:

@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_vescale.fsdp import VeScaleFSDPModule, fully_shard, materialize
+from lightning_vescale.fsdp import VeScaleFSDPModule, find_replaced, fully_shard, materialize
 from lightning_vescale.optim import DEFAULT_BLOCK_SIZE, DEFAULT_MIN_8BIT_SIZE
 from lightning_vescale.planner import check_granularity, resolve_granularity
 
@@ -63,6 +63,7 @@ __all__ = [
     "has_meta",
     "shard_model",
     "remap_optimizer_params",
+    "check_optimizer_params",
 ]
 
 #: The default ``optimizer_block_size``: AdamW8bit's (and bitsandbytes') quantization block.
@@ -264,19 +265,22 @@ def shard_model(
         kwargs["mp_policy"] = mp_policy
     if granularity is not None:
         kwargs["granularity"] = granularity
+    # The root keeps its parameters after forward (backward needs them first): FSDP2's default
+    # for the root, reshard_after_forward=None; the strategy's flag applies to the units.
+    root_kwargs = {**kwargs, "reshard_after_forward": None}
     is_meta = has_meta(root)
     if is_sharded(root):
         if not isinstance(root, VeScaleFSDPModule):  # the user sharded units: add the root only
             if not is_meta:
                 _move_unsharded(root, device)
-            fully_shard(root, **kwargs)
+            fully_shard(root, **root_kwargs)
     else:
         chosen = resolve_sharding_units(root, units)
         if not is_meta:
             root.to(device)
         for unit in chosen:
             fully_shard(unit, **kwargs)
-        fully_shard(root, **kwargs)
+        fully_shard(root, **root_kwargs)
     if is_meta:
         materialize(root, device)
     _move_unsharded(root, device)
@@ -311,3 +315,19 @@ def remap_optimizer_params(optimizer: Optimizer, old_names: dict[int, str],
                 )
             params.append(new[name])
         group["params"] = params
+
+
+def check_optimizer_params(optimizer: Optimizer, hint: str) -> None:
+    """Reject an optimizer built over parameters that sharding replaced (as Lightning's
+    ``FSDPStrategy`` does): it would step on tensors the model no longer uses.
+
+    Raises:
+        ValueError: naming the parameter; ``hint`` says where to create the optimizer instead.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    found = find_replaced(params)
+    if found is not None:
+        label, _ = found
+        raise ValueError(
+            "The optimizer does not seem to reference the sharded parameters: it holds "
+            f"{label!r}, which sharding replaced, so training would change nothing. HINT: {hint}")

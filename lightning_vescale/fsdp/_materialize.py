@@ -50,11 +50,22 @@ __all__ = ["materialize", "apply_to_group"]
 
 def apply_to_group(module: nn.Module, super_apply: Callable[..., Any], fn: Callable,
                    recurse: bool) -> Any:
-    """``nn.Module._apply`` for a sharded module (see design note [fsdp-materialize])."""
+    """``nn.Module._apply`` for a sharded module (see design note [fsdp-materialize]).
+
+    A ``fully_shard([a, b])`` group is handled by the first of its modules that ``_apply``
+    reaches: the parameters owned by the other modules are converted with ``fn`` directly, and
+    those modules' own ``_apply`` (the same pass: the same ``fn`` object) skips the group.
+    """
     st = get_state(module)
     group = st.group if st is not None else None
     if group is None or not group.buffers:
         return super_apply(fn, recurse)
+    if len(st.modules) > 1:  # type: ignore[union-attr]
+        done = group.applying
+        if done is not None and done[0] is fn and id(module) not in done[1]:
+            done[1].add(id(module))  # another module of the list did the group in this pass
+            return super_apply(fn, recurse)
+        group.applying = (fn, {id(module)})
     group.reshard()
     temps: dict[str, nn.Parameter] = {}
     for mp in group.params:
@@ -65,15 +76,21 @@ def apply_to_group(module: nn.Module, super_apply: Callable[..., Any], fn: Calla
     try:
         ret = super_apply(fn, recurse)
     finally:
-        new = {mp.name: mp.owners[0].module._parameters[mp.owners[0].attr]
-               for mp in group.params}
+        new: dict[str, torch.Tensor] = {}
+        for mp in group.params:
+            t = next((o.module._parameters[o.attr] for o in mp.owners
+                      if o.module._parameters[o.attr] is not temps[mp.name]), None)
+            if t is None:  # owned by another module of a list group only: convert here
+                with torch.no_grad():
+                    t = fn(temps[mp.name])
+            new[mp.name] = t
         old_dtype = {mp.name: mp.buffer.dtype for mp in group.params}  # type: ignore[union-attr]
         changed = False
         for mp in group.params:
             t, buf = new[mp.name], mp.buffer
             assert t is not None and buf is not None
             same_storage = (t.device.type == "meta" and buf.is_meta) or (
-                t.device == buf.device and not buf.is_meta
+                t.device == buf.shard_device and not buf.is_meta
                 and t.untyped_storage().data_ptr() == buf.shard.untyped_storage().data_ptr())
             if not same_storage or t.dtype != old_dtype[mp.name]:
                 changed = True
@@ -86,6 +103,8 @@ def apply_to_group(module: nn.Module, super_apply: Callable[..., Any], fn: Calla
 
 def _rebuild(group: ParamGroup, locals_: dict[str, torch.Tensor]) -> None:
     device = next(iter(locals_.values())).device
+    if group.offload is not None and device.type == "cpu" and group.buffers:
+        device = next(iter(group.buffers.values())).device  # offloaded: compute device stays
     if device.type != "meta" and device.type != group.mesh_info.device_type:
         group.mesh_info = MeshInfo.from_mesh(_on_device_type(group.mesh_info.mesh, device.type))
     group.build(locals_, device, local_sources=True)

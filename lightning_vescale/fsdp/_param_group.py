@@ -64,7 +64,9 @@ from torch.profiler import record_function
 
 from lightning_vescale.dbuffer import CommHandle, DBuffer
 from lightning_vescale.fsdp._common import TrainingState
-from lightning_vescale.fsdp._policy import MixedPrecisionPolicy
+from lightning_vescale.fsdp._policy import CPUOffloadPolicy, MixedPrecisionPolicy
+from lightning_vescale.fsdp._replaced import mark_replaced
+from lightning_vescale.fsdp._subgroups import partial_group
 from lightning_vescale.mesh import MeshInfo
 from lightning_vescale.placement import ragged_from_local
 from lightning_vescale.planner import plan_layout
@@ -99,6 +101,8 @@ class ManagedParam:
     unsharded: nn.Parameter | None = None
     got_grad: bool = False  # received a gradient since its last reduce-scatter
     aliases: list[str] = field(default_factory=list)  # all names (tied params have several)
+    #: all names relative to module ``k`` of a ``fully_shard([...])`` list, as ``(k, name)``
+    scoped_aliases: list[tuple[int, str]] = field(default_factory=list)
     #: weak reference to the user's parameter before sharding (tie detection by later groups)
     original_weakref: weakref.ref | None = None
     hooks: list[Any] = field(default_factory=list)
@@ -125,20 +129,32 @@ class ParamGroup:
         mesh_info: the shard group (every DBuffer and DTensor of the group uses it).
         mp_policy: the user's policy, kept whole: DBuffer dtypes come from it.
         granularity: block size in elements per parameter name (resolved by ``fully_shard``).
-        reshard_after_forward: free the unsharded parameters after forward.
+        reshard_after_forward: free the unsharded parameters after forward (an ``int`` ``k``:
+            keep them sharded over groups of ``k`` ranks until backward, FSDP2's meaning).
         fqn: a label for buffer names and error messages.
+        offload: ``CPUOffloadPolicy``: shards and sharded gradients in CPU memory.
     """
 
     def __init__(self, *, params: list[ManagedParam], mesh_info: MeshInfo,
                  mp_policy: MixedPrecisionPolicy, granularity: dict[str, int],
-                 reshard_after_forward: bool, fqn: str = "") -> None:
+                 reshard_after_forward: bool | int, fqn: str = "",
+                 offload: CPUOffloadPolicy | None = None) -> None:
         self.fqn = fqn
         self.params = params
         self.mesh_info = mesh_info
         self.mp_policy = mp_policy
         self.granularity = granularity
         self.reshard_after_forward = reshard_after_forward
+        self.offload = offload
         self.reduce_grads = True  # set_requires_gradient_sync
+        # FSDPModule setters (design note [fsdp-module] in _module.py)
+        self.reshard_after_backward = True
+        self.unshard_in_backward = True
+        self.gradient_divide_factor: float | None = None  # None: the shard-group size (AVG)
+        self.force_sum_reduction = False
+        self.explicit_backward_prefetch: list[ParamGroup] | None = None
+        # list groups: (the ``_apply`` function, modules of the list it reached) of the last pass
+        self.applying: tuple[Any, set[int]] | None = None
         # One DBuffer per (dtype, trainable at build time); see design note [fsdp-grads].
         self.buffers: dict[tuple[torch.dtype, bool], DBuffer] = {}
         self.modules_hold_unsharded = False
@@ -174,11 +190,16 @@ class ParamGroup:
         for (dtype, trainable), mps in buckets.items():
             specs = [(mp.name, mp.shape, self.granularity[mp.name]) for mp in mps]
             plan = plan_layout(specs, self.mesh_info.shard_size)
-            pdt = policy.param_dtype if policy.param_dtype is not None else dtype
-            rdt = policy.reduce_dtype if policy.reduce_dtype is not None else pdt
+            if dtype.is_floating_point:
+                pdt = policy.param_dtype if policy.param_dtype is not None else dtype
+                rdt = policy.reduce_dtype if policy.reduce_dtype is not None else pdt
+            else:  # integer/bool parameters (never trainable) keep their dtype: no cast
+                pdt = rdt = dtype
             buf = DBuffer(plan, dtype=dtype, device=device, mesh_info=self.mesh_info,
                           param_dtype=pdt, reduce_dtype=rdt,
-                          name=f"{self.fqn or '<root>'}[{dtype}{'' if trainable else ', frozen'}]")
+                          name=f"{self.fqn or '<root>'}[{dtype}{'' if trainable else ', frozen'}]",
+                          offload=self.offload is not None,
+                          pin_memory=self.offload is not None and self.offload.pin_memory)
             self.buffers[(dtype, trainable)] = buf
             for mp in mps:
                 mp.buffer = buf
@@ -201,6 +222,9 @@ class ParamGroup:
     def _make_param_objects(self, mp: ManagedParam) -> None:
         buf = mp.buffer
         assert buf is not None
+        if mp.sharded is not None:  # a rebuild: an optimizer holding the old one trains nothing
+            mark_replaced(mp.sharded, f"{self.fqn}.{mp.name}" if self.fqn else mp.name,
+                          original=False)
         local = buf.local_view(mp.name)
         dt = ragged_from_local(local, self.mesh_info.mesh, buf.placement(mp.name), mp.shape,
                                autograd=False, check=False)
@@ -270,6 +294,28 @@ class ParamGroup:
         if self.modules_hold_unsharded:
             self.swap(sharded=True)
 
+    def reshard_after_forward_now(self) -> None:
+        """The post-forward reshard ``reshard_after_forward`` asks for: all (``True``), none
+        (``False``, or ``1``), or to groups of ``k`` ranks (an ``int``; design note
+        [dbuffer-memory]'s ``partial``)."""
+        raf = self.reshard_after_forward
+        if raf is True or raf == self.mesh_info.shard_size:
+            self.reshard()
+        elif raf is False or raf == 1:
+            return
+        else:
+            group, rank = partial_group(self.mesh_info, int(raf))
+            self._wait_for_gather()
+            for buf in self.buffers.values():
+                buf.reshard_to(group, int(raf), rank)
+            if self.modules_hold_unsharded:
+                self.swap(sharded=True)
+
+    @property
+    def has_partial(self) -> bool:
+        """Whether a buffer keeps a ``reshard_after_forward=<int>`` chunk."""
+        return any(buf.partial is not None for buf in self.buffers.values())
+
     def _wait_for_gather(self) -> None:
         if self._gather is not None:
             for h in self._gather:
@@ -297,9 +343,10 @@ class ParamGroup:
         # E.g. a second backward through a retained graph after the first one reduced the
         # group: this backward's gradients must be reduced too.
         self.expect_gradients()
-        self.unshard()
-        self.wait_for_unshard()
-        if self._num_trainable == 0:
+        if self.unshard_in_backward:
+            self.unshard()
+            self.wait_for_unshard()
+        if self._num_trainable == 0 or self.explicit_backward_prefetch is not None:
             self.prefetch_backward_once()  # else when half of the gradients arrived
 
     def post_backward(self) -> None:
@@ -311,13 +358,19 @@ class ParamGroup:
         """
         self.training_state = TrainingState.POST_BACKWARD
         self.prefetch_backward_once()
-        self.reshard()  # parameters are done: free them before the reduce-scatter runs
+        if self.reshard_after_backward:
+            self.reshard()  # parameters are done: free them before the reduce-scatter runs
 
     def prefetch_backward_once(self) -> None:
         """Ask the root to all-gather the next group in backward order, once per backward."""
         if self._backward_prefetched or self.root is None:
             return
         self._backward_prefetched = True
+        if self.explicit_backward_prefetch is not None:  # set_modules_to_backward_prefetch
+            for group in self.explicit_backward_prefetch:
+                if group.training_state is TrainingState.IDLE and group.unshard_in_backward:
+                    group.unshard(async_op=True)
+            return
         self.root.prefetch_backward(self)
 
     def reset_backward(self) -> None:
@@ -414,7 +467,21 @@ class ParamGroup:
                             view.add_(g)
                     mp.unsharded.grad = view
 
-    def reduce_scatter(self, async_op: bool = True, op: str = "avg") -> None:
+    def discard_gradients(self) -> None:
+        """Drop unreduced gradients (unsharded, and the unsynced accumulators): the recovery of
+        ``reset_iter_state()``. Sharded gradients already published stay."""
+        self.wait_for_reduce()
+        for buf in self.buffers.values():
+            buf.free_grad()
+            buf.grad_acc = None
+        self._grads_ready = False
+        self.needs_reduce = False
+        for mp in self.params:
+            mp.got_grad = False
+            if mp.unsharded is not None:
+                mp.unsharded.grad = None
+
+    def reduce_scatter(self, async_op: bool = True, op: str | None = None) -> None:
         """Launch the reduce-scatter of every buffer that holds trainable parameters.
 
         Every such buffer is reduced, whether or not this rank received gradients for it (a
@@ -423,6 +490,14 @@ class ParamGroup:
         :meth:`publish_grads`, once every rank's arrivals are known.
         """
         assert self._reduce is None, "a reduce-scatter is already in flight"
+        scale = None
+        if op is None:
+            if self.gradient_divide_factor is not None:  # set_gradient_divide_factor
+                op, scale = "sum", 1.0 / self.gradient_divide_factor
+            elif self.force_sum_reduction:  # set_force_sum_reduction_for_comms
+                op, scale = "sum", 1.0 / self.mesh_info.shard_size
+            else:
+                op = "avg"
         handles = []
         for buf in self.buffers.values():
             mps = [mp for mp in self.params if mp.buffer is buf and mp.requires_grad]
@@ -436,12 +511,38 @@ class ParamGroup:
                              for mp in mps)
             if accumulate:
                 self._prepare_accumulate(mps)
-            handles.append(buf.reduce_scatter(async_op=async_op, op=op, accumulate=accumulate))
+            handles.append(buf.reduce_scatter(async_op=async_op, op=op, accumulate=accumulate,
+                                              scale=scale))
         self._reduce = handles
         self.reduced = True
         self.needs_reduce = False
         if not async_op:
             self.wait_for_reduce()
+
+    def accumulate_unsynced(self) -> None:
+        """End of a backward without gradient sync: sum its gradients in ``reduce_dtype``.
+
+        With ``set_requires_gradient_sync(False)`` gradients stay unsharded until the next
+        synced backward. When the policy's ``reduce_dtype`` differs from ``param_dtype`` (bf16
+        compute, fp32 reduction) each buffer folds this backward's ``grad_full`` into its
+        ``reduce_dtype`` accumulator and frees it (``DBuffer.accumulate_grad``), so micro-batches
+        are summed in fp32 as with FSDP2, not in bf16. Idempotent; a no-op for buffers without
+        new gradients or whose dtypes agree (those keep accumulating in ``grad_full``).
+        """
+        if self._reduce is not None:
+            return
+        folded = False
+        for buf in self.buffers.values():
+            if buf.accumulates_in_reduce_dtype and buf.is_grad_materialized:
+                buf.accumulate_grad()
+                folded = True
+        if not folded:
+            return
+        self._grads_ready = False  # the next gradient re-materialises and re-points
+        for mp in self.params:
+            if mp.unsharded is not None and mp.buffer is not None \
+                    and not mp.buffer.is_grad_materialized:
+                mp.unsharded.grad = None  # re-pointed at a fresh grad_full next backward
 
     def _prepare_accumulate(self, mps: list[ManagedParam]) -> None:
         # Rare path: the user kept sharded grads from an earlier step (no zero_grad or

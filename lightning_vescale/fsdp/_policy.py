@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MixedPrecisionPolicy", "as_policy"]
+__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "as_offload_policy", "as_policy"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,3 +66,46 @@ def as_policy(mp_policy: Any) -> MixedPrecisionPolicy:
     raise TypeError(
         f"mp_policy must be a lightning_vescale.fsdp.MixedPrecisionPolicy or None, got "
         f"{type(mp_policy).__name__}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CPUOffloadPolicy:
+    """Keep sharded parameters, their gradients and the optimizer states in CPU memory (same
+    field and meaning as FSDP2's ``CPUOffloadPolicy``).
+
+    Each group's all-gather input is copied to the compute device (the mesh's) per all-gather,
+    and each reduced gradient shard copied back (design note [dbuffer-offload] in
+    ``lightning_vescale/dbuffer.py``). The optimizer then steps on CPU.
+
+    Args:
+        pin_memory: pin the CPU storage (when an accelerator exists) so the copies can overlap.
+    """
+
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(f"CPUOffloadPolicy.pin_memory must be a bool, got "
+                            f"pin_memory={self.pin_memory!r}")
+
+
+def as_offload_policy(offload_policy: Any) -> CPUOffloadPolicy | None:
+    """The ``offload_policy`` argument of ``fully_shard``: ``None`` (no offload) or ours.
+
+    ``None`` and FSDP2's base ``OffloadPolicy()`` mean no offload; ours is returned as is;
+    FSDP2's ``CPUOffloadPolicy`` is converted.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if offload_policy is None or isinstance(offload_policy, CPUOffloadPolicy):
+        return offload_policy
+    cls = type(offload_policy)
+    if cls.__module__.startswith("torch.distributed.fsdp"):
+        if cls.__name__ == "OffloadPolicy":
+            return None
+        if cls.__name__ == "CPUOffloadPolicy":
+            return CPUOffloadPolicy(pin_memory=bool(offload_policy.pin_memory))
+    raise TypeError(
+        f"offload_policy must be a lightning_vescale.fsdp.CPUOffloadPolicy (or FSDP2's "
+        f"OffloadPolicy/CPUOffloadPolicy) or None, got {cls.__name__}")

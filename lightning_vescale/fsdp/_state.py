@@ -10,8 +10,11 @@ FSDP2) and shares its :class:`RootContext` with every state in its module tree (
 the prefetch setting, the reduce-scatter in flight, whether the final callback is queued. A
 state keeps only what is its own: its group, the mixed-precision policy, its
 :class:`~lightning_vescale.fsdp._common.TrainingState` (design note [fsdp-training-state]),
-its forward depth and its post-backward count. The root never reshards after forward (its
-parameters are needed first in backward) and drives per-iteration bookkeeping.
+its forward depth and its post-backward count. With FSDP2's default
+(``reshard_after_forward=None``) the root keeps its parameters after forward (they are needed
+first in backward); an explicit value is honoured for the root too. The root drives
+per-iteration bookkeeping. The modules of one ``fully_shard([a, b])`` call share one state: the
+first of them to run forward unshards the group, the last one's post-forward reshards it.
 
 Forward: the pre-hook all-gathers (or waits for a prefetched all-gather), registers the
 unsharded parameters and prefetches the next group in the recorded forward order with
@@ -30,7 +33,11 @@ different times, their collectives would pair wrongly. So completion is structur
 FSDP2: the pre-forward wraps the module's forward inputs that require grad in
 :class:`_PostBackward`, an identity whose backward runs once the gradients of those inputs
 are complete. That needs the module's whole backward, and it is the same point in the backward
-pass on every rank. (With several forwards of one module, the last one's backward counts.) The
+pass on every rank. (With several forwards of one module, the last one's backward counts; if any
+forward with grad had no input needing a gradient, e.g. the token ids of a list group's
+embedding, the group has no structural end in this iteration and the final callback completes
+it.) Inputs and outputs are searched for tensors through dataclasses, namedtuples, dicts, lists
+and pytree-registered classes (``_tree.py``). The
 gradient arrivals only time the early prefetch; if that has not fired by completion, it is
 issued then, before the reduce-scatter, so every rank's collectives come in the same order.
 A complete group first reshards (its parameters are no longer needed, frozen ones included)
@@ -87,11 +94,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 from torch.profiler import record_function
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from lightning_vescale.fsdp._common import TrainingState, in_backward
 from lightning_vescale.fsdp._param_group import ParamGroup
 from lightning_vescale.fsdp._policy import MixedPrecisionPolicy
+from lightning_vescale.fsdp._tree import map_tensors, tensors_in
 
 __all__ = ["FSDPState", "RootContext", "get_state", "states_in"]
 
@@ -106,11 +113,14 @@ def get_state(module: nn.Module) -> "FSDPState | None":
 
 
 def states_in(module: nn.Module) -> list["FSDPState"]:
-    """States of ``module`` and its submodules, in ``module.modules()`` order."""
-    out = []
+    """States of ``module`` and its submodules, in ``module.modules()`` order, each once (the
+    modules of one ``fully_shard([a, b])`` call share one state)."""
+    out: list[FSDPState] = []
+    seen: set[int] = set()
     for m in module.modules():
         st = m.__dict__.get(_ATTR)
-        if st is not None:
+        if st is not None and id(st) not in seen:
+            seen.add(id(st))
             out.append(st)
     return out
 
@@ -158,6 +168,7 @@ class RootContext:
         self.forward_recorded = False
         self.backward_recorded = False
         self.prefetch = True  # set_prefetch (a root setting)
+        self.is_last_backward = True  # set_is_last_backward (every backward ends like the last)
         self.final_callback_queued = False
         self.inflight_reduce: ParamGroup | None = None
 
@@ -165,6 +176,11 @@ class RootContext:
     def adopt(self, root: FSDPState) -> None:
         """Make ``root`` the root of its module tree: every state and group there uses us."""
         with record_function("vescale::lazy_init"):
+            if len(root.modules) > 1:
+                raise RuntimeError(
+                    f"fully_shard needs a single root module, but the first forward ran in a "
+                    f"module of the list group {[type(m).__name__ for m in root.modules]}; call "
+                    "fully_shard on their common ancestor (the model) too, as with FSDP2.")
             self.root = root
             self.all_states = states_in(root.module)
             self.groups = [st.group for st in self.all_states if st.group is not None]
@@ -173,6 +189,10 @@ class RootContext:
             for group in self.groups:
                 group.root = self
                 group.sync_requires_grad()
+            if root.group is not None and root.auto_reshard_after_forward:
+                # FSDP2's default (reshard_after_forward=None): the root keeps its parameters
+                # after forward (backward needs them first); an explicit value is honoured.
+                root.group.reshard_after_forward = False
 
     def root_pre_forward(self) -> None:
         """Start an iteration from the sharded state, whatever the last one left behind."""
@@ -182,17 +202,33 @@ class RootContext:
             self.final_callback_queued = False
             for st in self.all_states:
                 st.training_state = TrainingState.IDLE
+                st.reset_post_backward()
             for group in self.groups:
                 # A forward whose output never went through backward (e.g. a loss computed
                 # twice, or an evaluation with grad enabled) leaves the root (and groups with
                 # reshard_after_forward=False) unsharded. Their full parameters would be stale
                 # once the optimizer or load_state_dict changes the shards, so start every
                 # iteration from the sharded state (a no-op after a normal backward).
-                if group.is_unsharded:
+                if (group.is_unsharded and group.reshard_after_backward) or group.has_partial:
                     group.reshard()
                 group.reset_backward()
                 group.sync_requires_grad()
                 group.release_unused_grad_shards()
+
+    def reset_iteration(self) -> None:
+        """``reset_iter_state()``: after a forward or backward raised, wait for collectives,
+        reshard every group, drop the iteration's (and any unsynced) gradients and forget where
+        every state was (FSDP2's recovery contract)."""
+        self.finish_reduce()
+        self.final_callback_queued = False
+        for st in self.all_states:
+            st.training_state = TrainingState.IDLE
+            st.reset_post_backward()
+            st._forward_depth = 0
+        for group in self.groups:
+            group.reshard()
+            group.discard_gradients()
+            group.reset_backward()
 
     def record_forward(self, state: FSDPState) -> None:
         if not self.forward_recorded and state not in self.forward_order:
@@ -229,8 +265,9 @@ class RootContext:
             group = nxt.group
             if group is None:
                 continue
-            if skip_started and group.training_state is not TrainingState.IDLE:
-                continue  # already through its backward (e.g. the root's late gradients)
+            if skip_started and (group.training_state is not TrainingState.IDLE
+                                 or not group.unshard_in_backward):
+                continue  # already through its backward, or never gathered in backward
             group.unshard(async_op=True)
             return
 
@@ -266,7 +303,10 @@ class RootContext:
             for group in self.groups:  # groups without a structural completion, in tree order
                 if group.should_reduce():
                     group.reduce_scatter(async_op=False)
-                group.reshard()
+                else:
+                    group.accumulate_unsynced()  # no sync: sum in reduce_dtype (if it differs)
+                if group.reshard_after_backward:  # set_reshard_after_backward(False): keep
+                    group.reshard()
             self._publish_grads()
             for st in self.all_states:
                 st.training_state = TrainingState.IDLE
@@ -306,38 +346,62 @@ class RootContext:
 
 
 class FSDPState:
-    """Hooks of one ``fully_shard``-ed module (see design note [fsdp-schedule]).
+    """Hooks of one ``fully_shard`` call's module(s) (see design note [fsdp-schedule]).
 
     Args:
-        module: the module (held weakly: the module holds the state).
-        group: its parameter group, or ``None`` when inner groups own every parameter.
+        modules: the module, or the modules of ``fully_shard([a, b])`` (held weakly: the
+            modules hold the state). A list group is unsharded by the first of its modules to
+            run forward and resharded after the last one ran (FSDP2's rule).
+        group: its parameter group, or ``None`` when the modules own no parameters.
         mp_policy: the user's mixed-precision policy, kept whole (input/output casts).
+        auto_reshard_after_forward: ``reshard_after_forward=None`` was given: the root keeps
+            its parameters after forward, other groups reshard (FSDP2's default).
     """
 
-    def __init__(self, module: nn.Module, group: ParamGroup | None, *,
-                 mp_policy: MixedPrecisionPolicy) -> None:
-        self.module_weakref = weakref.ref(module)
+    def __init__(self, modules: nn.Module | list[nn.Module], group: ParamGroup | None, *,
+                 mp_policy: MixedPrecisionPolicy,
+                 auto_reshard_after_forward: bool = False) -> None:
+        modules = [modules] if isinstance(modules, nn.Module) else list(modules)
+        self.module_weakrefs = [weakref.ref(m) for m in modules]
         self.group = group
         self.mp_policy = mp_policy
+        self.auto_reshard_after_forward = auto_reshard_after_forward
         self.ctx = RootContext()  # replaced by the root's at lazy init
         self.training_state = TrainingState.IDLE
         # How many calls of this module's forward are running (design note [fsdp-reentrant]).
         self._forward_depth = 0
         # Forwards that registered a _PostBackward, and how many of those completed.
-        self._post_backward_expected = 0
         self._post_backward_seen = 0
-        module.__dict__[_ATTR] = self
-        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self._post_forward, prepend=False)
-        # Registered last and always called (also when forward raises), so the depth count is
-        # right whatever happens inside forward.
-        module.register_forward_hook(self._forward_exit, prepend=False, always_call=True)
+        # A forward with grad whose inputs needed no gradient registered no _PostBackward: the
+        # group's backward has no structural end then, and the final callback completes it.
+        self._unhooked_forward = False
+        # List groups: the modules still to run in this iteration's forward (FSDP2's
+        # ``_modules_to_run_forward``); the group reshards after the last.
+        self._pending: set[int] = set()
+        # set_modules_to_forward_prefetch / _backward_prefetch: explicit lists (None: implicit)
+        self.forward_prefetch: list[FSDPState] | None = None
+        self.backward_prefetch: list[FSDPState] | None = None
+        for module in modules:
+            module.__dict__[_ATTR] = self
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward, prepend=False)
+            # Registered last and always called (also when forward raises), so the depth count
+            # is right whatever happens inside forward.
+            module.register_forward_hook(self._forward_exit, prepend=False, always_call=True)
 
     @property
     def module(self) -> nn.Module:
-        m = self.module_weakref()
+        """The (first) module of this state."""
+        m = self.module_weakrefs[0]()
         assert m is not None
         return m
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """Every module of this state (one, or those of ``fully_shard([a, b])``)."""
+        out = [r() for r in self.module_weakrefs]
+        assert all(m is not None for m in out)
+        return out  # type: ignore[return-value]
 
     @property
     def is_root(self) -> bool:
@@ -372,31 +436,55 @@ class FSDPState:
                 # bookkeeping; only make sure the parameters are there.
                 self._unshard_now()
                 return args, kwargs
+            if self._pending:
+                # Another module of this list group runs within the same forward: the group is
+                # unsharded already (FSDP2: only the first module's pre-forward unshards).
+                self._pending.discard(id(module))
+                self._unshard_now()
+                return self._prepare_inputs(args, kwargs)
             ctx = self.ctx
             if self.is_root:
                 ctx.root_pre_forward()
             self.training_state = TrainingState.FORWARD
             ctx.record_forward(self)
             self._unshard_now()
-            ctx.prefetch_forward(self)
-            policy = self.mp_policy
-            if policy.cast_forward_inputs and policy.param_dtype is not None:
-                args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
-            if self.group is not None and torch.is_grad_enabled():
-                self.group.expect_gradients()
-                args, kwargs = self._register_post_backward(args, kwargs)
-            return args, kwargs
+            if self.forward_prefetch is not None:
+                for st in self.forward_prefetch:
+                    if st.group is not None:
+                        st.group.unshard(async_op=True)
+            else:
+                ctx.prefetch_forward(self)
+            self._pending = {id(r()) for r in self.module_weakrefs} - {id(module)}
+            return self._prepare_inputs(args, kwargs)
+
+    def _prepare_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Cast the forward inputs (policy) and wrap those needing a gradient."""
+        policy = self.mp_policy
+        if policy.cast_forward_inputs and policy.param_dtype is not None:
+            args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
+        if self.group is not None and torch.is_grad_enabled():
+            self.group.expect_gradients()
+            args, kwargs = self._register_post_backward(args, kwargs)
+        return args, kwargs
 
     def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        flat, spec = tree_flatten((args, kwargs))
-        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not idx:
-            return args, kwargs  # no input gradient: the final callback completes the group
-        outs = _PostBackward.apply(self, *(flat[i] for i in idx))
-        for i, t in zip(idx, outs):
-            flat[i] = t
+        inputs = [t for t in tensors_in((args, kwargs) if kwargs else args) if t.requires_grad]
+        if not inputs:
+            # no input gradient: the group's backward has no structural end this iteration,
+            # the final callback completes it
+            self._unhooked_forward = True
+            return args, kwargs
+        unique = list({id(t): t for t in inputs}.values())
+        outs = _PostBackward.apply(self, *unique)
+        replace = {id(t): o for t, o in zip(unique, outs)}
         self._post_backward_expected += 1
-        return tree_unflatten(flat, spec)
+
+        def swap(t: torch.Tensor) -> torch.Tensor:
+            return replace.get(id(t), t)
+
+        if not kwargs:
+            return map_tensors(swap, args), kwargs
+        return map_tensors(swap, (args, kwargs))
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if in_backward() or self._forward_depth > 1:
@@ -405,12 +493,12 @@ class FSDPState:
         with record_function("vescale::post_forward"):
             grad = torch.is_grad_enabled()
             group = self.group
-            if group is not None and group.reshard_after_forward and not self.is_root:
-                group.reshard()
+            last = not self._pending  # list groups: the last of their modules to run
+            if last and group is not None:
+                group.reshard_after_forward_now()
             if self.mp_policy.output_dtype is not None:
                 output = _cast_floating(output, self.mp_policy.output_dtype)
-            tensors = [t for t in tree_flatten(output)[0]
-                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            tensors = [t for t in tensors_in(output) if t.requires_grad]
             if grad and tensors:
                 for t in tensors:
                     t.register_hook(self._pre_backward)
@@ -418,12 +506,14 @@ class FSDPState:
                 self.ctx.forward_recorded = True
                 if not grad or not tensors:
                     self.ctx.reshard_all()  # no backward will follow (no_grad / eval)
-            self.training_state = TrainingState.IDLE
+            if last:
+                self.training_state = TrainingState.IDLE
             return output
 
     def _forward_exit(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._forward_depth = max(0, self._forward_depth - 1)
-        if self._forward_depth == 0 and self.training_state is TrainingState.FORWARD:
+        if (self._forward_depth == 0 and self.training_state is TrainingState.FORWARD
+                and not self._pending):  # (a list group between its modules stays FORWARD)
             self.training_state = TrainingState.IDLE  # the forward raised
 
     # -- backward --------------------------------------------------------------------------------
@@ -436,11 +526,19 @@ class FSDPState:
             self.ctx.record_backward(self)
             if self.group is not None:
                 self.group.pre_backward()
+            elif self.backward_prefetch is not None:  # set_modules_to_backward_prefetch
+                for st in self.backward_prefetch:
+                    g = st.group
+                    if g is not None and g.training_state is TrainingState.IDLE \
+                            and g.unshard_in_backward:
+                        g.unshard(async_op=True)
             else:
                 self.ctx.prefetch_backward(self)
 
     def _post_backward(self) -> None:
         self._post_backward_seen += 1
+        if self._unhooked_forward:
+            return  # a forward without input gradients: the final callback completes the group
         if self._post_backward_seen == self._post_backward_expected:  # the last use's backward
             self._complete_backward()
 
@@ -453,13 +551,15 @@ class FSDPState:
             group.post_backward()
             if group.should_reduce():
                 self.ctx.reduce_scatter(group)
+            else:
+                group.accumulate_unsynced()
 
     def reset_post_backward(self) -> None:
         self._post_backward_expected = self._post_backward_seen = 0
+        self._unhooked_forward = False
+        self._pending = set()
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    """``tree`` with every floating-point tensor cast to ``dtype``."""
-    return tree_map(
-        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
-        tree)
+    """``tree`` with every floating-point tensor cast to ``dtype`` (dataclasses included)."""
+    return map_tensors(lambda x: x.to(dtype) if x.is_floating_point() else x, tree)

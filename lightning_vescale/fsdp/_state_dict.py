@@ -62,20 +62,26 @@ def _reshard_at_rest(group: ParamGroup) -> None:
         group.reshard()
 
 
-def register_state_dict_hooks(module: nn.Module, group: ParamGroup) -> None:
+def register_state_dict_hooks(module: nn.Module, group: ParamGroup, index: int = 0) -> None:
     """Register ``group``'s ``state_dict`` and ``load_state_dict`` pre-hooks on ``module``.
 
-    A ``state_dict`` pre-hook reshards (see :func:`_reshard_at_rest`); the ``load_state_dict``
-    pre-hook reshards too, then converts values to the parameters' layout (design note
-    [fsdp-state-dict]).
+    ``index``: the position of ``module`` in a ``fully_shard([...])`` list (each module of the
+    list gets the hooks for the names relative to it). A ``state_dict`` pre-hook reshards (see
+    :func:`_reshard_at_rest`); the ``load_state_dict`` pre-hook reshards too, then converts
+    values to the parameters' layout (design note [fsdp-state-dict]).
     """
     module.register_state_dict_pre_hook(lambda mod, prefix, keep_vars: _reshard_at_rest(group))
+
+    def names(mp: Any) -> list[str]:
+        if mp.scoped_aliases:
+            return [n for k, n in mp.scoped_aliases if k == index]
+        return mp.aliases or [mp.name]
 
     def hook(mod: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
         _reshard_at_rest(group)
         for mp in group.params:
             assert mp.sharded is not None and mp.buffer is not None
-            for alias in mp.aliases or [mp.name]:
+            for alias in names(mp):
                 key = prefix + alias
                 if key in state_dict:
                     state_dict[key] = to_param_layout(state_dict[key], mp.sharded,

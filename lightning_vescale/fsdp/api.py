@@ -2,12 +2,16 @@
 
 Design note [fsdp-api]
 ----------------------
-``fully_shard(module)`` turns the parameters of ``module`` that no inner ``fully_shard`` call
-owns into one :class:`~lightning_vescale.fsdp._param_group.ParamGroup` (one DBuffer per dtype),
-registers an :class:`~lightning_vescale.fsdp._state.FSDPState` with the forward hooks, and
-changes the module's class to a subclass mixing in :class:`VeScaleFSDPModule` (as FSDP2 does)
-so that ``module.set_requires_gradient_sync``, ``reshard``/``unshard`` and the device-move
-handling of ``_apply`` exist. Call it bottom-up: on each block, then on the root.
+``fully_shard(module)`` (or ``fully_shard([a, b])``) turns the parameters of the module(s)
+that no inner ``fully_shard`` call owns into one
+:class:`~lightning_vescale.fsdp._param_group.ParamGroup` (one DBuffer per dtype), registers an
+:class:`~lightning_vescale.fsdp._state.FSDPState` with the forward hooks, and changes each
+module's class to a subclass mixing in :class:`VeScaleFSDPModule`, itself a subclass of
+torch's ``FSDPModule`` (design note [fsdp-module] in ``_module.py``), so that FSDP2's methods
+and ``isinstance`` checks work. Call it bottom-up: on each block, then on the root. The
+arguments are FSDP2's, with FSDP2's meaning (``reshard_after_forward=None`` by default,
+``offload_policy``, ``ignored_params``), plus ``granularity``; ``shard_placement_fn`` is refused
+(the planner chooses the layout).
 
 Parameters keep their data: each rank copies its owned range of every parameter into its shard
 (the caller guarantees the same values on every rank, e.g. by seeding, as with FSDP2). A module
@@ -29,25 +33,36 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 from lightning_vescale.dbuffer import DBuffer
 from lightning_vescale.fsdp._collect import (
     GranularityArg,
     check_param,
     collect_params,
+    remember_taken,
     resolve_granularities,
 )
-from lightning_vescale.fsdp._materialize import apply_to_group
+from lightning_vescale.fsdp._module import VeScaleFSDPModule, register_fsdp_forward_method
 from lightning_vescale.fsdp._param_group import ManagedParam, ParamGroup
-from lightning_vescale.fsdp._policy import MixedPrecisionPolicy, as_policy
-from lightning_vescale.fsdp._state import FSDPState, get_state, states_in
+from lightning_vescale.fsdp._policy import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    as_offload_policy,
+    as_policy,
+)
+from lightning_vescale.fsdp._replaced import install_optimizer_check
+from lightning_vescale.fsdp._state import FSDPState, get_state
+from lightning_vescale.fsdp._subgroups import make_partial_group
 from lightning_vescale.fsdp._state_dict import register_state_dict_hooks
 from lightning_vescale.mesh import MeshInfo, default_device_type, init_mesh
 
 __all__ = [
+    "CPUOffloadPolicy",
     "MixedPrecisionPolicy",
     "VeScaleFSDPModule",
     "fully_shard",
+    "register_fsdp_forward_method",
     "iter_param_groups",
     "param_fqn_map",
     "dbuffers",
@@ -55,73 +70,170 @@ __all__ = [
 ]
 
 
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
+def _check_not_wrapped(module: nn.Module) -> None:
+    if get_state(module) is not None:
+        raise ValueError(
+            f"fully_shard was already called on this {type(module).__name__}; call it once "
+            "per module (on each block, then on the root).")
+    for name, m in module.named_modules():
+        if isinstance(m, (FSDPModule, FullyShardedDataParallel)) \
+                and not isinstance(m, VeScaleFSDPModule):
+            where = f"submodule {name!r}" if name else "the module"
+            raise ValueError(
+                f"{where} ({type(m).__name__}) is already wrapped by PyTorch FSDP; use either "
+                "torch.distributed.fsdp or lightning_vescale.fsdp.fully_shard, not both.")
 
 
-class VeScaleFSDPModule:
-    """Mixed into every ``fully_shard``-ed module's class (like FSDP2's ``FSDPModule``)."""
-
-    def _groups(self, recurse: bool) -> list[ParamGroup]:
-        states = states_in(self) if recurse else [get_state(self)]  # type: ignore[arg-type]
-        return [st.group for st in states if st is not None and st.group is not None]
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
-                                   recurse: bool = True) -> None:
-        """Turn gradient reduce-scatter on/off (off: gradients accumulate unsharded).
-
-        With sync off, gradients of several backwards add up in each group's unsharded grad
-        buffer without communication; the next backward with sync on reduce-scatters the sum.
-        """
-        _check_bool("requires_gradient_sync", requires_gradient_sync)
-        for group in self._groups(recurse):
-            group.reduce_grads = requires_gradient_sync
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *,
-                                  recurse: bool = True) -> None:
-        """Change whether groups free their unsharded parameters after forward."""
-        _check_bool("reshard_after_forward", reshard_after_forward)
-        for group in self._groups(recurse):
-            group.reshard_after_forward = reshard_after_forward
-
-    def set_prefetch(self, enabled: bool) -> None:
-        """Enable/disable implicit all-gather prefetching (a root setting; default on).
-
-        Applies to the root context of this module's tree: called before the first forward,
-        to whichever of its modules becomes the root; afterwards, on the root only.
-        """
-        if not isinstance(enabled, bool):
-            raise TypeError(f"set_prefetch(enabled=...) must be a bool, got {enabled!r}")
-        for st in states_in(self):  # type: ignore[arg-type]
-            if st.ctx.root is None or st.is_root:
-                st.ctx.prefetch = enabled
-
-    def reshard(self) -> None:
-        """Free unsharded parameters of this module's groups (and inner ones)."""
-        for group in self._groups(recurse=True):
-            group.reshard()
-
-    def unshard(self, async_op: bool = False) -> "_UnshardHandle":
-        """All-gather this module's own group; ``wait()`` the handle before using it."""
-        st = get_state(self)  # type: ignore[arg-type]
-        assert st is not None
-        if st.group is not None:
-            st.group.unshard(async_op=async_op)
-        return _UnshardHandle(st.group)
-
-    def _apply(self, fn: Callable, recurse: bool = True) -> Any:  # noqa: D401
-        return apply_to_group(self, super()._apply, fn, recurse)  # type: ignore[misc]
+def _as_modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
+    """``fully_shard``'s first argument as a list of distinct, non-nested modules."""
+    if isinstance(module, nn.Module):
+        return [module]
+    if not isinstance(module, (list, tuple)) or not module:
+        raise TypeError(f"fully_shard expects an nn.Module or a non-empty list of nn.Modules, "
+                        f"got {type(module).__name__}")
+    modules = list(module)
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard([...]) expects nn.Modules, got {type(m).__name__}")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("fully_shard([...]) got the same module twice")
+    ids = {id(m): i for i, m in enumerate(modules)}
+    for i, m in enumerate(modules):
+        for sub in m.modules():
+            j = ids.get(id(sub))
+            if j is not None and j != i:
+                raise ValueError(
+                    f"fully_shard([...]): module [{j}] ({type(sub).__name__}) is inside module "
+                    f"[{i}] ({type(m).__name__}); list sibling modules only (call fully_shard on "
+                    "the inner one first, as its own group).")
+    return modules
 
 
-class _UnshardHandle:
-    def __init__(self, group: ParamGroup | None) -> None:
-        self._group = group
+def _mesh_info(mesh: DeviceMesh | None, device: torch.device | None) -> MeshInfo:
+    """The group's MeshInfo: ``mesh``, or the default data-parallel mesh for ``device``."""
+    if mesh is None:
+        mesh = init_mesh(default_device_type(device))
+    elif not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"fully_shard(mesh=...) must be a 1-D DeviceMesh or None, got {mesh!r}")
+    return MeshInfo.from_mesh(mesh)
 
-    def wait(self) -> None:
-        if self._group is not None:
-            self._group.wait_for_unshard()
-            self._group = None
+
+def _compute_device(mesh_info: MeshInfo) -> torch.device:
+    """The mesh's device (the current one of its type: FSDP2's rule)."""
+    kind = mesh_info.device_type
+    if kind in ("cpu", "meta"):
+        return torch.device(kind)
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is not None and acc.type == kind:
+        return torch.device(kind, torch.accelerator.current_device_index())
+    return torch.device(kind)
+
+
+def _check_reshard_after_forward(value: Any, mesh_info: MeshInfo) -> None:
+    """FSDP2's ``reshard_after_forward``: ``None``, a bool, or a non-trivial divisor of the
+    shard-group size (reshard to that many ranks after forward)."""
+    if value is None or isinstance(value, bool):
+        return
+    if not isinstance(value, int):
+        raise TypeError(f"reshard_after_forward must be a bool, an int or None, got {value!r}")
+    size = mesh_info.shard_size
+    if value == 1:
+        return  # FSDP2 warns: one rank keeps everything, i.e. like False
+    if value < 1 or value > size or size % value:
+        raise ValueError(
+            f"reshard_after_forward={value} must be a bool or an int that divides the shard "
+            f"group size {size} (1 < value < {size}); use True to reshard to all {size} ranks.")
+
+
+def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
+                reshard_after_forward: bool | int | None = None,
+                shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+                mp_policy: MixedPrecisionPolicy | None = None,
+                offload_policy: Any = None,
+                ignored_params: set[nn.Parameter] | None = None,
+                granularity: GranularityArg = None) -> Any:
+    """Shard ``module``'s parameters (those no inner group owns) as one group (FSDP2's API).
+
+    Args:
+        module: the module, or a list of sibling modules that form one group (e.g. a tied
+            embedding and output head: ``fully_shard([model.emb, model.head])``); call bottom-up
+            (each block, then the root). A module without parameters of its own is allowed
+            (it still gets the root hooks).
+        mesh: a 1-D :class:`DeviceMesh` (default: the whole world, device type from the
+            parameters or the current accelerator).
+        reshard_after_forward: FSDP2's meaning. ``None`` (default): ``True`` for every group
+            but the root, which keeps its parameters after forward (backward needs them
+            first); ``True``/``False``: free (or keep) the unsharded parameters after forward,
+            the root included; an ``int`` ``k`` dividing the shard-group size: after forward
+            keep the parameters sharded over groups of ``k`` ranks, so that backward
+            all-gathers among ``k`` ranks only (memory between the two).
+        shard_placement_fn: FSDP2's per-parameter ``Shard(dim)`` choice; not supported (the
+            planner chooses RaggedShard layouts: use ``granularity``). Must be ``None``.
+        mp_policy: mixed precision (:class:`MixedPrecisionPolicy`; FSDP2's is accepted too).
+        offload_policy: ``CPUOffloadPolicy`` (ours or FSDP2's) keeps sharded parameters,
+            gradients and optimizer states in CPU memory; ``None``/FSDP2's ``OffloadPolicy()``:
+            no offload.
+        ignored_params: parameters left alone: not sharded, not moved, gradients not reduced
+            (FSDP2's meaning).
+        granularity: block size per parameter in elements, as one int/str for all, a dict
+            ``name -> int`` (names relative to ``module``) or a callable ``(name, param) ->
+            int``. Every rank's range of a parameter starts and ends on a block boundary.
+            Default: element-wise (the planner aligns shard sizes to 16 elements).
+
+    Returns:
+        ``module`` (or the list), whose class now also derives from :class:`VeScaleFSDPModule`
+        and torch's ``FSDPModule``.
+    """
+    modules = _as_modules(module)
+    if shard_placement_fn is not None:
+        raise NotImplementedError(
+            "fully_shard(shard_placement_fn=...) is not supported: parameters are laid out as "
+            "RaggedShard by the structure-aware planner, not as Shard(dim). Leave it None and "
+            "use granularity=... to keep rows/blocks whole on one rank.")
+    for m in modules:
+        _check_not_wrapped(m)
+    policy = as_policy(mp_policy)
+    offload = as_offload_policy(offload_policy)
+    ignored = {id(p) for p in (ignored_params or ())}
+    collected = [c for c in collect_params(modules) if id(c.param) not in ignored]
+    for c in collected:
+        check_param(c.name, c.param)
+    devices = {c.param.device for c in collected}
+    label = type(modules[0]).__name__ if len(modules) == 1 else \
+        "[" + ", ".join(type(m).__name__ for m in modules) + "]"
+    if len(devices) > 1:
+        raise ValueError(f"fully_shard({label}): parameters live on several "
+                         f"devices {sorted(map(str, devices))}; move the module to one device.")
+    device = next(iter(devices)) if devices else None
+    mesh_info = _mesh_info(mesh, device)
+    _check_reshard_after_forward(reshard_after_forward, mesh_info)
+    if device is None or (offload is not None and device.type != "meta"):
+        device = _compute_device(mesh_info)
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) \
+            and 1 < reshard_after_forward < mesh_info.shard_size:
+        make_partial_group(mesh_info, reshard_after_forward)  # collective: at the call
+    group: ParamGroup | None = None
+    if collected:
+        params = [ManagedParam(name=c.name, owners=list(c.owners), shape=tuple(c.param.shape),
+                               requires_grad=c.param.requires_grad, aliases=list(c.aliases),
+                               scoped_aliases=list(c.scoped_aliases),
+                               original_weakref=weakref.ref(c.param))
+                  for c in collected]
+        group = ParamGroup(
+            params=params, mesh_info=mesh_info, mp_policy=policy,
+            granularity=resolve_granularities(granularity, [(c.name, c.param) for c in collected]),
+            reshard_after_forward=True if reshard_after_forward is None else reshard_after_forward,
+            fqn=label, offload=offload)
+        group.build({c.name: c.param.detach() for c in collected}, device)
+        for k, m in enumerate(modules):
+            register_state_dict_hooks(m, group, k)
+        remember_taken(collected, label)
+        install_optimizer_check()
+    FSDPState(modules, group, mp_policy=policy,
+              auto_reshard_after_forward=reshard_after_forward is None)
+    for m in modules:
+        _wrap_class(m)
+    return module
 
 
 _CLASSES: dict[type, type] = {}
@@ -136,97 +248,15 @@ def _wrap_class(module: nn.Module) -> None:
     module.__class__ = _CLASSES[cls]
 
 
-def _check_not_wrapped(module: nn.Module) -> None:
-    if get_state(module) is not None:
-        raise ValueError(
-            f"fully_shard was already called on this {type(module).__name__}; call it once "
-            "per module (on each block, then on the root).")
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    except ImportError:  # pragma: no cover
-        return
-    for name, m in module.named_modules():
-        if isinstance(m, (FSDPModule, FullyShardedDataParallel)):
-            where = f"submodule {name!r}" if name else "the module"
-            raise ValueError(
-                f"{where} ({type(m).__name__}) is already wrapped by PyTorch FSDP; use either "
-                "torch.distributed.fsdp or lightning_vescale.fsdp.fully_shard, not both.")
-
-
-def _mesh_info(mesh: DeviceMesh | None, device: torch.device | None) -> MeshInfo:
-    """The group's MeshInfo: ``mesh``, or the default data-parallel mesh for ``device``."""
-    if mesh is None:
-        mesh = init_mesh(default_device_type(device))
-    elif not isinstance(mesh, DeviceMesh):
-        raise ValueError(f"fully_shard(mesh=...) must be a 1-D DeviceMesh or None, got {mesh!r}")
-    return MeshInfo.from_mesh(mesh)
-
-
-def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
-                mp_policy: MixedPrecisionPolicy | None = None,
-                granularity: GranularityArg = None,
-                reshard_after_forward: bool = True) -> nn.Module:
-    """Shard ``module``'s parameters (those no inner group owns) as one group.
-
-    Args:
-        module: the module; call bottom-up (each block, then the root).
-        mesh: a 1-D :class:`DeviceMesh` (default: the whole world, device type from the
-            parameters or the current accelerator).
-        mp_policy: mixed precision (:class:`MixedPrecisionPolicy`; FSDP2's is accepted too).
-        granularity: block size per parameter in elements, as one int/str for all, a dict
-            ``name -> int`` (names relative to ``module``) or a callable ``(name, param) ->
-            int``. Every rank's range of a parameter starts and ends on a block boundary.
-            Default: element-wise (the planner aligns shard sizes to 16 elements).
-        reshard_after_forward: free the unsharded parameters after forward (re-gathered in
-            backward). The root never reshards after forward.
-
-    Returns:
-        ``module``, whose class now also derives from :class:`VeScaleFSDPModule`.
-    """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
-    _check_bool("reshard_after_forward", reshard_after_forward)
-    _check_not_wrapped(module)
-    policy = as_policy(mp_policy)
-    collected = collect_params(module)
-    if not collected and not states_in(module):
-        raise ValueError(
-            f"fully_shard({type(module).__name__}): the module has no parameters to shard; "
-            "call fully_shard on modules that own parameters (or on a root whose blocks were "
-            "sharded).")
-    for c in collected:
-        check_param(c.name, c.param)
-    devices = {c.param.device for c in collected}
-    if len(devices) > 1:
-        raise ValueError(f"fully_shard({type(module).__name__}): parameters live on several "
-                         f"devices {sorted(map(str, devices))}; move the module to one device.")
-    device = next(iter(devices)) if devices else None
-    mesh_info = _mesh_info(mesh, device)
-    if device is None:
-        device = torch.device(mesh_info.device_type)
-    group: ParamGroup | None = None
-    if collected:
-        params = [ManagedParam(name=c.name, owners=list(c.owners), shape=tuple(c.param.shape),
-                               requires_grad=c.param.requires_grad, aliases=list(c.aliases),
-                               original_weakref=weakref.ref(c.param))
-                  for c in collected]
-        group = ParamGroup(
-            params=params, mesh_info=mesh_info, mp_policy=policy,
-            granularity=resolve_granularities(granularity, [(c.name, c.param) for c in collected]),
-            reshard_after_forward=reshard_after_forward, fqn=type(module).__name__)
-        group.build({c.name: c.param.detach() for c in collected}, device)
-        register_state_dict_hooks(module, group)
-    FSDPState(module, group, mp_policy=policy)
-    _wrap_class(module)
-    return module
-
-
 # -- introspection for the strategy, optimizers and the memory profiler ----------------------------
 def iter_param_groups(module: nn.Module) -> Iterator[tuple[str, ParamGroup]]:
-    """``(module fqn relative to module, group)`` for every group in ``module``'s tree."""
+    """``(module fqn relative to module, group)`` for every group in ``module``'s tree, once
+    each (a ``fully_shard([a, b])`` group under its first module met)."""
+    seen: set[int] = set()
     for name, m in module.named_modules():
         st = get_state(m)
-        if st is not None and st.group is not None:
+        if st is not None and st.group is not None and id(st.group) not in seen:
+            seen.add(id(st.group))
             yield name, st.group
 
 
@@ -235,10 +265,21 @@ def param_fqn_map(module: nn.Module) -> dict[str, tuple[ParamGroup, ManagedParam
 
     Tied parameters appear under their first name (the one ``named_parameters`` reports).
     """
+    paths = {id(m): name for name, m in module.named_modules()}
+    order = {name: i for i, name in enumerate(paths.values())}
     out: dict[str, tuple[ParamGroup, ManagedParam]] = {}
-    for prefix, g in iter_param_groups(module):
-        for mp in g.params:
-            out[f"{prefix}.{mp.name}" if prefix else mp.name] = (g, mp)
+    for name, m in module.named_modules():
+        st = get_state(m)
+        if st is None or st.group is None or st.module is not m:
+            continue
+        tops = [paths.get(id(top)) for top in st.modules]
+        for mp in st.group.params:
+            scoped = [(tops[k], rel) for k, rel in (mp.scoped_aliases or [(0, mp.name)])
+                      if tops[k] is not None]
+            if not scoped:
+                continue
+            prefix, rel = min(scoped, key=lambda pr: order[pr[0]])
+            out[f"{prefix}.{rel}" if prefix else rel] = (st.group, mp)
     return out
 
 

@@ -42,7 +42,9 @@ SUPPORTED_FAMILIES = (
     "same global shape, stride and placement or are scalar-like (Python scalars, 0-d/1-element "
     "plain tensors or Replicate DTensors); copy_ (also from another layout of the same "
     "tensor), dtype casts, clone/detach and *_like "
-    "factories; full reductions sum/mean/max/min/amax/amin/any/all, linalg.vector_norm, "
+    "factories; in-place random fills (uniform_, normal_, bernoulli_, random_, ...) and "
+    "rand_like/randn_like/randint_like; reductions sum/mean/amax/amin/linalg.vector_norm over "
+    "all dims or some (dim=...), max/min/any/all over all dims, "
     "_foreach_norm/_foreach_powsum/_foreach_max (results are Replicate); equal/allclose"
 )
 

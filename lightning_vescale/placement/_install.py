@@ -14,7 +14,11 @@ What is patched (process-wide, not undone):
 * E3: DCP's ``_Checkpointable`` methods of ``DTensor`` -> :func:`~._dtensor.wrap_checkpoint_hook`;
 * operators: ``DTensor._op_dispatcher._propagate_op_sharding_dispatch_slow_path`` ->
   :func:`~._ops.wrap_slow_path`, and torch's custom handlers of ``GUARDED_CUSTOM_OPS`` ->
-  :func:`~._ops.guard_custom_handler`.
+  :func:`~._ops.guard_custom_handler`;
+* E4: ``distribute_tensor`` in ``torch.distributed.tensor``, its ``_api`` module and
+  ``torch.distributed._state_dict_utils`` -> :func:`~._compat.wrap_distribute_tensor`, and
+  ``_state_dict_utils._distribute_tensors`` -> :func:`~._compat.wrap_distribute_tensors`
+  (design note [ragged-compat]).
 
 Idempotent: every installed object carries a marker attribute, and a binding that already holds
 a marked object is left alone, so a second call (or a re-import) wraps nothing twice.
@@ -25,11 +29,14 @@ from __future__ import annotations
 from typing import TypeVar
 
 import torch
+import torch.distributed._state_dict_utils as _sd_utils
+import torch.distributed.tensor as _dt
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import _api as _dt_api
 from torch.distributed.tensor import _dispatch as _dt_dispatch
 from torch.distributed.tensor import _redistribute as _dt_redistribute
 
+from lightning_vescale.placement._compat import wrap_distribute_tensor, wrap_distribute_tensors
 from lightning_vescale.placement._dtensor import (
     CHECKPOINT_HOOKS,
     make_to_torch_tensor,
@@ -94,3 +101,11 @@ def install() -> None:
         handler = handlers.get(op)
         if handler is not None and not _is_installed(handler):
             handlers[op] = _marked(guard_custom_handler(handler))
+    # E4: distribute_tensor and the state-dict utilities' full -> shard cut.
+    for module in (_dt, _dt_api, _sd_utils):
+        current = getattr(module, "distribute_tensor", None)
+        if current is not None and not _is_installed(current):
+            module.distribute_tensor = _marked(wrap_distribute_tensor(current))
+    current = getattr(_sd_utils, "_distribute_tensors", None)
+    if current is not None and not _is_installed(current):
+        _sd_utils._distribute_tensors = _marked(wrap_distribute_tensors(current))

@@ -42,6 +42,9 @@ ordinary DTensors keep the normal path. For ragged schemas:
   DTensors (one collective per call, one per *list* for ``_foreach_norm``, so
   ``clip_grad_norm_(foreach=True)`` costs one all-reduce; its default for DTensors is the
   per-tensor loop, one all-reduce per gradient).
+* random fills (``uniform_``, ``normal_``..., ``rand_like``...; ``RANDOM_HANDLERS``, design
+  note [ragged-random] in ``_random_ops``) draw the whole tensor and keep the rank's range: the
+  values of single-device initialisation under the same seed.
 * ``copy_`` between two layouts of the same tensor redistributes the source, then copies.
 * anything else raises :class:`NotImplementedError` naming the op and the supported families;
   operands whose layouts do not match raise ``ValueError`` naming the op and both layouts.
@@ -73,6 +76,7 @@ from lightning_vescale.placement._common import (
     spec_str,
     unsupported,
 )
+from lightning_vescale.placement._random_ops import RANDOM_HANDLERS
 from lightning_vescale.placement._reductions import REDUCTION_HANDLERS
 
 __all__ = ["GUARDED_CUSTOM_OPS", "guard_custom_handler", "is_elementwise_op", "wrap_slow_path"]
@@ -316,7 +320,7 @@ def wrap_slow_path(original: Callable[..., object]) -> Callable[..., object]:
         # Runs only on a C++ sharding-cache miss. Non-ragged schemas: untouched torch path.
         if not _schema_has_ragged(op_info):
             return original(op_call, args, kwargs, op_info, try_cache)
-        direct = REDUCTION_HANDLERS.get(op_call)
+        direct = REDUCTION_HANDLERS.get(op_call) or RANDOM_HANDLERS.get(op_call)
         if direct is not None:
             return direct(op_call, args, kwargs)
         if op_call is aten.copy_.default:

@@ -18,6 +18,11 @@ tensor's rows, which a ragged slice does not respect, so they raise.
   all-reduce, so NaN propagates exactly as in the dense kernel (``clip_grad_norm_`` relies on
   it). Ranks without elements contribute the neutral element.
 * ``equal``/``allclose`` compare locally, then AND the flags over the ragged ranks.
+* Reductions over *some* dims (``vector_norm(w, dim=1)``, ``sum``/``mean``/``amax``/``amin``
+  with ``dim=``): a rank's flat range cuts rows anywhere, so each local element is sent to its
+  output element by index (``index_add_`` / ``scatter_reduce_`` into a zero/neutral vector of
+  the *result's* size), and one collective combines the vectors: traffic is the result's size,
+  not the tensor's (:func:`_dims_reduction`). Results are ``Replicate``, like full reductions.
 * The collectives run under ``record_function("vescale::ragged_reduce")`` (profiler traces).
 
 :data:`REDUCTION_HANDLERS` maps each supported op to its handler; ``_ops``'s slow path
@@ -67,14 +72,60 @@ def _reduce_groups(op: object, x: DTensor) -> tuple[dist.ProcessGroup, ...]:
 
 
 def _check_full(op: object, x: DTensor, dim: Any) -> None:
-    if dim is None:
-        return
-    dims = [dim] if isinstance(dim, int) else list(dim)
-    ndim = x.ndim
-    if dims and sorted({d % max(ndim, 1) for d in dims}) != list(range(ndim)):
+    if _partial_dims(x, dim) is not None:
         raise unsupported(
             op, [x._spec], f" with dim={dim}: only full reductions (dim=None) are supported"
         )
+
+
+def _partial_dims(x: DTensor, dim: Any) -> list[int] | None:
+    """The sorted reduced dims when ``dim`` reduces some but not all dims, else ``None``."""
+    if dim is None:
+        return None
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    ndim = x.ndim
+    reduced = sorted({d % max(ndim, 1) for d in dims})
+    if not dims or reduced == list(range(ndim)):
+        return None
+    return reduced
+
+
+def _dims_reduction(op: object, x: DTensor, dims: list[int], keepdim: bool, *,
+                    kind: Literal["sum", "max", "min"], values: torch.Tensor,
+                    out_dtype: torch.dtype, root: float | None = None,
+                    mean: bool = False) -> _Reduction:
+    """A reduction of ``x`` over ``dims`` (not all): ``values`` (this rank's local elements,
+    already mapped, e.g. ``|x|^p``) reduced into the result's elements by index."""
+    placement = x._spec.placements[0] if len(x._spec.placements) == 1 else None
+    if not isinstance(placement, RaggedShard):
+        raise unsupported(op, [x._spec], " with dim= on a mesh with more than one dimension")
+    shape = tuple(x.shape)
+    kept = [d for d in range(len(shape)) if d not in dims]
+    out_numel = math.prod(shape[d] for d in kept)
+    full_stride = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    out_stride = [math.prod(shape[k] for k in kept[i + 1:]) for i in range(len(kept))]
+    start, end = placement.local_range(shape, x.device_mesh.get_local_rank(0))
+    device = values.device
+    flat = torch.arange(start, end, device=device)
+    index = torch.zeros_like(flat)
+    for i, d in enumerate(kept):
+        index += (flat // full_stride[d]) % shape[d] * out_stride[i]
+    if kind == "sum":
+        partial = torch.zeros(out_numel, dtype=values.dtype, device=device)
+        partial.index_add_(0, index, values.reshape(-1))
+    else:
+        if values.dtype.is_floating_point:
+            neutral = -math.inf if kind == "max" else math.inf
+        else:
+            info = torch.iinfo(values.dtype)
+            neutral = info.min if kind == "max" else info.max
+        partial = torch.full((out_numel,), neutral, dtype=values.dtype, device=device)
+        partial.scatter_reduce_(0, index, values.reshape(-1), "amax" if kind == "max" else "amin")
+    out_shape = tuple(1 if d in dims else shape[d] for d in range(len(shape))) if keepdim \
+        else tuple(shape[d] for d in kept)
+    return _Reduction(partial=partial, combine=kind, groups=_reduce_groups(op, x),
+                      out_dtype=out_dtype, out_shape=out_shape, root=root,
+                      mean_of=math.prod(shape[d] for d in dims) if mean else None)
 
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -207,11 +258,35 @@ def _reduce_one(reduction: _Reduction, like: DTensor) -> DTensor:
 def _vector_norm(op, args, kwargs):
     bound = bind_args(op, args, kwargs)
     x = bound["self"]
-    _check_full(op, x, bound["dim"])
+    dims = _partial_dims(x, bound["dim"])
+    if dims is not None:
+        return _reduce_one(_norm_dims_reduction(op, x, dims, bool(bound["keepdim"]),
+                                                float(bound["ord"]), bound["dtype"]), x)
     reduction = _norm_reduction(
         op, x, bound["ord"], bound["dtype"], keep_shape=_keep_shape(x, bound["keepdim"])
     )
     return _reduce_one(reduction, x)
+
+
+def _norm_dims_reduction(op, x: DTensor, dims: list[int], keepdim: bool, p: float,
+                         dtype) -> _Reduction:
+    local = x._local_tensor
+    out_dtype = dtype if dtype is not None else local.dtype
+    if not out_dtype.is_floating_point or local.is_complex():
+        raise unsupported(op, [x._spec], f" with dim= and dtype {out_dtype}")
+    acc = torch.float32 if out_dtype in _LOW_PRECISION else out_dtype
+    mag = local.detach().abs().to(acc)
+    if math.isinf(p):
+        return _dims_reduction(op, x, dims, keepdim, kind="max" if p > 0 else "min",
+                               values=mag, out_dtype=out_dtype)
+    if p == 0:
+        return _dims_reduction(op, x, dims, keepdim, kind="sum", values=mag.ne(0).to(acc),
+                               out_dtype=out_dtype)
+    if p == 1:
+        return _dims_reduction(op, x, dims, keepdim, kind="sum", values=mag,
+                               out_dtype=out_dtype)
+    return _dims_reduction(op, x, dims, keepdim, kind="sum", values=mag.pow(p),
+                           out_dtype=out_dtype, root=1.0 / p)
 
 
 def _foreach_reduction(op, args, kwargs, make):
@@ -339,6 +414,14 @@ def _max_min(combine: str, as_bool: bool = False):
     def handler(op, args, kwargs):
         bound = bind_args(op, args, kwargs)
         x = bound["self"]
+        dims = _partial_dims(x, bound["dim"]) if "dim" in bound else None
+        if dims is not None and not as_bool:  # amax / amin over some dims
+            local = x._local_tensor.detach()
+            if math.prod(x.shape) == 0:
+                raise RuntimeError(f"{op}: the reduction of an empty tensor has no identity")
+            return _reduce_one(_dims_reduction(
+                op, x, dims, bool(bound.get("keepdim", False)), kind=combine, values=local,
+                out_dtype=local.dtype), x)
         if "dim" in bound:  # amax / amin: dim=[] means all dims
             _check_full(op, x, bound["dim"])
         keep = _keep_shape(x, bool(bound.get("keepdim", False)))
@@ -352,7 +435,7 @@ def _sum_mean(mean: bool):
     def handler(op, args, kwargs):
         bound = bind_args(op, args, kwargs)
         x = bound["self"]
-        _check_full(op, x, bound.get("dim"))
+        dims = _partial_dims(x, bound.get("dim"))
         local, dtype = x._local_tensor, bound["dtype"]
         if dtype is not None:
             out_dtype = dtype
@@ -365,6 +448,10 @@ def _sum_mean(mean: bool):
                 f"{op}: mean needs a floating point or complex dtype, got {out_dtype}"
             )
         acc = torch.float32 if out_dtype in _LOW_PRECISION else out_dtype
+        if dims is not None:  # over some dims
+            return _reduce_one(_dims_reduction(
+                op, x, dims, bool(bound.get("keepdim", False)), kind="sum",
+                values=local.detach().to(acc), out_dtype=out_dtype, mean=mean), x)
         reduction = _Reduction(
             partial=local.sum(dtype=acc), combine="sum", groups=_reduce_groups(op, x),
             out_dtype=out_dtype, out_shape=_keep_shape(x, bool(bound.get("keepdim", False))),

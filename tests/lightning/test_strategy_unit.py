@@ -53,7 +53,7 @@ def test_fabric_strategy_resolves_by_name():
 
 
 # -- precision pairing -----------------------------------------------------------------------------
-@pytest.mark.parametrize("flag", ["32-true", "bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize("flag", ["32-true", "bf16-mixed", "bf16-true", "16-true"])
 def test_precision_flag_becomes_vescale_precision(flag):
     t = trainer("vescale_fsdp", devices=2, precision=flag)
     plugin = t.strategy.precision_plugin
@@ -63,7 +63,8 @@ def test_precision_flag_becomes_vescale_precision(flag):
         assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
     else:
         assert policy is None
-    assert plugin.param_dtype == (torch.bfloat16 if flag == "bf16-true" else torch.float32)
+    want = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(flag, torch.float32)
+    assert plugin.param_dtype == want
 
 
 def test_16_mixed_has_a_sharded_scaler():
@@ -73,7 +74,7 @@ def test_16_mixed_has_a_sharded_scaler():
     assert plugin.mixed_precision_policy.param_dtype == torch.float16
 
 
-@pytest.mark.parametrize("flag", ["64-true", "16-true"])
+@pytest.mark.parametrize("flag", ["64-true"])
 def test_unsupported_precision_is_rejected(flag):
     with pytest.raises(ValueError, match="vescale_fsdp strategy cannot use the precision"):
         trainer("vescale_fsdp", devices=2, precision=flag)

@@ -52,7 +52,6 @@ def test_granularity_forms():
 
 
 @pytest.mark.parametrize("param,exc,word", [
-    (nn.Parameter(torch.ones(2, dtype=torch.int32), requires_grad=False), TypeError, "int32"),
     (nn.Parameter(torch.ones(2, dtype=torch.complex64)), TypeError, "complex"),
 ])
 def test_check_param_rejects(param, exc, word):

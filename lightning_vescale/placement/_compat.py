@@ -1,0 +1,136 @@
+"""torch functions that build sharded values from full ones, taught ``RaggedShard``.
+
+Design note [ragged-compat]
+---------------------------
+Two torch entry points cut a full tensor into DTensor shards by placement type, and know only
+``Shard``/``Replicate``/``Partial``:
+
+* ``distribute_tensor(full, mesh, placements, *, src_data_rank=0)`` raises "unsupported
+  placements" for a ``RaggedShard``. :func:`wrap_distribute_tensor` answers ragged placements
+  (on 1-D meshes) and passes every other call to torch unchanged: with ``src_data_rank`` set,
+  that rank's ``full`` is broadcast first (into a temporary on the other ranks: the caller's
+  tensor is not overwritten), then every rank keeps its flat range (:func:`local_slice`), as a
+  new leaf DTensor with ``full``'s ``requires_grad``.
+* ``torch.distributed._state_dict_utils._distribute_tensors`` (behind
+  ``set_model_state_dict(..., StateDictOptions(full_state_dict=True,
+  broadcast_from_rank0=True))``) cuts each broadcast full tensor with
+  ``compute_local_shape_and_global_offset``, a box, which a ragged range is not.
+  :func:`wrap_distribute_tensors` copies the ragged entries' ranges straight into the existing
+  local tensors (for sharded parameters: the DBuffer shard) and leaves the rest to torch. torch
+  broadcasts one full tensor at a time, so a rank holds at most one full tensor beside its
+  shards, as with FSDP2.
+
+Both are bound by ``install()`` (``_install``) wherever torch looks them up:
+``torch.distributed.tensor``, its ``_api`` module and ``torch.distributed._state_dict_utils``.
+Code that imported ``distribute_tensor`` by name *before* ``lightning_vescale`` was imported
+keeps torch's original (which raises on a ``RaggedShard``): import ``lightning_vescale`` first,
+or call it as ``torch.distributed.tensor.distribute_tensor``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lightning_vescale.placement._common import has_ragged, has_ragged_placement
+from lightning_vescale.placement._ragged_shard import (
+    RaggedShard,
+    local_slice,
+    ragged_from_local,
+)
+
+__all__ = ["distribute_ragged", "wrap_distribute_tensor", "wrap_distribute_tensors"]
+
+
+def _the_ragged(placements: Sequence[Any], mesh: DeviceMesh, what: str) -> RaggedShard:
+    placements = tuple(placements)
+    if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], RaggedShard):
+        raise NotImplementedError(
+            f"{what} with a RaggedShard placement supports 1-D meshes with placements "
+            f"(RaggedShard,) only; got placements {placements} on a {mesh.ndim}-D mesh.")
+    return placements[0]
+
+
+def distribute_ragged(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Any], *,
+                      src_data_rank: int | None = 0) -> DTensor:
+    """``distribute_tensor`` for ``(RaggedShard,)`` placements (design note [ragged-compat])."""
+    placement = _the_ragged(placements, mesh, "distribute_tensor")
+    if isinstance(tensor, DTensor):
+        if tensor.device_mesh == mesh and tuple(tensor.placements) == (placement,):
+            return tensor
+        raise ValueError(f"Cannot distribute a DTensor with placements {tensor.placements} to "
+                         f"{(placement,)}; call .redistribute(...) instead.")
+    if not tensor.is_leaf:
+        raise RuntimeError("`distribute_tensor` should be used to distribute leaf tensors! but "
+                           "found non-leaf tensor!")
+    full = tensor.detach()
+    if full.device.type != mesh.device_type and not full.is_meta:
+        full = full.to(mesh.device_type)
+    shape = tuple(full.shape)
+    placement.validate(shape, mesh.size(0))
+    if src_data_rank is not None and mesh.size(0) > 1 and not full.is_meta:
+        group = mesh.get_group(0)
+        src = dist.get_global_rank(group, src_data_rank)
+        buf = full.contiguous() if dist.get_rank() == src else torch.empty_like(
+            full, memory_format=torch.contiguous_format)
+        dist.broadcast(buf, src=src, group=group)
+        full = buf
+    local = local_slice(full, placement, mesh.get_local_rank(0)).clone()
+    out = ragged_from_local(local, mesh, placement, shape, autograd=False, check=False)
+    return out.requires_grad_(tensor.requires_grad)
+
+
+def wrap_distribute_tensor(original: Callable[..., DTensor]) -> Callable[..., DTensor]:
+    """torch's ``distribute_tensor`` with ragged placements answered by
+    :func:`distribute_ragged`; every other call goes to ``original`` unchanged."""
+
+    @functools.wraps(original)
+    def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
+                          placements: Sequence[Any] | None = None, *,
+                          src_data_rank: int | None = 0) -> DTensor:
+        if placements is not None and has_ragged_placement(placements):
+            if device_mesh is None:
+                raise ValueError("distribute_tensor with a RaggedShard placement needs an "
+                                 "explicit device_mesh (e.g. param.device_mesh).")
+            return distribute_ragged(tensor, device_mesh, placements,
+                                     src_data_rank=src_data_rank)
+        return original(tensor, device_mesh, placements, src_data_rank=src_data_rank)
+
+    distribute_tensor.__wrapped__ = original  # type: ignore[attr-defined]
+    return distribute_tensor
+
+
+def wrap_distribute_tensors(original: Callable[..., None]) -> Callable[..., None]:
+    """torch's ``_state_dict_utils._distribute_tensors`` with ragged entries (``(local DTensor,
+    full tensor)`` pairs) cut here; the others go to ``original``."""
+
+    @functools.wraps(original)
+    def _distribute_tensors(local_state_dict: dict[str, Any], keys: list[str],
+                            device: torch.device, pg: Any = None) -> None:
+        for key in keys:
+            entry = local_state_dict.get(key)
+            if not (isinstance(entry, tuple) and len(entry) == 2
+                    and isinstance(entry[0], DTensor) and has_ragged(entry[0]._spec)):
+                continue
+            local_state, full = entry
+            mesh = local_state.device_mesh
+            placement = _the_ragged(local_state.placements, mesh, "set_model_state_dict")
+            piece = local_slice(full, placement, mesh.get_local_rank(0))
+            if local_state.is_meta:
+                local_state_dict[key] = ragged_from_local(
+                    piece.detach().clone(), mesh, placement, tuple(local_state.shape),
+                    autograd=False, check=False)
+            else:
+                with torch.no_grad():
+                    local_state._local_tensor.copy_(piece)
+                local_state_dict[key] = local_state
+        return original(local_state_dict, keys, device, pg)
+
+    _distribute_tensors.__wrapped__ = original  # type: ignore[attr-defined]
+    return _distribute_tensors
