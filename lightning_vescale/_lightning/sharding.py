@@ -198,6 +198,23 @@ class ShardGranularity:
     optimizer_block_size: Optional[int]
     min_block_numel: int
 
+    def explain(self) -> str:
+        """The rule, in words: which tensors get which granularity and why (for reports)."""
+        g = self.granularity
+        own = ("element-wise" if g is None or g in (1, "element", "elements")
+               else f"granularity={g!r}")
+        if self.optimizer_block_size is None:
+            return (f"every tensor: {own} (optimizer_block_size=None: no alignment for "
+                    "block-wise optimizer states).")
+        block = self.optimizer_block_size
+        large = (f"multiples of {block} elements" if own == "element-wise"
+                 else f"{own}, rounded up to a multiple of {block} elements")
+        return (f"tensors of {self.min_block_numel:,}+ elements: {large} (optimizer_block_size="
+                f"{block}: an AdamW8bit quantization block never straddles two ranks, so each "
+                f"rank quantizes its own shard without communication); smaller tensors: {own} "
+                f"(AdamW8bit keeps their states in fp32, so they need no alignment and "
+                f"{'pad the least' if own == 'element-wise' else 'keep your granularity'}).")
+
     def __call__(self, name: str, param: Tensor) -> int:
         shape = tuple(param.shape)
         large = self.optimizer_block_size is not None and math.prod(shape) >= self.min_block_numel
@@ -291,23 +308,42 @@ def _move_unsharded(module: Module, device: torch.device) -> None:
 
 
 def remap_optimizer_params(optimizer: Optimizer, old_names: dict[int, str],
-                           module: Module) -> None:
-    """Point an optimizer created before sharding at the new (sharded) parameter objects."""
+                           module: Module) -> bool:
+    """Point an optimizer created before sharding at the new (sharded) parameter objects.
+
+    ``old_names`` maps ``id()`` of the parameters before sharding to their names. Parameters that
+    are already ``module``'s own are kept. Returns whether anything was re-pointed.
+
+    Raises:
+        ValueError: the optimizer has state (it would stay with the old objects), or holds a
+            parameter that is neither ``module``'s nor one of the old ones.
+    """
+    new = dict(module.named_parameters(remove_duplicate=False))
+    current = {id(p) for p in new.values()}
+    stale = [p for group in optimizer.param_groups for p in group["params"]
+             if id(p) not in current]
+    if not stale:
+        return False
     if optimizer.state:
         raise ValueError(
             "The optimizer already has state, so it cannot be moved onto sharded parameters. "
             "Create the optimizer before its first step, or call setup_module() first and create "
             "the optimizer from the returned module's parameters."
         )
-    new = dict(module.named_parameters(remove_duplicate=False))
     for group in optimizer.param_groups:
         params = []
         for p in group["params"]:
+            if id(p) in current:
+                params.append(p)
+                continue
             name = old_names.get(id(p))
             if name is None or name not in new:
                 raise ValueError(
-                    "The optimizer holds a parameter that is not part of the module being set up; "
-                    "create the optimizer from this module's parameters."
+                    f"The optimizer {type(optimizer).__name__} holds a parameter of shape "
+                    f"{tuple(p.shape)} that is not part of the module being sharded; create the "
+                    "optimizer from this module's parameters (self.parameters() in "
+                    "configure_optimizers)."
                 )
             params.append(new[name])
         group["params"] = params
+    return True
