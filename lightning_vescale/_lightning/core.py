@@ -57,6 +57,8 @@ from lightning_vescale._lightning.sharding import (
     ShardGranularity,
     remap_optimizer_params,
     shard_model,
+    validate_process_group_backend,
+    validate_reshard_after_forward,
     validate_sharding_args,
     validate_state_dict_type,
     validate_timeout,
@@ -106,16 +108,20 @@ class VeScaleStrategyCore:
         process_group_backend: Optional[str],
         timeout: Any,
     ) -> None:
-        """Validate and store the arguments both strategies take (errors name the parameter)."""
+        """Validate and store the arguments both strategies take (errors name the parameter).
+
+        Every argument is checked here, in the constructor: a mistake in a YAML config fails
+        before any process is started, not after the launch (design note [strategy-core]).
+        """
         self._sharding_units = validate_sharding_args(
             sharding_units, granularity, optimizer_block_size, optimizer_min_block_numel)
         self._optimizer_block_size = optimizer_block_size
         self._granularity = ShardGranularity(granularity=granularity,
                                              optimizer_block_size=optimizer_block_size,
                                              min_block_numel=optimizer_min_block_numel)
-        self._reshard_after_forward = reshard_after_forward
+        self._reshard_after_forward = validate_reshard_after_forward(reshard_after_forward)
         self._state_dict_type = validate_state_dict_type(state_dict_type)
-        self._process_group_backend = process_group_backend
+        self._process_group_backend = validate_process_group_backend(process_group_backend)
         self._timeout: Optional[timedelta] = validate_timeout(timeout)
         self._num_nodes = 1
         self._device_mesh: Optional[DeviceMesh] = None
