@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the examples package
 
-from examples.gpt import GPT, CharDataset, GPTConfig  # noqa: E402
+from examples.gpt import GPT, CharDataset, GPTConfig
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,13 +27,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--save", default=None, help="write a sharded checkpoint here at the end")
     args = p.parse_args(argv)
-    devices = "auto" if torch.cuda.is_available() else 2
-    steps = args.steps
 
     import lightning as L
     import lightning_vescale  # noqa: F401  (registers strategy="vescale_fsdp" for Fabric too)
 
-    fabric = L.Fabric(strategy="vescale_fsdp", devices=devices)
+    fabric = L.Fabric(strategy="vescale_fsdp", devices=2)  # 2 GPUs, or 2 CPU processes
     fabric.launch()
     fabric.seed_everything(0)
     model = GPT(GPTConfig(n_embd=64))
@@ -42,16 +40,16 @@ def main(argv: list[str] | None = None) -> None:
     data = torch.utils.data.DataLoader(CharDataset(length=4096), batch_size=16, shuffle=True)
     data = fabric.setup_dataloaders(data)              # each rank its part of every batch
 
-    for step, (x, y) in zip(range(steps), data):
+    for step, (x, y) in zip(range(args.steps), data):
         loss = model(x, y)
         fabric.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        if step % 5 == 0 or step == steps - 1:
+        if step % 5 == 0 or step == args.steps - 1:
             fabric.print(f"step {step}: loss {fabric.all_reduce(loss.detach()).item():.4f}")
 
     if args.save:
-        fabric.save(args.save, {"model": model, "optimizer": optimizer, "step": steps})
+        fabric.save(args.save, {"model": model, "optimizer": optimizer, "step": args.steps})
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ def main(argv: list[str] | None = None) -> float:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=8, help="global batch size")
-    p.add_argument("--fp32", action="store_true", help="no mixed precision (bf16 by default)")
     args = p.parse_args(argv)
 
     # torchrun sets RANK/WORLD_SIZE/MASTER_ADDR; a plain `python` run is a world of one.
@@ -59,9 +58,8 @@ def main(argv: list[str] | None = None) -> float:
 
     torch.manual_seed(0)  # the same initial weights on every rank (each keeps its shard)
     model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4)).to(device)
-    dtype = None if args.fp32 else torch.bfloat16
 
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:                   # as with FSDP2: each block, then the root,
         fully_shard(block, mp_policy=mp)         # with the same policy everywhere
     fully_shard(model, mp_policy=mp)
@@ -80,8 +78,8 @@ def main(argv: list[str] | None = None) -> float:
         losses.append(loss.item() / world)
 
     if rank == 0:
-        print(f"fully_shard: {world} process(es), {args.steps} steps, "
-              f"{'bf16' if dtype else 'fp32'} compute, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        print(f"fully_shard: {world} process(es), {args.steps} steps, bf16 compute, "
+              f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     dist.destroy_process_group()
     return losses[-1]
 

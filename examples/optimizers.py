@@ -19,9 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the examples package
 
-import lightning_vescale  # noqa: E402,F401  (registers strategy="vescale_fsdp")
-from examples.train_gpt import CharDataModule, GPTModule  # noqa: E402
-from lightning_vescale.optim import AdamW8bit, Muon  # noqa: E402
+import lightning_vescale  # noqa: F401  (registers strategy="vescale_fsdp")
+from examples.train_gpt import CharDataModule, GPTModule
+
+from lightning_vescale.optim import AdamW8bit, Muon
 
 
 class GPTAdamW8bit(GPTModule):
