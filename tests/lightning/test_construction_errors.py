@@ -111,3 +111,13 @@ def test_planner_cli_errors_say_how_to_fix_them(capsys, args, match):
     err = capsys.readouterr().err
     for m in match:
         assert m in err, err
+
+
+def test_granularity_policy_says_why():
+    default = VeScaleFSDPStrategy().granularity_policy.explain()
+    assert "tensors of 4,096+ elements: multiples of 256 elements" in default
+    assert "smaller tensors: element-wise" in default
+    rows = VeScaleFabricStrategy(granularity="row").granularity_policy.explain()
+    assert "granularity='row', rounded up to a multiple of 256" in rows
+    off = VeScaleFSDPStrategy(optimizer_block_size=None).granularity_policy.explain()
+    assert off.startswith("every tensor: element-wise (optimizer_block_size=None")
