@@ -2,12 +2,16 @@
 
 Trains the embedded GPT (``examples/gpt.py``) for a few steps with any strategy, profiling every
 step and saving one checkpoint, and writes per rank ``memory_timeline_rank{r}.png`` plus (rank
-zero) ``memory_table_{strategy}.txt`` and the CSV metrics under ``--out``::
+zero) ``memory_table_{strategy}.txt`` and the CSV metrics under ``--out`` (default:
+``memory_profile/`` in the current directory)::
 
     python examples/memory_profile.py                                  # one CPU process
     python examples/memory_profile.py --strategy ddp --devices 2       # Lightning DDP
     python examples/memory_profile.py --strategy vescale_fsdp --devices 2
     python examples/memory_profile.py --accelerator cuda --snapshot   # + allocator snapshot
+
+The README's figure and table were made with ``--out docs/memory`` (see
+``benchmarks/RESULTS_memory.md``); the default never writes into the repository.
 
 Needs ``matplotlib`` for the plot (``pip install 'lightning-vescale[plot]'``); without it, pass
 ``--no-plot``.
@@ -59,7 +63,8 @@ def main() -> None:
     p.add_argument("--n-embd", type=int, default=512)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--out", default=os.path.join(ROOT, "docs", "memory"))
+    p.add_argument("--out", default="memory_profile",
+                   help="output directory (default: ./memory_profile)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--snapshot", action="store_true", help="CUDA: allocator snapshot at step 1")
     args = p.parse_args()

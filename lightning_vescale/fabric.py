@@ -8,6 +8,7 @@ properties, environment set-up, collectives, sharding) is design note [strategy-
 
 from __future__ import annotations
 
+import weakref
 from contextlib import AbstractContextManager, ExitStack
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
@@ -102,6 +103,7 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
                         state_dict_type=state_dict_type,
                         process_group_backend=process_group_backend, timeout=timeout)
         self._backward_sync_control = _VeScaleBackwardSyncControl()
+        self._set_up_modules: list[weakref.ref[Module]] = []
 
     # -- properties ------------------------------------------------------------------------------
     @property
@@ -144,12 +146,15 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
                                "optimizer from `model.parameters()`), or pass both to "
                                "`fabric.setup(model, optimizer)`.")
         self._inherit_block_size(optimizer)
+        self._bind_param_names(optimizer, [m for m in (r() for r in self._set_up_modules)
+                                           if m is not None])
         return super().setup_optimizer(optimizer)
 
     @override
     def setup_module(self, module: Module) -> Module:
         module = self.precision.convert_module(module)
         self._shard(module)
+        self._set_up_modules.append(weakref.ref(module))  # names for setup_optimizer
         return module
 
     @override

@@ -178,6 +178,7 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
                              f"'forkserver', got {start_method!r}.")
         self._start_method = start_method
         self._wrapper: Optional[_RootWrapper] = None
+        self._names_before_sharding: dict[int, str] = {}
 
     # -- properties ------------------------------------------------------------------------------
     @property
@@ -240,10 +241,16 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
+        # names of the parameters as they are before sharding, for an optimizer that was built
+        # from them (LightningCLI's optimizer section); the list keeps the ids valid meanwhile
+        before = list(lm.named_parameters(remove_duplicate=False))
+        self._names_before_sharding = {id(p): n for n, p in before}
         self.model = self._shard_root(lm)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+        del before
+        self._names_before_sharding = {}
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -266,9 +273,13 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
+        lm = self.lightning_module
+        assert lm is not None
         for optimizer in self.optimizers:
+            self._adopt_optimizer(optimizer, lm, self._names_before_sharding)
             check_optimizer_params(optimizer, _OPTIMIZER_HINT)
             self._inherit_block_size(optimizer)
+            self._bind_param_names(optimizer, [lm])
 
     @override
     def model_to_device(self) -> None:

@@ -28,6 +28,7 @@ set-up, checkpoint layout (``optimizer_states``) and hooks; Fabric's ``setup_mod
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, Union
@@ -44,6 +45,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -53,14 +55,17 @@ from typing_extensions import override
 from lightning_vescale._lightning.peers import ExceptionAgreement
 from lightning_vescale._lightning.sharding import (
     ShardGranularity,
+    remap_optimizer_params,
     shard_model,
+    validate_process_group_backend,
+    validate_reshard_after_forward,
     validate_sharding_args,
     validate_state_dict_type,
     validate_timeout,
 )
 from lightning_vescale.checkpoint import check_checkpoint_path
 from lightning_vescale.mesh import init_mesh
-from lightning_vescale.optim import AdamW8bit
+from lightning_vescale.optim import AdamW8bit, Muon
 from lightning_vescale.precision import _VeScalePrecisionMixin
 
 __all__ = ["RegistryEntry", "VeScaleStrategyCore"]
@@ -103,16 +108,20 @@ class VeScaleStrategyCore:
         process_group_backend: Optional[str],
         timeout: Any,
     ) -> None:
-        """Validate and store the arguments both strategies take (errors name the parameter)."""
+        """Validate and store the arguments both strategies take (errors name the parameter).
+
+        Every argument is checked here, in the constructor: a mistake in a YAML config fails
+        before any process is started, not after the launch (design note [strategy-core]).
+        """
         self._sharding_units = validate_sharding_args(
             sharding_units, granularity, optimizer_block_size, optimizer_min_block_numel)
         self._optimizer_block_size = optimizer_block_size
         self._granularity = ShardGranularity(granularity=granularity,
                                              optimizer_block_size=optimizer_block_size,
                                              min_block_numel=optimizer_min_block_numel)
-        self._reshard_after_forward = reshard_after_forward
+        self._reshard_after_forward = validate_reshard_after_forward(reshard_after_forward)
         self._state_dict_type = validate_state_dict_type(state_dict_type)
-        self._process_group_backend = process_group_backend
+        self._process_group_backend = validate_process_group_backend(process_group_backend)
         self._timeout: Optional[timedelta] = validate_timeout(timeout)
         self._num_nodes = 1
         self._device_mesh: Optional[DeviceMesh] = None
@@ -157,6 +166,12 @@ class VeScaleStrategyCore:
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def granularity_policy(self) -> ShardGranularity:
+        """How shard bounds are chosen per tensor (``granularity``, ``optimizer_block_size``,
+        ``optimizer_min_block_numel``); ``.explain()`` says it in words."""
+        return self._granularity
 
     @property
     def process_group_backend(self) -> Optional[str]:
@@ -224,6 +239,32 @@ class VeScaleStrategyCore:
                     mp_policy=self._vescale_precision.mixed_precision_policy,
                     granularity=self._granularity,
                     reshard_after_forward=self._reshard_after_forward)
+
+    def _adopt_optimizer(self, optimizer: Any, module: Module,
+                         names_before_sharding: dict[int, str]) -> None:
+        """Make an optimizer that was built before ``module`` was sharded step the shards.
+
+        LightningCLI's ``optimizer:`` section builds the optimizer when the command line is
+        parsed, from ``model.parameters()`` as they were *before* the strategy sharded them:
+        left as it is, it would step parameters nothing uses any more, and the model would not
+        train. Its parameters are re-pointed at the sharded ones by name (it has no state yet).
+        """
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        remap_optimizer_params(optimizer, names_before_sharding, module)
+
+    def _bind_param_names(self, optimizer: Any, modules: Iterable[Module]) -> None:
+        """A ``Muon`` built from unnamed parameters (LightningCLI's ``optimizer:`` section,
+        ``OptimizerCallable``, ``Muon(model.parameters())``) gets the modules' parameter names,
+        so it becomes exactly ``Muon(model.named_parameters(), ...)``: embeddings and the
+        output head go to its AdamW fallback instead of being orthogonalised."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        if not isinstance(optimizer, Muon):
+            return
+        named = [pair for m in modules for pair in m.named_parameters()]
+        try:
+            optimizer.bind_names(named)
+        except ValueError as err:
+            rank_zero_warn(f"{err} Until then Muon routes these parameters by shape only.")
 
     def _inherit_block_size(self, optimizer: Any) -> None:
         """An ``AdamW8bit`` that stated no ``block_size`` quantizes in the blocks the shards were

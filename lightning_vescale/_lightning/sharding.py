@@ -40,6 +40,7 @@ from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
@@ -56,6 +57,8 @@ __all__ = [
     "reshard_all",
     "NoGradSync",
     "validate_sharding_args",
+    "validate_reshard_after_forward",
+    "validate_process_group_backend",
     "validate_timeout",
     "validate_state_dict_type",
     "ShardGranularity",
@@ -125,9 +128,14 @@ def validate_sharding_args(sharding_units: Any, granularity: Any, optimizer_bloc
     if sharding_units is not None:
         if isinstance(sharding_units, (str, type)):
             sharding_units = [sharding_units]
+        if not isinstance(sharding_units, Iterable):
+            raise TypeError(
+                f"sharding_units must be a list of nn.Module classes or class names (or None), "
+                f"got {sharding_units!r}; e.g. sharding_units=['Block'].")
         units = list(sharding_units)
         for u in units:
-            if not (isinstance(u, str) or (isinstance(u, type) and issubclass(u, Module))):
+            if not ((isinstance(u, str) and u.strip()) or
+                    (isinstance(u, type) and issubclass(u, Module))):
                 raise TypeError(
                     f"sharding_units entries must be nn.Module classes or class names, got {u!r}; "
                     "e.g. sharding_units=['Block'] or sharding_units=[Block]."
@@ -136,22 +144,60 @@ def validate_sharding_args(sharding_units: Any, granularity: Any, optimizer_bloc
                                              not isinstance(optimizer_block_size, int) or
                                              optimizer_block_size < 1):
         raise ValueError(
-            f"optimizer_block_size must be a positive int or None, got {optimizer_block_size!r}."
+            f"optimizer_block_size must be a positive int or None, got {optimizer_block_size!r}; "
+            f"e.g. optimizer_block_size={DEFAULT_OPTIMIZER_BLOCK_SIZE} (AdamW8bit's block) or "
+            "None when the optimizer is not block-wise."
         )
-    if not isinstance(optimizer_min_block_numel, int) or optimizer_min_block_numel < 0:
+    if (isinstance(optimizer_min_block_numel, bool) or
+            not isinstance(optimizer_min_block_numel, int) or optimizer_min_block_numel < 0):
         raise ValueError(
-            f"optimizer_min_block_numel must be an int >= 0, got {optimizer_min_block_numel!r}."
+            f"optimizer_min_block_numel must be an int >= 0, got {optimizer_min_block_numel!r}; "
+            f"e.g. {DEFAULT_MIN_BLOCK_NUMEL} (AdamW8bit keeps smaller tensors in fp32)."
         )
     check_granularity(granularity)
-    if isinstance(granularity, int) and optimizer_block_size is not None \
-            and granularity % optimizer_block_size:
+    elements = granularity if isinstance(granularity, int) else (
+        int(granularity) if isinstance(granularity, str) and granularity.strip().isdigit()
+        else None)
+    if elements is not None and optimizer_block_size is not None \
+            and elements % optimizer_block_size:
+        up = -(-elements // optimizer_block_size) * optimizer_block_size
         raise ValueError(
-            f"granularity={granularity} is not a multiple of optimizer_block_size="
-            f"{optimizer_block_size}: block-wise optimizer states would straddle ranks. "
-            f"Use granularity={math.lcm(granularity, optimizer_block_size)} or set "
+            f"granularity={granularity!r} is not a multiple of optimizer_block_size="
+            f"{optimizer_block_size}: AdamW8bit's quantization blocks would straddle ranks. Use "
+            f"granularity={up} (the next multiple of {optimizer_block_size}), or "
+            f"granularity=None (element-wise, and multiples of {optimizer_block_size} for "
+            f"tensors of {optimizer_min_block_numel}+ elements: the least padding), or "
             "optimizer_block_size=None if the optimizer is not block-wise."
         )
     return units
+
+
+def validate_reshard_after_forward(reshard_after_forward: Any) -> bool:
+    """The ``reshard_after_forward`` argument: a ``bool`` (not a truthy string from a config)."""
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            f"reshard_after_forward must be True or False, got {reshard_after_forward!r}: True "
+            "frees each group's gathered parameters after its forward (ZeRO-3, least memory), "
+            "False keeps them until backward (one all-gather less per group and step)."
+        )
+    return reshard_after_forward
+
+
+def validate_process_group_backend(backend: Any) -> Optional[str]:
+    """The ``process_group_backend`` argument: ``None`` (from the accelerator), a backend name
+    torch knows (``"gloo"``, ``"nccl"``, a registered one) or ``"cpu:gloo,cuda:nccl"``."""
+    if backend is None:
+        return None
+    known = [b for b in torch.distributed.Backend.backend_list if b not in ("undefined", "fake")] \
+        if torch.distributed.is_available() else []
+    names = [part.split(":")[-1].strip().lower() for part in backend.split(",")] \
+        if isinstance(backend, str) and backend.strip() else None
+    if names is None or (known and any(n not in known for n in names)):
+        raise ValueError(
+            f"process_group_backend must be None (taken from the accelerator: 'gloo' on CPU, "
+            f"'nccl' on CUDA) or one of {known} (or 'cpu:gloo,cuda:nccl'), got {backend!r}."
+        )
+    return backend
 
 
 def validate_timeout(timeout: Any) -> Optional[timedelta]:
@@ -199,6 +245,23 @@ class ShardGranularity:
     optimizer_block_size: Optional[int]
     min_block_numel: int
 
+    def explain(self) -> str:
+        """The rule, in words: which tensors get which granularity and why (for reports)."""
+        g = self.granularity
+        own = ("element-wise" if g is None or g in (1, "element", "elements")
+               else f"granularity={g!r}")
+        if self.optimizer_block_size is None:
+            return (f"every tensor: {own} (optimizer_block_size=None: no alignment for "
+                    "block-wise optimizer states).")
+        block = self.optimizer_block_size
+        large = (f"multiples of {block} elements" if own == "element-wise"
+                 else f"{own}, rounded up to a multiple of {block} elements")
+        return (f"tensors of {self.min_block_numel:,}+ elements: {large} (optimizer_block_size="
+                f"{block}: an AdamW8bit quantization block never straddles two ranks, so each "
+                f"rank quantizes its own shard without communication); smaller tensors: {own} "
+                f"(AdamW8bit keeps their states in fp32, so they need no alignment and "
+                f"{'pad the least' if own == 'element-wise' else 'keep your granularity'}).")
+
     def __call__(self, name: str, param: Tensor) -> int:
         shape = tuple(param.shape)
         large = self.optimizer_block_size is not None and math.prod(shape) >= self.min_block_numel
@@ -225,10 +288,24 @@ def _post_order(module: Module) -> Iterable[Module]:
 
 def resolve_sharding_units(root: Module, units: Optional[Sequence[Union[str, type]]]
                            ) -> list[Module]:
-    """The modules (excluding ``root``) that become their own group, children first."""
+    """The modules (excluding ``root``) that become their own group, children first.
+
+    ``units=None``: every child of every ``nn.ModuleList``; a model without one is a single group
+    (logged once, with how to choose units). ``units=[]``: a single group, as asked.
+    """
     if units is None:
         chosen = {id(c) for m in root.modules() if isinstance(m, nn.ModuleList) for c in m}
-        return [m for m in _post_order(root) if id(m) in chosen and m is not root]
+        found = [m for m in _post_order(root) if id(m) in chosen and m is not root]
+        if not found:
+            rank_zero_info(
+                f"vescale_fsdp: {type(root).__name__} has no nn.ModuleList and no sharding_units "
+                "were given, so the whole model is one sharding group (all of it is gathered for "
+                "forward and backward). To shard block by block, pass sharding_units=['YourBlock']"
+                " (class names or classes; `python -m lightning_vescale.planner --model ...` "
+                "shows the groups).")
+        return found
+    if not units:
+        return []
     found = [m for m in _post_order(root) if m is not root and _class_matches(m, units)]
     if not found:
         names = sorted({type(m).__name__ for m in root.modules()})
@@ -295,26 +372,45 @@ def _move_unsharded(module: Module, device: torch.device) -> None:
 
 
 def remap_optimizer_params(optimizer: Optimizer, old_names: dict[int, str],
-                           module: Module) -> None:
-    """Point an optimizer created before sharding at the new (sharded) parameter objects."""
+                           module: Module) -> bool:
+    """Point an optimizer created before sharding at the new (sharded) parameter objects.
+
+    ``old_names`` maps ``id()`` of the parameters before sharding to their names. Parameters that
+    are already ``module``'s own are kept. Returns whether anything was re-pointed.
+
+    Raises:
+        ValueError: the optimizer has state (it would stay with the old objects), or holds a
+            parameter that is neither ``module``'s nor one of the old ones.
+    """
+    new = dict(module.named_parameters(remove_duplicate=False))
+    current = {id(p) for p in new.values()}
+    stale = [p for group in optimizer.param_groups for p in group["params"]
+             if id(p) not in current]
+    if not stale:
+        return False
     if optimizer.state:
         raise ValueError(
             "The optimizer already has state, so it cannot be moved onto sharded parameters. "
             "Create the optimizer before its first step, or call setup_module() first and create "
             "the optimizer from the returned module's parameters."
         )
-    new = dict(module.named_parameters(remove_duplicate=False))
     for group in optimizer.param_groups:
         params = []
         for p in group["params"]:
+            if id(p) in current:
+                params.append(p)
+                continue
             name = old_names.get(id(p))
             if name is None or name not in new:
                 raise ValueError(
-                    "The optimizer holds a parameter that is not part of the module being set up; "
-                    "create the optimizer from this module's parameters."
+                    f"The optimizer {type(optimizer).__name__} holds a parameter of shape "
+                    f"{tuple(p.shape)} that is not part of the module being sharded; create the "
+                    "optimizer from this module's parameters (self.parameters() in "
+                    "configure_optimizers)."
                 )
             params.append(new[name])
         group["params"] = params
+    return True
 
 
 def check_optimizer_params(optimizer: Optimizer, hint: str) -> None:

@@ -60,6 +60,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
@@ -72,7 +73,8 @@ from lightning_vescale.callbacks._memory_accounting import (
 )
 from lightning_vescale.callbacks._memory_device import DeviceMemory
 from lightning_vescale.callbacks._memory_plot import PLOT_HINT, plot_timeline
-from lightning_vescale.dbuffer import live_dbuffers
+from lightning_vescale.dbuffer import DBuffer, live_dbuffers
+from lightning_vescale.fsdp import dbuffers
 
 __all__ = ["MemoryProfiler", "MemorySample", "PHASES", "engine_tensors", "format_table"]
 
@@ -85,8 +87,13 @@ _MIB = float(1 << 20)
 _FIGURES: tuple[str, ...] = CATEGORIES + ("activations_other", "off_device")
 
 
-def engine_tensors() -> tuple[dict[str, list[torch.Tensor]], int]:
-    """Storage of the live ``DBuffer``s of :mod:`lightning_vescale.dbuffer`, by role.
+def engine_tensors(module: torch.nn.Module | None = None
+                   ) -> tuple[dict[str, list[torch.Tensor]], int]:
+    """Storage of the ``DBuffer``s of ``module``'s ``fully_shard`` groups, by role (with
+    ``module=None``: every live ``DBuffer`` of the process, :func:`live_dbuffers`).
+
+    Only the trained module's buffers belong to its run: another sharded model still alive in the
+    process (a first Trainer's, in a script that compares strategies) is not this run's memory.
 
     Returns ``({category: tensors}, extra_comm_bytes)``. A ``DBuffer``'s owned ``shard`` is sharded
     parameter memory, its ``full`` buffer (the all-gather output that unsharded parameters view)
@@ -100,7 +107,8 @@ def engine_tensors() -> tuple[dict[str, list[torch.Tensor]], int]:
     extra = 0
     roles = (("shard", "params_sharded"), ("full", "params_unsharded"),
              ("grad_full", "grads"), ("grad_shard", "grads"))
-    for buf in live_dbuffers():
+    buffers: list[DBuffer] = live_dbuffers() if module is None else dbuffers(module)
+    for buf in buffers:
         for attr, cat in roles:
             t = getattr(buf, attr)
             if isinstance(t, torch.Tensor):
@@ -123,7 +131,8 @@ class MemoryProfiler(Callback):
         every_n_steps: profile one training batch in this many (the first batch, then every
             n-th). ``None`` uses the Trainer's ``log_every_n_steps``. ``1`` profiles every batch.
         plot_dir: directory for ``memory_timeline_rank{r}.png`` (one per rank, written at the end
-            of ``fit``). ``None``: no plot. Needs ``matplotlib`` (the ``plot`` extra).
+            of ``fit``). ``None``: no plot. Needs ``matplotlib`` (the ``plot`` extra); without
+            it the constructor raises ``ModuleNotFoundError`` naming the install command.
         print_table: log the summary table on rank zero at the end of ``fit``.
         track_checkpoint: time ``trainer.save_checkpoint`` as the ``checkpoint_save`` phase (the
             callback wraps that method for the duration of ``fit``).
@@ -175,6 +184,11 @@ class MemoryProfiler(Callback):
                 f"MemoryProfiler(snapshot_max_entries={snapshot_max_entries!r}): expected an "
                 "int >= 1."
             )
+        if plot_dir is not None:  # at construction: before any process starts or step runs
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError as err:
+                raise ModuleNotFoundError(PLOT_HINT) from err
         self.every_n_steps = every_n_steps
         self.plot_dir = plot_dir
         self.print_table = print_table
@@ -234,7 +248,7 @@ class MemoryProfiler(Callback):
         modules = [module] if module is not None else []
         optimizers = list(trainer.optimizers) if trainer is not None else []
         found = collect_training_tensors(modules, optimizers)
-        engine, extra = engine_tensors()
+        engine, extra = engine_tensors(module)
         for cat, tensors in engine.items():
             found.setdefault(cat, []).extend(tensors)
         return account(device=self._mem.device, extra_comm_bytes=extra, **found)
@@ -288,11 +302,6 @@ class MemoryProfiler(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if self.plot_dir is not None:
-            try:
-                import matplotlib  # noqa: F401
-            except ImportError as err:
-                raise ModuleNotFoundError(PLOT_HINT) from err
         self._reset_state()
         self.samples = []
         self.phase_peaks = {}
@@ -405,8 +414,13 @@ class MemoryProfiler(Callback):
         """``(world, k)`` float64 tensor of every rank's ``values`` (collective on every rank)."""
         device = trainer.strategy.root_device
         t = torch.tensor(list(values), dtype=torch.float64, device=device)
-        if trainer.world_size > 1:
-            t = trainer.strategy.all_gather(t)
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            # torch.distributed directly: Lightning's strategy.all_gather goes through
+            # torch.distributed.nn.functional.all_gather, which torch 2.13 deprecates (a warning
+            # on every rank and run); the list all_gather is the plain, supported collective.
+            parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, t)
+            t = torch.stack(parts)
         if t.dim() == 1:
             t = t.unsqueeze(0)
         return t.cpu()

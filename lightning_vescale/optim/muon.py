@@ -81,6 +81,12 @@ from lightning_vescale.optim._newton_schulz import (
 __all__ = ["Muon"]
 
 
+#: Every key a resolved group may hold (either kind); anything else was added afterwards.
+_RESOLVED = frozenset(("params", "param_names", "use_muon", "lr", "weight_decay", "momentum", "nesterov", "ns_coefficients",
+                       "eps", "ns_steps", "adjust_lr_fn", "betas", "foreach", "maximize",
+                       "capturable", "differentiable", "fused", "decoupled_weight_decay"))
+
+
 def _zeros_state(p: Tensor) -> Tensor:
     """A zero state laid out like ``p`` (a DTensor with its placement for a DTensor ``p``)."""
     return state_like(p, torch.zeros_like(local_view(p), memory_format=torch.preserve_format))
@@ -177,6 +183,8 @@ class Muon(ShardedOptimizer):
         self.comm_bytes = 0
         self.ns_flops = 0
         self._plans: dict[Any, CommPlan] = {}
+        # per user group: (its settings, how many resolved groups, each parameter's position)
+        self._user_groups: list[tuple[dict[str, Any], int, list[tuple[int, int]]]] = []
         defaults = {**self._muon_defaults, **{f"adamw_{k}": v for k, v in
                                               self._adamw_defaults.items()}}
         super().__init__(params, defaults)
@@ -185,13 +193,102 @@ class Muon(ShardedOptimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Route ``param_group`` (see the class docstring) and add the resolved group(s)."""
         named = bool(self.param_groups) and "param_names" in self.param_groups[0]
-        for group in resolve_groups(param_group, self._router, self._muon_defaults,
-                                    self._adamw_defaults, named_optimizer=named):
+        if isinstance(param_group, dict):  # (resolve_groups names the type error otherwise)
+            params = param_group.get("params", ())
+            param_group = {**param_group,  # a generator is read once: keep the list
+                           "params": [params] if isinstance(params, Tensor) else list(params)}
+        resolved = resolve_groups(param_group, self._router, self._muon_defaults,
+                                  self._adamw_defaults, named_optimizer=named)
+        where = {id(x[1] if isinstance(x, tuple) else x): (k, j)
+                 for k, group in enumerate(resolved) for j, x in enumerate(group["params"])}
+        for group in resolved:
             saved, self.defaults = self.defaults, {}
             try:  # the group is complete: keep torch from merging the other kind's defaults
                 super().add_param_group(group)
             finally:
                 self.defaults = saved
+        # How the user's group was split, by position: bind_names regroups the parameters the
+        # resolved groups hold *then* (a strategy may have re-pointed them at sharded ones).
+        order = [where[id(x[1] if isinstance(x, tuple) else x)] for x in param_group["params"]]
+        spec = {k: v for k, v in param_group.items() if k not in ("params", "param_names")}
+        self._user_groups.append((spec, len(resolved), order))
+
+    def bind_names(self, named_parameters: Iterable[tuple[str, Tensor]]) -> bool:
+        """Name the parameters this optimizer received without names, and route them again.
+
+        ``Muon(model.parameters())`` cannot tell an embedding or the output head from a hidden
+        matrix (it routes by shape alone), and that is how LightningCLI's ``optimizer:`` section
+        and ``OptimizerCallable`` build it. The strategies (Trainer and Fabric) call this with the
+        module's ``named_parameters()`` when they set the optimizer up, so that it becomes exactly
+        the optimizer ``Muon(model.named_parameters(), ...)`` builds: the same groups,
+        parameters, order, hyper-parameters and ``param_names``. Keys added to the groups after
+        construction (an LR scheduler's ``initial_lr``) are carried over to the regrouped group
+        of the same kind.
+
+        Args:
+            named_parameters: ``(name, parameter)`` pairs, e.g. ``module.named_parameters()``;
+                the first name of a parameter counts (tied parameters have several).
+
+        Returns:
+            ``True`` if the groups were rebuilt with names, ``False`` if they had names already.
+
+        Raises:
+            RuntimeError: the optimizer has state already (names must come before the first
+                step), or an LR scheduler would see a different number of groups.
+            ValueError: a parameter of the optimizer has no name in ``named_parameters``
+                (nothing is changed).
+        """
+        if not self.param_groups or "param_names" in self.param_groups[0]:
+            return False
+        if self.state:
+            raise RuntimeError("Muon.bind_names must be called before the first step (the "
+                               "optimizer has state); build it with named_parameters() instead.")
+        names: dict[int, str] = {}
+        for name, p in named_parameters:
+            names.setdefault(id(p), name)
+        sources, base = [], 0
+        for spec, count, order in self._user_groups:
+            params = [self.param_groups[base + k]["params"][j] for k, j in order]
+            base += count
+            missing = [tuple(p.shape) for p in params if id(p) not in names]
+            if missing:
+                raise ValueError(
+                    f"Muon.bind_names: {len(missing)} parameter(s) of the optimizer (shapes "
+                    f"{missing[:3]}{'...' if len(missing) > 3 else ''}) are not in the given "
+                    "named_parameters; pass the named_parameters() of the module that owns them, "
+                    "or build Muon with (name, parameter) pairs yourself.")
+            sources.append({**spec, "params": [(names[id(p)], p) for p in params]})
+        old_groups, old_sources = self.param_groups, self._user_groups
+        self.param_groups, self._user_groups = [], []
+        try:
+            for spec in sources:
+                self.add_param_group(spec)
+            self._carry_group_extras(old_groups, old_sources)
+        except Exception:
+            self.param_groups, self._user_groups = old_groups, old_sources
+            raise
+        self._plans.clear()
+        return True
+
+    def _carry_group_extras(self, old_groups: list[dict[str, Any]],
+                            old_sources: list[tuple[dict[str, Any], int, list]]) -> None:
+        """Copy keys that were added to the old resolved groups (not set by resolution) into the
+        new groups of the same source and kind."""
+        start_old = start_new = 0
+        for (_, n_old, _), (_, n_new, _) in zip(old_sources, self._user_groups):
+            olds = old_groups[start_old:start_old + n_old]
+            news = self.param_groups[start_new:start_new + n_new]
+            start_old, start_new = start_old + n_old, start_new + n_new
+            extras = {g["use_muon"]: {k: v for k, v in g.items() if k not in _RESOLVED}
+                      for g in olds}
+            if any(extras.values()) and len(olds) != len(news):
+                raise RuntimeError(
+                    "Muon.bind_names: naming the parameters changes the number of param groups "
+                    f"({len(olds)} -> {len(news)}) and something (an LR scheduler?) already "
+                    f"added {sorted({k for e in extras.values() for k in e})} to them; build "
+                    "Muon with named_parameters() before creating the scheduler.")
+            for g in news:
+                g.update(extras.get(g["use_muon"], {}))
 
     @torch.no_grad()
     def init_state(self) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import math
 import time
@@ -105,6 +106,7 @@ def _instantiate(path: str, init_args: dict):
         if not hasattr(obj, part):
             raise ValueError(f"--model {path!r}: {mod_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
+    _check_init_args(path, obj, init_args)
     with torch.device("meta"):
         model = obj(**init_args)
         if callable(getattr(model, "configure_model", None)):
@@ -112,6 +114,31 @@ def _instantiate(path: str, init_args: dict):
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"--model {path!r} built a {type(model).__name__}, not an nn.Module")
     return model
+
+
+def _check_init_args(path: str, obj: object, init_args: dict) -> None:
+    """``ValueError`` naming the missing (or unknown) constructor arguments of ``--model`` and
+    how to give them, before anything is built."""
+    try:
+        sig = inspect.signature(obj)  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # a builtin or a C extension: let the call speak
+        return
+    try:
+        sig.bind(**init_args)
+    except TypeError as exc:
+        params = [p for p in sig.parameters.values()
+                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        required = [p.name for p in params if p.default is p.empty]
+        example = ({name: init_args.get(name, "...") for name in required} if required else
+                   {p.name: p.default for p in params[:1]})
+        shown = sig.replace(return_annotation=inspect.Signature.empty)
+        raise ValueError(
+            f"--model {path!r}: {getattr(obj, '__name__', path)}{shown} cannot be called with "
+            f"--init-args '{json.dumps(init_args)}' ({exc}). Give its arguments as a JSON "
+            f"object: --init-args '{json.dumps(example, default=str)}'. JSON holds numbers, "
+            "strings, lists and objects only: for an argument that must be another object (a "
+            "config class), point --model at a function or class that builds the model from "
+            "plain values.") from None
 
 
 def model_groups(args: argparse.Namespace) -> tuple[str, list[tuple[str, Group]]]:

@@ -346,7 +346,7 @@ def test_other_bad_arguments_name_the_parameter():
     with pytest.raises(ValueError, match="optimizer_min_block_numel"):
         VeScaleFSDPStrategy(optimizer_min_block_numel=-1)
     with pytest.raises(ValueError, match="granularity=100 is not a multiple of "
-                                         "optimizer_block_size=256.*granularity=6400"):
+                                         "optimizer_block_size=256.*Use granularity=256"):
         VeScaleFabricStrategy(granularity=100)
 
 

@@ -1,0 +1,98 @@
+"""``python -m lightning_vescale.consolidate IN OUT`` against the full format of the same run.
+
+One 2-rank Trainer run (fork launcher) saves both formats at the same training state; the
+command's output must hold exactly the full checkpoint's tensors, load with
+``torch.load(weights_only=True)`` and into a plain module, refuse a checkpoint that holds other
+objects unless ``--trust`` is given, and never overwrite without ``--force``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+import lightning_vescale  # noqa: F401
+from examples.train_gpt import CharDataModule, GPTModule
+from lightning_vescale.consolidate import main
+from tests.lightning._lit import SaveAtEnd, trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclasses.dataclass
+class Extra:  # a custom class in the hyper-parameters: not loadable with weights_only=True
+    note: str = "custom object"
+
+
+class GPTWithExtra(GPTModule):
+    def __init__(self, extra: Extra | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.save_hyperparameters()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = tmp_path_factory.mktemp("consolidate")
+    paths = {"sharded": str(out / "sharded.ckpt"), "full": str(out / "full.ckpt")}
+    pl.seed_everything(0, verbose=False)
+    trainer("vescale_fsdp_fork", max_steps=2, callbacks=[SaveAtEnd(paths)]).fit(
+        GPTModule(n_embd=32), CharDataModule(length=64))
+    extra = {"sharded": str(out / "extra.ckpt")}
+    trainer("vescale_fsdp_fork", max_steps=1, callbacks=[SaveAtEnd(extra)]).fit(
+        GPTWithExtra(Extra(), n_embd=32), CharDataModule(length=64))
+    return out
+
+
+def test_consolidate_equals_the_full_format(checkpoints, tmp_path, capsys):
+    out = tmp_path / "consolidated.ckpt"
+    assert main([str(checkpoints / "sharded.ckpt"), str(out)]) == 0
+    assert "wrote full checkpoint" in capsys.readouterr().out
+    got = torch.load(out, weights_only=True)  # plain torch, no lightning_vescale needed
+    ref = torch.load(checkpoints / "full.ckpt", weights_only=True)
+    assert got["state_dict"].keys() == ref["state_dict"].keys()
+    for k, v in ref["state_dict"].items():
+        assert torch.equal(got["state_dict"][k], v), k
+    (g_opt,), (r_opt,) = got["optimizer_states"], ref["optimizer_states"]
+    assert g_opt["state"].keys() == r_opt["state"].keys()
+    for i, st in r_opt["state"].items():
+        for key, v in st.items():
+            assert torch.equal(torch.as_tensor(g_opt["state"][i][key]), torch.as_tensor(v))
+    assert got["global_step"] == ref["global_step"] == 2
+
+    weights = tmp_path / "weights.pt"
+    assert main([str(checkpoints / "sharded.ckpt"), str(weights), "--state-dict-only"]) == 0
+    model = GPTModule(n_embd=32)
+    model.load_state_dict(torch.load(weights, weights_only=True))
+    assert torch.equal(model.state_dict()["model.head.weight"],
+                       ref["state_dict"]["model.head.weight"])
+
+
+def test_consolidate_is_safe_by_default_and_trust_opts_out(checkpoints, tmp_path, capsys):
+    out = tmp_path / "extra_full.ckpt"
+    with pytest.raises(SystemExit):
+        main([str(checkpoints / "extra.ckpt"), str(out)])
+    err = capsys.readouterr().err
+    assert "cannot consolidate" in err and "--trust" in err and not out.exists()
+    assert main([str(checkpoints / "extra.ckpt"), str(out), "--trust"]) == 0
+    assert "weights_only=False" in capsys.readouterr().out
+    assert torch.load(out, weights_only=False)["hyper_parameters"]["extra"] == Extra()
+    # --no-weights-only is the same opt-out; OUT is not replaced without --force
+    with pytest.raises(SystemExit):
+        main([str(checkpoints / "extra.ckpt"), str(out), "--no-weights-only"])
+    assert "pass --force" in capsys.readouterr().err
+    assert main([str(checkpoints / "extra.ckpt"), str(out), "--no-weights-only", "--force"]) == 0
+
+
+def test_consolidate_runs_as_a_module(checkpoints, tmp_path):
+    out = tmp_path / "cli.ckpt"
+    run = subprocess.run([sys.executable, "-m", "lightning_vescale.consolidate",
+                          str(checkpoints / "sharded.ckpt"), str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert out.is_file() and "model tensors" in run.stdout

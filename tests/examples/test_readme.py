@@ -1,0 +1,277 @@
+"""Every code block of README.md is true: it runs, as shown.
+
+* A ``python`` or ``yaml`` block must be preceded by ``<!-- example: PATH -->`` and be a verbatim
+  excerpt of ``PATH`` (consecutive lines, up to a common indentation); ``test_examples.py`` runs
+  every file under ``examples/``.
+* Every command of a ``bash`` block must be a key of :data:`COMMANDS`, which says how the test
+  runs it (as written, or at toy sizes with extra arguments), or why it cannot run here (a cluster
+  scheduler, an installation). A command that is added to the README without an entry here, or
+  an entry whose command left the README, fails.
+* The ``ci:`` blocks are the commands ``.ci/run`` extracts (CI runs the test command itself); the
+  demo at the end of the main command runs here, and its printed tables must be the README's
+  sample output.
+* ``text`` blocks are output and trees, not code; any other fence language fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+
+from tests.examples.test_examples import LLAMA_TINY, env, run
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    lang: str
+    text: str
+    line: int  # 1-based line of the opening fence
+    example: Optional[str]  # the <!-- example: PATH --> above it
+    ci: bool  # inside <!-- ci:... --> markers
+
+
+def blocks(path: Path = README) -> list[Block]:
+    lines = path.read_text().splitlines()
+    out, i, ci = [], 0, False
+    while i < len(lines):
+        stripped = lines[i].strip()
+        if stripped.startswith("<!-- ci:") and not stripped.startswith("<!-- /ci:"):
+            ci = True
+        elif stripped.startswith("<!-- /ci:"):
+            ci = False
+        if stripped.startswith("```"):
+            indent = len(lines[i]) - len(lines[i].lstrip())
+            lang = stripped[3:].strip()
+            j = i + 1
+            while lines[j].strip() != "```":
+                j += 1
+            body = "\n".join(line[indent:] for line in lines[i + 1:j])
+            prev = next((lines[k].strip() for k in range(i - 1, -1, -1) if lines[k].strip()), "")
+            m = re.fullmatch(r"<!-- example: (\S+) -->", prev)
+            out.append(Block(lang, body, i + 1, m.group(1) if m else None, ci))
+            i = j
+        i += 1
+    return out
+
+
+def commands(text: str) -> list[str]:
+    """The shell commands of a bash block (continuation lines joined, comments dropped)."""
+    joined = re.sub(r"\\\n\s*", "", text)
+    return [c.strip() for c in joined.splitlines() if c.strip() and not c.strip().startswith("#")]
+
+
+def is_excerpt(snippet: str, text: str) -> bool:
+    """``snippet``'s lines appear consecutively in ``text``, after removing a common indent."""
+    want = textwrap.dedent(snippet).splitlines()
+    have = text.splitlines()
+    for start in range(len(have) - len(want) + 1):
+        window = have[start:start + len(want)]
+        if textwrap.dedent("\n".join(window)).splitlines() == want:
+            return True
+    return False
+
+
+# -- how each README command runs -----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Runs:
+    """Run the command as written plus ``extra`` arguments; ``check(stdout, tmp_path)``."""
+    extra: tuple[str, ...] = ()
+    check: Optional[Callable[[str, Path], None]] = None
+    slow: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Custom:
+    """Run ``fn(tmp_path)``: the command needs set-up or another shape on this machine."""
+    fn: Callable[[Path], None]
+    slow: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class NotHere:
+    """Cannot run in the test suite, and why (what checks it instead)."""
+    why: str
+
+
+def _argv(command: str, extra: tuple[str, ...] = ()) -> list[str]:
+    argv = command.split()
+    if argv[0] == "python":
+        argv[0] = sys.executable
+    elif argv[0] == "torchrun":
+        argv[:1] = [sys.executable, "-m", "torch.distributed.run"]
+    return argv + list(extra)
+
+
+def _sample_output() -> str:
+    (sample,) = [b.text for b in blocks() if b.lang == "text" and "== How vescale_fsdp" in b.text]
+    return sample
+
+
+def _tables(text: str) -> list[str]:
+    """The deterministic lines of the demo's report: the sharding table and the memory table
+    (element counts, padding, granularities, tensor bytes)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("== How vescale_fsdp"))
+    keep = []
+    for line in lines[start:]:
+        if line.startswith(("group ", "<root>", "model.", "total ", "KiB,", "parameters",
+                            "gradients", "optimizer states", "== ")):
+            keep.append(line.rstrip())
+    return keep
+
+
+def _demo(stdout: str, tmp_path: Path) -> None:
+    assert "Epoch 0" in stdout  # Lightning's progress bar
+    assert _tables(stdout) == _tables(_sample_output()), "README sample output is stale"
+    losses = re.findall(r"(vescale_fsdp|ddp) x2: loss (\S+) -> (\S+) in 60 steps, validation "
+                        r"perplexity (\S+)", stdout)
+    assert len(losses) == 2, stdout[-3000:]
+    (_, a0, a1, ap), (_, b0, b1, bp) = losses
+    assert float(a1) < float(a0) - 0.5  # the loss falls
+    assert abs(float(a1) - float(b1)) <= 1e-3 and abs(float(ap) - float(bp)) <= 1e-3 * float(bp)
+
+
+def _consolidate(tmp_path: Path) -> None:
+    run([sys.executable, "examples/train_gpt.py", "--no-ddp", "--max-steps", "2",
+         "--val-every", "2", "--save", str(tmp_path / "gpt_ckpt")])
+    command = "python -m lightning_vescale.consolidate /tmp/gpt_ckpt /tmp/gpt_full.ckpt"
+    out = run(_argv(command.replace("/tmp/", f"{tmp_path}/")))
+    assert "wrote full checkpoint" in out and (tmp_path / "gpt_full.ckpt").is_file()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(tmp_path: Path) -> None:
+    """The multi-node torchrun command as two one-process "nodes" on this machine (CPU, toy
+    sizes): the same launcher flags, script and config, rendezvous over 127.0.0.1."""
+    port = str(_free_port())
+    procs = []
+    for node in (0, 1):
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr", "127.0.0.1",
+                "--master-port", port, str(ROOT / "examples/llama.py"), "fit", "--config",
+                str(ROOT / "examples/configs/llama_8gpu_multinode.yaml"), *LLAMA_TINY,
+                "--trainer.num_nodes=2", "--trainer.devices=1"]
+        procs.append(subprocess.Popen(argv, cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    assert (tmp_path / "checkpoints" / "llama" / "last.ckpt" / ".metadata").is_file()
+
+
+COMMANDS: dict[str, object] = {
+    "python examples/train_gpt.py": Runs(check=_demo),
+    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu":
+        NotHere("an installation from the network; CI installs torch with the ci:test-command"),
+    "python examples/cli.py fit --config examples/configs/gpt_vescale.yaml "
+    "--trainer.strategy.init_args.reshard_after_forward=false":
+        Runs(extra=("--trainer.max_steps=4", "--trainer.enable_progress_bar=false")),
+    "python examples/cli.py fit --config examples/configs/gpt_vescale.yaml "
+    "--config examples/configs/muon.yaml":
+        Runs(extra=("--trainer.max_steps=4", "--trainer.enable_progress_bar=false")),
+    "torchrun --nproc-per-node 2 examples/fully_shard_torchrun.py":
+        Runs(extra=("--steps", "3"), check=lambda out, _: "fully_shard: 2 process(es)" in out),
+    "python -m lightning_vescale.consolidate /tmp/gpt_ckpt /tmp/gpt_full.ckpt": Custom(_consolidate),
+    "torchrun --nnodes 4 --nproc-per-node 8 --node-rank $NODE_RANK --master-addr $MASTER_ADDR "
+    "--master-port 29500 examples/llama.py fit --config "
+    "examples/configs/llama_8gpu_multinode.yaml": Custom(_two_nodes, slow=True),
+    "sbatch examples/slurm_llama.sbatch":
+        NotHere("needs a SLURM cluster; test_examples.test_slurm_script_is_valid_bash checks it"),
+    "python examples/memory_profile.py --strategy vescale_fsdp --devices 2": Runs(
+        extra=("--n-layer", "2", "--n-embd", "64", "--steps", "2", "--out", "{tmp}")),
+    "python -m lightning_vescale.planner --preset llama3-70b --world-size 1024 --granularity row":
+        Runs(check=lambda out, _: "2.778%" in out),
+    "python -m lightning_vescale.planner --model examples.llama:LlamaModule --world-size 32":
+        Runs(check=lambda out, _: "33 group(s)" in out),
+}
+
+
+def _readme_commands() -> list[str]:
+    """Every command of the README's bash blocks; of a ci: block, its parts after ``&&``."""
+    out = []
+    for b in blocks():
+        if b.lang == "bash":
+            out += [p.strip() for c in commands(b.text) for p in c.split("&&")] if b.ci \
+                else commands(b.text)
+    return out
+
+
+# -- the tests -----------------------------------------------------------------------------------
+def test_every_block_is_an_example_a_known_command_or_text():
+    problems = []
+    for b in blocks():
+        where = f"README.md:{b.line}"
+        if b.lang in ("python", "yaml"):
+            if b.example is None:
+                problems.append(f"{where}: {b.lang} block without <!-- example: PATH -->")
+            elif not (ROOT / b.example).is_file():
+                problems.append(f"{where}: {b.example} does not exist")
+            elif not is_excerpt(b.text, (ROOT / b.example).read_text()):
+                problems.append(f"{where}: not a verbatim excerpt of {b.example}")
+        elif b.lang == "bash":
+            if not b.ci:
+                problems += [f"{where}: command not in COMMANDS: {c!r}" for c in commands(b.text)
+                             if c not in COMMANDS]
+        elif b.lang != "text":
+            problems.append(f"{where}: fence language {b.lang!r}: use python/yaml (an example), "
+                            "bash (a command) or text")
+    assert not problems, "\n".join(problems)
+    stale = set(COMMANDS) - set(_readme_commands())
+    assert not stale, f"COMMANDS entries no longer in the README: {sorted(stale)}"
+
+
+def test_excerpt_check_can_fail():
+    assert is_excerpt("  a\n  b", "x\n    a\n    b\ny")
+    assert not is_excerpt("a\nb", "a\nc\nb")
+
+
+def test_ci_markers_give_the_documented_commands():
+    awk = r"/<!-- ci:test-command -->/{f=1;next} /<!-- \/ci:test-command -->/{f=0} f && !/^```/"
+    test_cmd = subprocess.run(["awk", awk, "README.md"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    assert test_cmd == ("python3 -m venv .venv && . .venv/bin/activate && pip install "
+                        "torch==2.13.0 && pip install -e '.[dev]' && python -m pytest -q")
+    (main_block,) = [b for b in blocks() if b.ci and "pip install -e . &&" in b.text]
+    assert main_block.text.endswith("&& python examples/train_gpt.py")
+    assert "python examples/train_gpt.py" in COMMANDS  # ... and it runs below
+
+
+def _params() -> list:
+    out = []
+    for command, how in COMMANDS.items():
+        marks = [pytest.mark.slow] if getattr(how, "slow", False) else []
+        if isinstance(how, NotHere):
+            marks.append(pytest.mark.skip(reason=how.why))
+        out.append(pytest.param(command, how, marks=marks, id=command[:60]))
+    return out
+
+
+@pytest.mark.parametrize("command,how", _params())
+def test_readme_command_runs(command, how, tmp_path):
+    if isinstance(how, Custom):
+        how.fn(tmp_path)
+        return
+    assert isinstance(how, Runs)
+    extra = tuple(a.replace("{tmp}", str(tmp_path)) for a in how.extra)
+    proc = subprocess.run(_argv(command, extra), cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{command}\n{out[-4000:]}"
+    if how.check is not None:
+        result = how.check(proc.stdout + "\n" + proc.stderr, tmp_path)
+        assert result is None or result, out[-3000:]
