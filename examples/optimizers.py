@@ -1,6 +1,6 @@
 """The README's optimizer snippets: AdamW8bit and Muon in ``configure_optimizers``, on shards.
 
-    python examples/optimizers.py                 # 2 CPU processes (or every GPU), a few steps each
+    python examples/optimizers.py adamw8bit       # or: muon; 2 CPU processes (or every GPU)
 
 Both optimizers step each rank's RaggedShard shard. AdamW8bit's quantization blocks line up with
 the shard bounds (the strategy's ``optimizer_block_size``, 256), so it needs no communication;
@@ -40,19 +40,26 @@ class GPTMuon(GPTModule):
         return Muon(self.named_parameters(), lr=0.02, adamw_lr=1e-3)
 
 
-def main(max_steps: int = 10) -> None:
+def main(optimizer: str, max_steps: int = 10) -> None:
+    # One Trainer per process: gloo's teardown at exit can abort a process that ran two.
+    module = {"adamw8bit": GPTAdamW8bit, "muon": GPTMuon}[optimizer]
     devices = "auto" if torch.cuda.is_available() else 2
-    for module in (GPTAdamW8bit, GPTMuon):
-        L.seed_everything(0, verbose=False)
-        trainer = L.Trainer(strategy="vescale_fsdp", devices=devices, max_steps=max_steps,
-                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                            enable_model_summary=False)
-        model = module(n_embd=64)
-        trainer.fit(model, CharDataModule())
-        if trainer.is_global_zero:
-            print(f"{module.__name__}: {trainer.world_size} ranks, {trainer.global_step} steps, "
-                  f"loss {float(trainer.callback_metrics['train_loss']):.4f}")
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(strategy="vescale_fsdp", devices=devices, max_steps=max_steps,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    model = module(n_embd=64)
+    trainer.fit(model, CharDataModule())
+    if trainer.is_global_zero:
+        print(f"{module.__name__}: {trainer.world_size} ranks, {trainer.global_step} steps, "
+              f"loss {float(trainer.callback_metrics['train_loss']):.4f}")
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Train the example GPT with AdamW8bit or Muon.")
+    parser.add_argument("optimizer", choices=["adamw8bit", "muon"])
+    parser.add_argument("--max-steps", type=int, default=10)
+    args = parser.parse_args()
+    main(args.optimizer, args.max_steps)
