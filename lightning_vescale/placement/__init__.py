@@ -12,13 +12,20 @@ Modules, each importing only those before it:
 * ``_dtensor``: redistribution (with autograd), ``to_local`` backward, DCP chunks (design note
   [ragged-dtensor]); ``_reductions``: norms and full reductions ([ragged-reductions]);
 * ``_ops``: the operator dispatch hook (element-wise ops, copies; [ragged-ops]);
+* ``_flat_step``: list ops (``_foreach_*``, fused optimizers) on whole flat runs of DBuffer
+  shards instead of per tensor ([flat-step]); :func:`flat_step_enabled` switches it;
 * ``_install``: :func:`install`, the one place that registers all of it with DTensor.
 
 Importing this package calls :func:`install` (idempotent), so no other module needs an import for
 its side effect.
 """
 
-from lightning_vescale.placement._install import install
+from lightning_vescale.placement._install import (
+    flat_step_enabled,
+    install,
+    is_flat_step_enabled,
+    set_flat_step_enabled,
+)
 from lightning_vescale.placement._ragged_shard import (
     Box,
     FlatRange,
@@ -43,11 +50,14 @@ __all__ = [
     "box_numel",
     "chunk_bounds",
     "flat_range_to_boxes",
+    "flat_step_enabled",
     "install",
+    "is_flat_step_enabled",
     "local_slice",
     "overlap_matrix",
     "overlap_splits",
     "ragged_from_local",
     "ragged_ranges",
+    "set_flat_step_enabled",
     "slab_pieces",
 ]

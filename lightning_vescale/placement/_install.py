@@ -14,7 +14,11 @@ What is patched (process-wide, not undone):
 * E3: DCP's ``_Checkpointable`` methods of ``DTensor`` -> :func:`~._dtensor.wrap_checkpoint_hook`;
 * operators: ``DTensor._op_dispatcher._propagate_op_sharding_dispatch_slow_path`` ->
   :func:`~._ops.wrap_slow_path`, and torch's custom handlers of ``GUARDED_CUSTOM_OPS`` ->
-  :func:`~._ops.guard_custom_handler`.
+  :func:`~._ops.guard_custom_handler`;
+* the flat optimizer step: a custom handler (:func:`~._flat_step.flat_list_op`) for every
+  element-wise ``_foreach_*`` op and the fused optimizer kernels (design note [flat-step]),
+  unless another handler is registered for the op. :func:`set_flat_step_enabled` /
+  :func:`flat_step_enabled` remove and restore exactly these entries.
 
 Idempotent: every installed object carries a marker attribute, and a binding that already holds
 a marked object is left alone, so a second call (or a re-import) wraps nothing twice.
@@ -22,6 +26,8 @@ a marked object is left alone, so a second call (or a re-import) wraps nothing t
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TypeVar
 
 import torch
@@ -36,13 +42,14 @@ from lightning_vescale.placement._dtensor import (
     wrap_checkpoint_hook,
     wrap_redistribute,
 )
+from lightning_vescale.placement._flat_step import handler_table
 from lightning_vescale.placement._ops import (
     GUARDED_CUSTOM_OPS,
     guard_custom_handler,
     wrap_slow_path,
 )
 
-__all__ = ["install"]
+__all__ = ["flat_step_enabled", "install", "is_flat_step_enabled", "set_flat_step_enabled"]
 
 _MARK = "__lightning_vescale_ragged__"
 _T = TypeVar("_T")
@@ -94,3 +101,47 @@ def install() -> None:
         handler = handlers.get(op)
         if handler is not None and not _is_installed(handler):
             handlers[op] = _marked(guard_custom_handler(handler))
+    set_flat_step_enabled(_flat_step_wanted)
+
+
+# ---------------------------------------------------------------------------------------------
+# The flat optimizer step's handlers (design note [flat-step]): on by default, switchable.
+# ---------------------------------------------------------------------------------------------
+_flat_step_wanted = True
+
+
+def set_flat_step_enabled(enabled: bool) -> None:
+    """Turn the flat optimizer step (design note [flat-step]) on or off, process-wide.
+
+    Off removes its DTensor custom handlers, so every ``_foreach_*``/fused op takes DTensor's
+    per-tensor path again (nothing of this package runs for them). Results are bitwise the
+    same either way; only speed differs. Handlers another library registered are left alone.
+    """
+    global _flat_step_wanted
+    _flat_step_wanted = bool(enabled)
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op, handler in handler_table().items():
+        current = handlers.get(op)
+        if enabled and current is None:
+            handlers[op] = _marked(handler)
+        elif not enabled and current is not None and _is_installed(current):
+            del handlers[op]
+
+
+def is_flat_step_enabled() -> bool:
+    """Whether the flat optimizer step is on (see :func:`set_flat_step_enabled`)."""
+    return _flat_step_wanted
+
+
+@contextlib.contextmanager
+def flat_step_enabled(enabled: bool) -> Iterator[None]:
+    """Context manager: the flat optimizer step on/off inside, the previous setting after.
+
+    E.g. ``with flat_step_enabled(False): opt.step()`` times the per-tensor path.
+    """
+    before = _flat_step_wanted
+    set_flat_step_enabled(enabled)
+    try:
+        yield
+    finally:
+        set_flat_step_enabled(before)
