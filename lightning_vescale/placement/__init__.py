@@ -20,6 +20,7 @@ Importing this package calls :func:`install` (idempotent), so no other module ne
 its side effect.
 """
 
+from lightning_vescale.placement._flat_step import compact_, contiguous_runs, run_view
 from lightning_vescale.placement._install import (
     flat_step_enabled,
     install,
@@ -49,6 +50,8 @@ __all__ = [
     "RaggedShard",
     "box_numel",
     "chunk_bounds",
+    "compact_",
+    "contiguous_runs",
     "flat_range_to_boxes",
     "flat_step_enabled",
     "install",
@@ -58,6 +61,7 @@ __all__ = [
     "overlap_splits",
     "ragged_from_local",
     "ragged_ranges",
+    "run_view",
     "set_flat_step_enabled",
     "slab_pieces",
 ]

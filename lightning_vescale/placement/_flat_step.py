@@ -64,7 +64,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from lightning_vescale.placement._common import aten
 from lightning_vescale.placement._ragged_shard import RaggedShard
 
-__all__ = ["FLAT_STEP_FUSED", "flat_list_op", "flat_step_ops", "flat_step_stats"]
+__all__ = ["FLAT_STEP_FUSED", "compact_", "contiguous_runs", "flat_list_op", "flat_step_ops",
+           "flat_step_stats", "run_view"]
 
 _Tensor = torch.Tensor
 # ``DTensor(local, spec, requires_grad=...)`` is ``_dtensor__new__`` (C++, sets ``_spec`` and
@@ -338,6 +339,64 @@ def _compact(locs: list[torch.Tensor], numels: list[int]) -> bool:
     return True
 
 
+def compact_(tensors: Sequence[torch.Tensor]) -> bool:
+    """Move plain tensors into one buffer, in order, keeping each tensor object (``set_``).
+
+    Done only when it is safe: every non-empty tensor is contiguous, does not require grad,
+    and is the sole user of its whole storage (so no other tensor sees the move); all share
+    one dtype and device. Returns whether the tensors were moved. For optimizers that keep
+    element-wise states per parameter (AdamW8bit's fp32 moments), so that the states of
+    adjacent parameters become adjacent too (see :func:`contiguous_runs`).
+    """
+    return _compact(list(tensors), [t.numel() for t in tensors])
+
+
+def contiguous_runs(*lists: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """Index ranges ``[a, b)`` whose items lie back to back in one storage in *every* list.
+
+    Items must be contiguous tensors; an empty item, a non-contiguous one or a list length
+    mismatch ends a run (empty items form no run). Items ``a..b-1`` of each list are then
+    exactly the elements of :func:`run_view`. Pure address arithmetic, no data is read.
+    """
+    if not lists:
+        return []
+    n = len(lists[0])
+    if any(len(lst) != n for lst in lists):
+        raise ValueError(f"contiguous_runs: lists of different lengths {[len(x) for x in lists]}")
+    ok = [all(lst[k].numel() and lst[k].is_contiguous() for lst in lists) for k in range(n)]
+    runs: list[tuple[int, int]] = []
+    a = None
+    for k in range(n):
+        if not ok[k]:
+            if a is not None:
+                runs.append((a, k))
+            a = None
+            continue
+        if a is not None and not all(_follows(lst[k - 1], lst[k]) for lst in lists):
+            runs.append((a, k))
+            a = None
+        if a is None:
+            a = k
+    if a is not None:
+        runs.append((a, n))
+    return runs
+
+
+def _follows(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return (x.dtype == y.dtype
+            and x.data_ptr() + x.numel() * x.element_size() == y.data_ptr()
+            and x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr())
+
+
+def run_view(tensors: Sequence[torch.Tensor], a: int, b: int) -> torch.Tensor:
+    """The 1-D view spanning items ``a..b-1`` of a run found by :func:`contiguous_runs`."""
+    x = tensors[a]
+    if b - a == 1:
+        return x.view(-1)
+    n = sum(t.numel() for t in tensors[a:b])
+    return x.as_strided((n,), (1,), x.storage_offset())
+
+
 # ---------------------------------------------------------------------------------------------
 # Runs.
 # ---------------------------------------------------------------------------------------------
@@ -552,12 +611,17 @@ def _flat(op, info: _OpInfo, args: tuple, kwargs: dict) -> Any:  # noqa: C901 - 
             ragged[i] = locs
             dtensor_lists[i] = lst
         elif isinstance(x0, torch.Tensor):
-            if any(isinstance(t, DTensor) or t.numel() != 1 for t in lst):
+            if any(isinstance(t, DTensor) for t in lst):
                 return NotImplemented
-            try:
-                vals = torch.stack([t.reshape(()) for t in lst]).tolist()
+            try:  # one stack (0-d state_steps), else 1-element tensors reshaped
+                vals = torch.stack(lst).reshape(-1).tolist()
             except RuntimeError:
-                return NotImplemented  # mixed dtypes/devices: the normal path
+                try:
+                    vals = torch.stack([t.reshape(()) for t in lst]).tolist()
+                except RuntimeError:
+                    return NotImplemented  # mixed dtypes/devices, not scalars: normal path
+            if len(vals) != n:
+                return NotImplemented
             dtypes = [t.dtype for t in lst]
             if not (_uniform(vals) and _uniform(dtypes)):
                 per_item.append(list(zip(vals, dtypes)))
