@@ -86,7 +86,8 @@ class CommHandle:
         if self._done:
             return
         if self._work is not None:
-            self._work.wait()
+            with record_function("vescale::comm_wait"):  # waiting, not engine work
+                self._work.wait()
         self._work = None
         if self._epilogue is not None:
             epilogue, self._epilogue = self._epilogue, None
