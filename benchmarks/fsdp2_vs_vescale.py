@@ -133,7 +133,7 @@ class StepTimes(NamedTuple):
     optim_s: float
 
 
-def _build(engine: str, cfg: GPTConfig, seed: int = 0) -> Engine:
+def _build(engine: str, cfg: GPTConfig, seed: int = 0, compile_blocks: bool = False) -> Engine:
     torch.manual_seed(seed)
     model = GPT(cfg)
     if engine == "vescale":
@@ -142,6 +142,8 @@ def _build(engine: str, cfg: GPTConfig, seed: int = 0) -> Engine:
         from torch.distributed.fsdp import fully_shard  # type: ignore[no-redef]
     for block in model.blocks:
         fully_shard(block)
+        if compile_blocks:  # FSDP2's pattern: compile each block, engine hooks stay eager
+            block.compile()
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
     return Engine(model, opt)
@@ -165,13 +167,14 @@ def _micro(batches, rank: int, world: int):
     return out
 
 
-def _timing_body(cfg_kw: dict, batch: int, steps: int, warmup: int, runs: int) -> dict:
+def _timing_body(cfg_kw: dict, batch: int, steps: int, warmup: int, runs: int,
+                 compile_blocks: bool = False) -> dict:
     """Both engines in one world, interleaved step by step (alternating which goes first), so
     load from other processes on the machine hits both alike; returns per-engine step times."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(**cfg_kw)
     data = _micro(make_batches(warmup + steps, batch * world, cfg.block_size), rank, world)
-    engines = {e: _build(e, cfg) for e in ENGINES}
+    engines = {e: _build(e, cfg, compile_blocks=compile_blocks) for e in ENGINES}
     times: dict[str, list[float]] = {e: [] for e in ENGINES}
     fwd_bwd: dict[str, list[float]] = {e: [] for e in ENGINES}
     optim: dict[str, list[float]] = {e: [] for e in ENGINES}
@@ -196,14 +199,14 @@ def _timing_body(cfg_kw: dict, batch: int, steps: int, warmup: int, runs: int) -
             "nparams": nparams}
 
 
-def _memory_body(engine: str, cfg_kw: dict, batch: int) -> dict:
+def _memory_body(engine: str, cfg_kw: dict, batch: int, compile_blocks: bool = False) -> dict:
     """One engine alone in the world: peak memory and copy/communication counts of a step."""
     from lightning_vescale.testing import CopyCommCounter
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(**cfg_kw)
     data = _micro(make_batches(3, batch * world, cfg.block_size), rank, world)
-    model, opt = _build(engine, cfg)
+    model, opt = _build(engine, cfg, compile_blocks=compile_blocks)
     _step(model, opt, *data[0])  # warm-up: lazy init, optimizer states, recorded orders
     gc.collect()
     x, y = data[1]
@@ -234,12 +237,13 @@ def _fmt_bytes(n: float) -> str:
 
 
 def run(world_size: int, cfg_kw: dict, batch: int, steps: int, warmup: int,
-        runs: int) -> dict[str, Any]:
+        runs: int, compile_blocks: bool = False) -> dict[str, Any]:
     from tests.harness import run_distributed
 
     timing = run_distributed(_timing_body, world_size, cfg_kw, batch, steps, warmup, runs,
-                             timeout=3600)
-    mem = {e: run_distributed(_memory_body, world_size, e, cfg_kw, batch, timeout=3600)
+                             compile_blocks, timeout=3600)
+    mem = {e: run_distributed(_memory_body, world_size, e, cfg_kw, batch, compile_blocks,
+                              timeout=3600)
            for e in ENGINES}
     out: dict[str, Any] = {"nparams": timing[0]["nparams"], "world_size": world_size}
     for e in ENGINES:
@@ -312,10 +316,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=8, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each block (inductor) under both engines")
     a = p.parse_args(argv)
     cfg_kw = dict(vocab_size=65, block_size=a.block_size, n_layer=a.n_layer, n_head=a.n_head,
                   n_embd=a.n_embd, tie_weights=True)
-    res = run(a.world_size, cfg_kw, a.batch, a.steps, a.warmup, a.runs)
+    res = run(a.world_size, cfg_kw, a.batch, a.steps, a.warmup, a.runs, a.compile)
     print(report(res))
 
 
