@@ -408,6 +408,22 @@ class _Runs(NamedTuple):
     pieces: tuple[tuple[int, ...], ...]  # per run: the items' lengths (to split outputs)
 
 
+def _span_view(x: torch.Tensor, numel: int) -> torch.Tensor:
+    """A 1-D view of ``numel`` elements of ``x``'s storage from ``x``'s first element.
+
+    It must not keep ``x`` itself alive (``x`` may be a layout's anchor, see :class:`_Layout`):
+    a view of a view refers to the root base, so ``as_strided`` is fine unless ``x`` is a
+    root tensor, which gets a fresh tensor over its storage instead (its own version counter:
+    such tensors, compacted states and results of this module, are never saved by autograd).
+    """
+    if x._base is not None:
+        return x.as_strided((numel,), (1,), x.storage_offset())
+    out = torch.empty(0, dtype=x.dtype, device=x.device)
+    with torch.no_grad():
+        out.set_(x.untyped_storage(), x.storage_offset(), (numel,), (1,))
+    return out
+
+
 class _Layout:
     """One list's memory layout: where its runs break, and its run views while valid.
 
@@ -415,7 +431,9 @@ class _Layout:
     adjacent in one storage. The run views (1-D views spanning each run) are kept while the
     list's first item (the *anchor*) is alive and is the same object: a weak reference's
     callback drops them when it dies, so a cached view never keeps freed memory (released
-    gradients, temporaries) alive longer than the list itself.
+    gradients, temporaries) alive longer than the list itself. Nothing cached may refer to
+    the anchor (it would never die): single-item runs are cached as ``None`` (the item is
+    taken from the call), spans are built by :func:`_span_view`.
     """
 
     __slots__ = ("breaks", "_views", "_anchor", "__weakref__")
@@ -704,18 +722,16 @@ def _flat(op, info: _OpInfo, args: tuple, kwargs: dict) -> Any:  # noqa: C901 - 
     for i, layout in zip(ragged_idx, layouts):
         locs = ragged[i]
         anchor = locs[anchor_at]
-        views = layout.views(runs.bounds, anchor)
-        if views is None:
-            views = []
+        cached = layout.views(runs.bounds, anchor)
+        if cached is None:
+            cached = []
             try:
                 for (a, b), f, m in zip(runs.bounds, firsts, runs.lengths):
-                    x = locs[f]
-                    views.append(
-                        x if b - a == 1 else x.as_strided((m,), (1,), x.storage_offset()))
+                    cached.append(None if b - a == 1 else _span_view(locs[f], m))
             except RuntimeError:  # a span outside its storage: adjacent only by chance
                 return NotImplemented
-            layout.remember(runs.bounds, views, anchor)
-        new_values[i] = views
+            layout.remember(runs.bounds, cached, anchor)
+        new_values[i] = [locs[f] if v is None else v for v, f in zip(cached, firsts)]
     for i in scalar_tensor_lists:
         lst = values[i]
         new_values[i] = [lst[f] for f in firsts]
@@ -765,7 +781,8 @@ def _wrap_outputs(result: Sequence[torch.Tensor], runs: _Runs, nz: Sequence[int]
     # results are the list's run views for as long as its first item lives.
     ends = {b - 1 for a, b in runs.bounds}
     layout = _Layout(frozenset(k for k in range(len(nz) - 1) if k in ends))
-    layout.remember(runs.bounds, list(result), locals_[nz[0]])
+    layout.remember(runs.bounds, [None if b - a == 1 else r
+                                  for (a, b), r in zip(runs.bounds, result)], locals_[nz[0]])
     _cache_put(_layouts, (tuple(map(_data_ptr, locals_)), numels, dtype), layout)
     return out
 
