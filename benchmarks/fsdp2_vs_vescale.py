@@ -276,10 +276,12 @@ def run(world_size: int, cfg_kw: dict, batch: int, steps: int, warmup: int,
 
     timing = run_distributed(_timing_body, world_size, cfg_kw, batch, steps, warmup, runs,
                              compile_blocks, timeout=3600)
-    mem = {e: run_distributed(_memory_body, world_size, e, cfg_kw, batch, compile_blocks,
-                              timeout=3600)
+    # Memory and copy counts come from eager runs: a TorchDispatchMode and compiled graphs do
+    # not mix (and the counters would see the compiler's fake tensors).
+    mem = {e: run_distributed(_memory_body, world_size, e, cfg_kw, batch, timeout=3600)
            for e in ENGINES}
-    out: dict[str, Any] = {"nparams": timing[0]["nparams"], "world_size": world_size}
+    out: dict[str, Any] = {"nparams": timing[0]["nparams"], "world_size": world_size,
+                           "compiled": compile_blocks}
     out["compute"] = {
         k: statistics.median(max(ps) for ps in zip(*(r[src]["compute"] for r in timing)))
         for k, src in (("median_step_s", "times"), ("median_fwd_bwd_s", "fwd_bwd"),
@@ -339,7 +341,9 @@ def report(res: dict[str, Any]) -> str:
                     f"{c['median_optim_s'] * 1e3:.1f} ms", float("nan")))
     w = max(len(name) for name, *_ in rows)
     lines = [f"GPT with {res['nparams'] / 1e6:.2f}M parameters, world size {res['world_size']}, "
-             f"{v['steps_timed']} timed steps per engine (slowest rank per step)",
+             f"{v['steps_timed']} timed steps per engine (slowest rank per step)"
+             + ("; blocks torch.compile'd (memory and copies: eager runs)"
+                if res.get("compiled") else ""),
              f"{'':<{w}}  {'vescale':>14}  {'fsdp2':>14}  {'ratio':>7}"]
     for name, a, b, r in rows:
         lines.append(f"{name:<{w}}  {a:>14}  {b:>14}  {r:>7.3f}")
