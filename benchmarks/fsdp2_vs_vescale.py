@@ -201,6 +201,8 @@ def _timing_body(cfg_kw: dict, batch: int, steps: int, warmup: int, runs: int,
                  compile_blocks: bool = False) -> dict:
     """Both engines in one world, interleaved step by step (alternating which goes first), so
     load from other processes on the machine hits both alike; returns per-engine step times."""
+    from lightning_vescale.placement import set_flat_step_enabled
+
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(**cfg_kw)
     data = _micro(make_batches(warmup + steps, batch * world, cfg.block_size), rank, world)
@@ -217,6 +219,9 @@ def _timing_body(cfg_kw: dict, batch: int, steps: int, warmup: int, runs: int,
         for i, (x, y) in enumerate(data):
             k += 1
             for e in (timed if k % 2 else timed[::-1]):
+                # FSDP2 and the compute-only limit run without this package's flat-step
+                # handlers (switched outside the timed region), so they pay nothing for them.
+                set_flat_step_enabled(e == "vescale")
                 dist.barrier()
                 t0 = time.perf_counter()
                 step = (_compute_step if e == "compute" else _step)(
@@ -228,6 +233,7 @@ def _timing_body(cfg_kw: dict, batch: int, steps: int, warmup: int, runs: int,
                     times[e].append(dt)
                     fwd_bwd[e].append(step.fwd_bwd_s)
                     optim[e].append(step.optim_s)
+    set_flat_step_enabled(True)
     nparams = sum(p.numel() for p in engines["fsdp2"].model.parameters())
     return {"times": times, "fwd_bwd": fwd_bwd, "optim": optim, "losses": losses,
             "nparams": nparams}

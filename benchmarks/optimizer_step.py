@@ -10,7 +10,8 @@ step (so machine load hits every variant alike), median over ``--steps`` steps:
   ``lightning_vescale.placement._flat_step``) the element-wise work runs on whole shards;
 * ``vescale per-tensor``: the same, with the flat step switched off
   (``lightning_vescale.placement.flat_step_enabled(False)``): today's per-tensor DTensor path;
-* ``fsdp2``: the same optimizer on FSDP2's ``Shard(0)`` DTensors;
+* ``fsdp2``: the same optimizer on FSDP2's ``Shard(0)`` DTensors, with this package's handlers
+  removed (``fsdp2 + handlers``: installed, i.e. what importing this package costs FSDP2);
 * ``local per-tensor``: the same optimizer on plain tensors of the same local shapes (no
   DTensor at all): what per-tensor kernels cost without any dispatch overhead;
 * ``flat limit``: the same optimizer on ONE plain tensor with the rank's element count, and
@@ -41,8 +42,13 @@ from torch.distributed.tensor import DTensor
 
 from examples.gpt import GPT, GPTConfig, make_batches
 
-VARIANTS = ("vescale", "vescale per-tensor", "fsdp2", "local per-tensor", "flat limit",
-            "flat limit fused")
+VARIANTS = ("vescale", "vescale per-tensor", "fsdp2", "fsdp2 + handlers", "local per-tensor",
+            "flat limit", "flat limit fused")
+#: Variants timed with lightning_vescale's flat-step handlers installed (the default); all
+#: others run with them removed (``set_flat_step_enabled(False)``, switched outside the timed
+#: region), so FSDP2 pays nothing for them. "fsdp2 + handlers" is FSDP2 with them installed:
+#: what the handlers' entry and fallback cost a user of FSDP2 who imports this package.
+WITH_HANDLERS = ("vescale", "fsdp2 + handlers")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -114,7 +120,7 @@ def _flat_groups(holder: torch.nn.Module, groups: int) -> list[dict[str, Any]]:
 
 def _body(cfg_kw: dict, opt_name: str, fused: bool, groups: int, steps: int,
           warmup: int) -> dict[str, Any]:
-    from lightning_vescale.placement import flat_step_enabled
+    from lightning_vescale.placement import set_flat_step_enabled
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(**cfg_kw)
@@ -123,33 +129,32 @@ def _body(cfg_kw: dict, opt_name: str, fused: bool, groups: int, steps: int,
     ours = _sharded("vescale", cfg, x, y)
     ours_pt = _sharded("vescale", cfg, x, y)
     theirs = _sharded("fsdp2", cfg, x, y)
+    theirs_h = _sharded("fsdp2", cfg, x, y)
     plain = _plain_like(theirs)
     flat = _flat_like(theirs, groups)
     opts: dict[str, torch.optim.Optimizer] = {
         "vescale": make_optimizer(opt_name, param_groups(ours, groups), fused=fused),
         "vescale per-tensor": make_optimizer(opt_name, param_groups(ours_pt, groups), fused=fused),
         "fsdp2": make_optimizer(opt_name, param_groups(theirs, groups), fused=fused),
+        "fsdp2 + handlers": make_optimizer(opt_name, param_groups(theirs_h, groups),
+                                           fused=fused),
         "local per-tensor": make_optimizer(opt_name, param_groups(plain, groups), fused=fused),
         "flat limit": make_optimizer(opt_name, _flat_groups(flat, groups), fused=fused),
         "flat limit fused": make_optimizer(opt_name, _flat_groups(flat, groups),
                                            fused=opt_name != "sgd" or fused),
     }
     steppers: dict[str, Callable[[], None]] = {k: o.step for k, o in opts.items()}
-
-    def per_tensor() -> None:
-        with flat_step_enabled(False):
-            opts["vescale per-tensor"].step()
-
-    steppers["vescale per-tensor"] = per_tensor
     times: dict[str, list[float]] = {k: [] for k in VARIANTS}
     for i in range(warmup + steps):
         order = VARIANTS if i % 2 else VARIANTS[::-1]
         for k in order:
+            set_flat_step_enabled(k in WITH_HANDLERS)
             t0 = time.perf_counter()
             steppers[k]()
             dt = time.perf_counter() - t0
             if i >= warmup:
                 times[k].append(dt)
+    set_flat_step_enabled(True)
     same = all(torch.equal(_local(a), _local(b))
                for a, b in zip(ours.parameters(), ours_pt.parameters()))
     tensors = sum(len(g["params"]) for g in opts["vescale"].param_groups)
@@ -182,6 +187,7 @@ def report(res: dict[str, Any], label: str) -> str:
         lines.append(f"  {k:<{w}}  {res[k] * 1e3:8.2f} ms")
     v = res["vescale"]
     lines.append(f"  fsdp2 / vescale (speed-up)            {res['fsdp2'] / v:6.2f}x")
+    lines.append(f"  fsdp2 + handlers / fsdp2 (their cost)  {res['fsdp2 + handlers'] / res['fsdp2']:6.2f}x")
     lines.append(f"  vescale per-tensor / vescale          {res['vescale per-tensor'] / v:6.2f}x")
     lines.append(f"  vescale / flat limit (same optimizer) {v / res['flat limit']:6.2f}x")
     lines.append(f"  vescale / flat limit fused            {v / res['flat limit fused']:6.2f}x")

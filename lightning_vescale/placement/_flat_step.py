@@ -9,9 +9,10 @@ such lists). On DTensors each item costs a DTensor wrap/unwrap and, on CPU, one 
 flat tensor. After ``fully_shard`` the local tensors of a group's parameters (and gradients)
 are 1-D views that *tile* one DBuffer shard, so the per-item work can run on the shard.
 
-:func:`flat_list_op` is registered (by ``lightning_vescale.placement.install``) as DTensor's
-custom handler of every element-wise ``_foreach_*`` overload and of ``_fused_adam(w)_`` /
-``_fused_sgd_`` / ``_fused_adagrad_``. For a call whose tensor lists are RaggedShard DTensors
+:func:`flat_list_op` is DTensor's custom handler of every element-wise ``_foreach_*`` overload
+and of ``_fused_adam(w)_`` / ``_fused_sgd_`` / ``_fused_adagrad_``, registered at the process's
+first RaggedShard op (:func:`activate`, called by ``_ops``'s hook), so a process without
+RaggedShard DTensors never routes list ops through Python. For a call whose tensor lists are RaggedShard DTensors
 of matching layouts it
 
 1. takes each list's local tensors and cuts the item sequence into *runs*: maximal sequences of
@@ -54,7 +55,7 @@ from __future__ import annotations
 import functools
 import operator
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -64,8 +65,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from lightning_vescale.placement._common import aten
 from lightning_vescale.placement._ragged_shard import RaggedShard
 
-__all__ = ["FLAT_STEP_FUSED", "compact_", "contiguous_runs", "flat_list_op", "flat_step_ops",
-           "flat_step_stats", "run_view"]
+__all__ = ["FLAT_STEP_FUSED", "activate", "compact_", "contiguous_runs", "flat_list_op",
+           "flat_step_ops", "flat_step_stats", "is_enabled", "run_view", "set_enabled"]
 
 _Tensor = torch.Tensor
 # ``DTensor(local, spec, requires_grad=...)`` is ``_dtensor__new__`` (C++, sets ``_spec`` and
@@ -787,6 +788,41 @@ def _wrap_outputs(result: Sequence[torch.Tensor], runs: _Runs, nz: Sequence[int]
     return out
 
 
-def handler_table() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
-    """``{op: flat_list_op}`` for every op of :func:`flat_step_ops` (for ``install``)."""
-    return dict.fromkeys(flat_step_ops(), flat_list_op)
+# ---------------------------------------------------------------------------------------------
+# Registration: on by default, but only once this process has a RaggedShard DTensor op.
+# ---------------------------------------------------------------------------------------------
+_switch = {"wanted": True, "active": False}
+
+
+def _register(on: bool) -> None:
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op in flat_step_ops():
+        current = handlers.get(op)
+        if on and current is None:
+            handlers[op] = flat_list_op
+        elif not on and current is flat_list_op:
+            del handlers[op]
+    _switch["active"] = on
+
+
+def activate() -> None:
+    """Register the handlers if wanted and not yet done (cheap when done).
+
+    Called by the operator hook on the first RaggedShard op of the process (``_ops``), so a
+    process that never has a RaggedShard DTensor (an FSDP2 user who imports this package)
+    never routes a list op through Python. Handlers another library registered for an op are
+    left alone.
+    """
+    if _switch["wanted"] and not _switch["active"]:
+        _register(True)
+
+
+def set_enabled(enabled: bool) -> None:
+    """Wanted or not, registered now or removed now (see ``set_flat_step_enabled``)."""
+    _switch["wanted"] = bool(enabled)
+    _register(bool(enabled))
+
+
+def is_enabled() -> bool:
+    """Whether the flat step is wanted (it registers at the first RaggedShard op)."""
+    return _switch["wanted"]

@@ -17,7 +17,8 @@ What is patched (process-wide, not undone):
   :func:`~._ops.guard_custom_handler`;
 * the flat optimizer step: a custom handler (:func:`~._flat_step.flat_list_op`) for every
   element-wise ``_foreach_*`` op and the fused optimizer kernels (design note [flat-step]),
-  unless another handler is registered for the op. :func:`set_flat_step_enabled` /
+  unless another handler is registered for the op; registered by the operator hook at the
+  process's first RaggedShard op, not here. :func:`set_flat_step_enabled` /
   :func:`flat_step_enabled` remove and restore exactly these entries.
 
 Idempotent: every installed object carries a marker attribute, and a binding that already holds
@@ -42,7 +43,8 @@ from lightning_vescale.placement._dtensor import (
     wrap_checkpoint_hook,
     wrap_redistribute,
 )
-from lightning_vescale.placement._flat_step import handler_table
+from lightning_vescale.placement._flat_step import is_enabled as flat_is_enabled
+from lightning_vescale.placement._flat_step import set_enabled as flat_set_enabled
 from lightning_vescale.placement._ops import (
     GUARDED_CUSTOM_OPS,
     guard_custom_handler,
@@ -101,36 +103,26 @@ def install() -> None:
         handler = handlers.get(op)
         if handler is not None and not _is_installed(handler):
             handlers[op] = _marked(guard_custom_handler(handler))
-    set_flat_step_enabled(_flat_step_wanted)
 
 
 # ---------------------------------------------------------------------------------------------
 # The flat optimizer step's handlers (design note [flat-step]): on by default, switchable.
 # ---------------------------------------------------------------------------------------------
-_flat_step_wanted = True
-
-
 def set_flat_step_enabled(enabled: bool) -> None:
     """Turn the flat optimizer step (design note [flat-step]) on or off, process-wide.
 
-    Off removes its DTensor custom handlers, so every ``_foreach_*``/fused op takes DTensor's
-    per-tensor path again (nothing of this package runs for them). Results are bitwise the
-    same either way; only speed differs. Handlers another library registered are left alone.
+    On (the default) its DTensor custom handlers are registered at the process's first
+    RaggedShard op (at once when switched on here). Off removes them, so every
+    ``_foreach_*``/fused op takes DTensor's per-tensor path again (nothing of this package runs
+    for them). Results are bitwise the same either way; only speed differs. Handlers another
+    library registered are left alone.
     """
-    global _flat_step_wanted
-    _flat_step_wanted = bool(enabled)
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    for op, handler in handler_table().items():
-        current = handlers.get(op)
-        if enabled and current is None:
-            handlers[op] = _marked(handler)
-        elif not enabled and current is not None and _is_installed(current):
-            del handlers[op]
+    flat_set_enabled(enabled)
 
 
 def is_flat_step_enabled() -> bool:
     """Whether the flat optimizer step is on (see :func:`set_flat_step_enabled`)."""
-    return _flat_step_wanted
+    return flat_is_enabled()
 
 
 @contextlib.contextmanager
@@ -139,9 +131,9 @@ def flat_step_enabled(enabled: bool) -> Iterator[None]:
 
     E.g. ``with flat_step_enabled(False): opt.step()`` times the per-tensor path.
     """
-    before = _flat_step_wanted
-    set_flat_step_enabled(enabled)
+    before = flat_is_enabled()
+    flat_set_enabled(enabled)
     try:
         yield
     finally:
-        set_flat_step_enabled(before)
+        flat_set_enabled(before)

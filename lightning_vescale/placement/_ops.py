@@ -76,6 +76,7 @@ from lightning_vescale.placement._common import (
     spec_str,
     unsupported,
 )
+from lightning_vescale.placement._flat_step import activate as activate_flat_step
 from lightning_vescale.placement._reductions import REDUCTION_HANDLERS
 
 __all__ = ["GUARDED_CUSTOM_OPS", "guard_custom_handler", "is_elementwise_op", "wrap_slow_path"]
@@ -319,6 +320,7 @@ def wrap_slow_path(original: Callable[..., object]) -> Callable[..., object]:
         # Runs only on a C++ sharding-cache miss. Non-ragged schemas: untouched torch path.
         if not _schema_has_ragged(op_info):
             return original(op_call, args, kwargs, op_info, try_cache)
+        activate_flat_step()  # the process has RaggedShard DTensors: list ops go flat
         direct = REDUCTION_HANDLERS.get(op_call)
         if direct is not None:
             return direct(op_call, args, kwargs)

@@ -290,3 +290,33 @@ def test_flat_step_keeps_no_memory_alive(worlds, kind):
     for world_size in (2, 3):
         for r in worlds(world_size).run(_leak_body, kind):
             assert len(set(r["sizes"])) == 1, r["sizes"]
+
+
+def _lazy_body() -> dict:
+    """Handlers are registered at the first RaggedShard op, not at import."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+
+    import lightning_vescale.placement._flat_step as fs
+
+    fs._register(False)  # as in a fresh process (forked workers inherit the parent's state)
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    torch.manual_seed(0)
+    theirs = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    fsdp2_shard(theirs)
+    opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=True)
+    theirs(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    fsdp2_only = any(h is fs.flat_list_op for h in handlers.values())
+    ours = _build()
+    ours_opt = torch.optim.AdamW(ours.parameters(), lr=1e-2, foreach=True)
+    ours(torch.ones(4, 7), torch.zeros(4, 3)).backward()
+    flat_step_stats.clear()
+    ours_opt.step()
+    return {"fsdp2_only": fsdp2_only, "after_ragged": fs._switch["active"],
+            "flat_calls": flat_step_stats.get("flat_calls", 0)}
+
+
+def test_handlers_register_at_the_first_ragged_op(worlds):
+    for r in worlds(2).run(_lazy_body):
+        assert not r["fsdp2_only"], r  # FSDP2 alone never routes list ops through Python
+        assert r["after_ragged"] and r["flat_calls"] > 0, r
