@@ -22,11 +22,12 @@ _numel = torch.Tensor.numel
 _RUN_CACHE_SIZE = 256
 _SINGLETON = 0  # alignment value meaning "never merge items" (the probe found no exact form)
 
-#: Bytes at most in one run's result of an out-of-place op on CPU. glibc serves blocks above
-#: its mmap threshold (at most 32 MiB) with fresh pages every time: a 50 MB ``_foreach_sqrt``
-#: result cost 18 ms of page faults per step on a 25M-parameter model, where per-tensor
-#: results (a few MB each) are recycled from the heap.
-CPU_OUTPUT_CAP_BYTES = 16 * 2**20
+#: Bytes at most in one run's result of an out-of-place op on CPU (a single larger item is
+#: never split). Large blocks come from fresh pages: glibc maps blocks above its mmap threshold
+#: (at most 32 MiB) anew and trims its heap's top, so a 50 MB ``_foreach_sqrt`` result cost
+#: 18 ms of page faults per step on a 25M-parameter model (16 MiB results still ~0.5 ms at
+#: 3M), where per-tensor results (at most one parameter each) are recycled from the heap.
+CPU_OUTPUT_CAP_BYTES = 2**20
 
 #: Counters for tests and benchmarks: how calls were served (reset with ``.clear()``).
 flat_step_stats: dict[str, int] = {}
