@@ -133,7 +133,7 @@ class StepTimes(NamedTuple):
     optim_s: float
 
 
-def _build(engine: str, cfg: GPTConfig, seed: int = 0) -> Engine:
+def _build(engine: str, cfg: GPTConfig, seed: int = 0, compile_blocks: bool = False) -> Engine:
     torch.manual_seed(seed)
     model = GPT(cfg)
     if engine == "vescale":
@@ -142,6 +142,8 @@ def _build(engine: str, cfg: GPTConfig, seed: int = 0) -> Engine:
         from torch.distributed.fsdp import fully_shard  # type: ignore[no-redef]
     for block in model.blocks:
         fully_shard(block)
+        if compile_blocks:  # FSDP2's pattern: compile each block, engine hooks stay eager
+            block.compile()
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
     return Engine(model, opt)
@@ -157,6 +159,36 @@ def _step(model, opt, x, y) -> StepTimes:
     return StepTimes(loss=loss.item(), fwd_bwd_s=t1 - t0, optim_s=time.perf_counter() - t1)
 
 
+def _build_compute(cfg: GPTConfig, like: torch.nn.Module, seed: int = 0,
+                   compile_blocks: bool = False) -> Engine:
+    """The compute-only limit: the same per-rank work with no engine and no communication.
+
+    An unsharded GPT (forward + backward on the rank's micro-batch) and the same AdamW over
+    plain tensors with the rank's local shard shapes of ``like`` (a sharded model).
+    """
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    if compile_blocks:
+        for block in model.blocks:
+            block.compile()
+    shards = []
+    for p in like.parameters():
+        q = torch.nn.Parameter(_local(p.detach()).clone())
+        q.grad = torch.randn_like(q) * 1e-3
+        shards.append(q)
+    return Engine(model, torch.optim.AdamW(shards, lr=1e-3, weight_decay=0.1, foreach=True))
+
+
+def _compute_step(model, opt, x, y) -> StepTimes:
+    t0 = time.perf_counter()
+    loss = model(x, y)
+    loss.backward()
+    t1 = time.perf_counter()
+    model.zero_grad(set_to_none=True)
+    opt.step()
+    return StepTimes(loss=loss.item(), fwd_bwd_s=t1 - t0, optim_s=time.perf_counter() - t1)
+
+
 def _micro(batches, rank: int, world: int):
     out = []
     for x, y in batches:
@@ -165,25 +197,35 @@ def _micro(batches, rank: int, world: int):
     return out
 
 
-def _timing_body(cfg_kw: dict, batch: int, steps: int, warmup: int, runs: int) -> dict:
+def _timing_body(cfg_kw: dict, batch: int, steps: int, warmup: int, runs: int,
+                 compile_blocks: bool = False) -> dict:
     """Both engines in one world, interleaved step by step (alternating which goes first), so
     load from other processes on the machine hits both alike; returns per-engine step times."""
+    from lightning_vescale.placement import set_flat_step_enabled
+
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(**cfg_kw)
     data = _micro(make_batches(warmup + steps, batch * world, cfg.block_size), rank, world)
-    engines = {e: _build(e, cfg) for e in ENGINES}
-    times: dict[str, list[float]] = {e: [] for e in ENGINES}
-    fwd_bwd: dict[str, list[float]] = {e: [] for e in ENGINES}
-    optim: dict[str, list[float]] = {e: [] for e in ENGINES}
-    losses: dict[str, list[float]] = {e: [] for e in ENGINES}
+    engines = {e: _build(e, cfg, compile_blocks=compile_blocks) for e in ENGINES}
+    engines["compute"] = _build_compute(cfg, engines["vescale"].model,
+                                        compile_blocks=compile_blocks)
+    timed = (*ENGINES, "compute")
+    times: dict[str, list[float]] = {e: [] for e in timed}
+    fwd_bwd: dict[str, list[float]] = {e: [] for e in timed}
+    optim: dict[str, list[float]] = {e: [] for e in timed}
+    losses: dict[str, list[float]] = {e: [] for e in timed}
     k = 0
     for run in range(runs):
         for i, (x, y) in enumerate(data):
             k += 1
-            for e in (ENGINES if k % 2 else ENGINES[::-1]):
+            for e in (timed if k % 2 else timed[::-1]):
+                # FSDP2 and the compute-only limit run without this package's flat-step
+                # handlers (switched outside the timed region), so they pay nothing for them.
+                set_flat_step_enabled(e == "vescale")
                 dist.barrier()
                 t0 = time.perf_counter()
-                step = _step(engines[e].model, engines[e].opt, x, y)
+                step = (_compute_step if e == "compute" else _step)(
+                    engines[e].model, engines[e].opt, x, y)
                 dt = time.perf_counter() - t0
                 if run == 0:
                     losses[e].append(step.loss)
@@ -191,19 +233,20 @@ def _timing_body(cfg_kw: dict, batch: int, steps: int, warmup: int, runs: int) -
                     times[e].append(dt)
                     fwd_bwd[e].append(step.fwd_bwd_s)
                     optim[e].append(step.optim_s)
+    set_flat_step_enabled(True)
     nparams = sum(p.numel() for p in engines["fsdp2"].model.parameters())
     return {"times": times, "fwd_bwd": fwd_bwd, "optim": optim, "losses": losses,
             "nparams": nparams}
 
 
-def _memory_body(engine: str, cfg_kw: dict, batch: int) -> dict:
+def _memory_body(engine: str, cfg_kw: dict, batch: int, compile_blocks: bool = False) -> dict:
     """One engine alone in the world: peak memory and copy/communication counts of a step."""
     from lightning_vescale.testing import CopyCommCounter
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(**cfg_kw)
     data = _micro(make_batches(3, batch * world, cfg.block_size), rank, world)
-    model, opt = _build(engine, cfg)
+    model, opt = _build(engine, cfg, compile_blocks=compile_blocks)
     _step(model, opt, *data[0])  # warm-up: lazy init, optimizer states, recorded orders
     gc.collect()
     x, y = data[1]
@@ -234,14 +277,21 @@ def _fmt_bytes(n: float) -> str:
 
 
 def run(world_size: int, cfg_kw: dict, batch: int, steps: int, warmup: int,
-        runs: int) -> dict[str, Any]:
+        runs: int, compile_blocks: bool = False) -> dict[str, Any]:
     from tests.harness import run_distributed
 
     timing = run_distributed(_timing_body, world_size, cfg_kw, batch, steps, warmup, runs,
-                             timeout=3600)
+                             compile_blocks, timeout=3600)
+    # Memory and copy counts come from eager runs: a TorchDispatchMode and compiled graphs do
+    # not mix (and the counters would see the compiler's fake tensors).
     mem = {e: run_distributed(_memory_body, world_size, e, cfg_kw, batch, timeout=3600)
            for e in ENGINES}
-    out: dict[str, Any] = {"nparams": timing[0]["nparams"], "world_size": world_size}
+    out: dict[str, Any] = {"nparams": timing[0]["nparams"], "world_size": world_size,
+                           "compiled": compile_blocks}
+    out["compute"] = {
+        k: statistics.median(max(ps) for ps in zip(*(r[src]["compute"] for r in timing)))
+        for k, src in (("median_step_s", "times"), ("median_fwd_bwd_s", "fwd_bwd"),
+                       ("median_optim_s", "optim"))}
     for e in ENGINES:
         all_times = [t for r in timing for t in r["times"][e]]  # every rank's steps
         per_step = [max(ts) for ts in zip(*(r["times"][e] for r in timing))]  # slowest rank
@@ -287,12 +337,24 @@ def report(res: dict[str, Any]) -> str:
          v["copies"] / f["copies"] if f["copies"] else float("nan")),
         ("collectives / step", str(v["comms"]), str(f["comms"]), v["comms"] / f["comms"]),
     ]
+    c = res["compute"]
+    rows.insert(3, ("compute-only limit: step", f"{c['median_step_s'] * 1e3:.1f} ms",
+                    f"{c['median_step_s'] * 1e3:.1f} ms", 1.0))
+    rows.insert(4, ("  engine step / compute-only step", f"{v['median_step_s'] / c['median_step_s']:.3f}",
+                    f"{f['median_step_s'] / c['median_step_s']:.3f}",
+                    v["median_step_s"] / f["median_step_s"]))
+    rows.insert(5, ("  compute-only fwd+bwd / optimizer", f"{c['median_fwd_bwd_s'] * 1e3:.1f} ms",
+                    f"{c['median_optim_s'] * 1e3:.1f} ms", float("nan")))
     w = max(len(name) for name, *_ in rows)
     lines = [f"GPT with {res['nparams'] / 1e6:.2f}M parameters, world size {res['world_size']}, "
-             f"{v['steps_timed']} timed steps per engine (slowest rank per step)",
+             f"{v['steps_timed']} timed steps per engine (slowest rank per step)"
+             + ("; blocks torch.compile'd (memory and copies: eager runs)"
+                if res.get("compiled") else ""),
              f"{'':<{w}}  {'vescale':>14}  {'fsdp2':>14}  {'ratio':>7}"]
     for name, a, b, r in rows:
         lines.append(f"{name:<{w}}  {a:>14}  {b:>14}  {r:>7.3f}")
+    lines.append(f"speed-up fsdp2 / vescale (median step): "
+                 f"{f['median_step_s'] / v['median_step_s']:.3f}x")
     maxdiff = max(abs(a - b) / abs(b) for a, b in zip(v["losses"], f["losses"]))
     lines.append(f"loss agreement (max relative difference over {len(v['losses'])} steps): "
                  f"{maxdiff:.2e}")
@@ -312,10 +374,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=8, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each block (inductor) under both engines")
     a = p.parse_args(argv)
     cfg_kw = dict(vocab_size=65, block_size=a.block_size, n_layer=a.n_layer, n_head=a.n_head,
                   n_embd=a.n_embd, tie_weights=True)
-    res = run(a.world_size, cfg_kw, a.batch, a.steps, a.warmup, a.runs)
+    res = run(a.world_size, cfg_kw, a.batch, a.steps, a.warmup, a.runs, a.compile)
     print(report(res))
 
 

@@ -416,6 +416,12 @@ class ParamGroup:
 
     def _on_gradient(self, mp: ManagedParam) -> None:
         """A gradient is about to be accumulated into ``mp`` (before ``AccumulateGrad``)."""
+        if self._grads_ready and not self.reduced and not torch.is_grad_enabled():
+            # Every gradient after the group's first: nothing to prepare (runs once per
+            # parameter per backward, so kept free of the profiler label and the checks below).
+            if self.root is not None:
+                self.root.queue_final_callback()
+            return
         with record_function("vescale::grad_arrival"):
             if self.reduced:
                 name = f"{self.fqn}.{mp.name}" if self.fqn else mp.name

@@ -80,13 +80,27 @@ Design note [fsdp-profiling]
 Every hook and collective runs under a ``record_function("vescale::...")`` label
 (``lazy_init``, ``root_pre_forward``, ``pre_forward``, ``post_forward``, ``pre_backward``,
 ``grad_arrival``, ``post_backward``, ``post_backward_final_callback``,
-``grad_flags_all_reduce``, and in the DBuffer ``all_gather`` / ``reduce_scatter``), as FSDP2's
-``FSDP::...`` labels, so a profiler trace shows the engine's phases.
+``grad_flags_all_reduce``, and in the DBuffer ``all_gather`` / ``reduce_scatter`` /
+``comm_wait``), as FSDP2's ``FSDP::...`` labels, so a profiler trace shows the engine's phases
+(``benchmarks/hook_overhead.py`` sums their self CPU time).
+
+Design note [fsdp-compile]
+--------------------------
+``torch.compile`` works per block, as with FSDP2: ``fully_shard(block)`` then
+``block.compile()`` (or ``torch.compile(block)``). The module hooks are wrapped in
+``torch.compiler.disable``, so dynamo graph-breaks around them and they run eagerly; the block's
+forward between them is one graph. Its parameters are the unsharded tensors the pre-forward
+hook registered, which are the same objects every iteration (design note
+[fsdp-param-objects]), so no recompilation follows; their storage is freed and re-gathered on
+the same storage objects, so the tensors the compiled backward saved see the re-gathered data.
+Gradient hooks, the post-backward autograd function and the final callback run in the eager
+backward. Compiling the root module as a whole (with its hooks inside) is not tested.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -383,11 +397,17 @@ class FSDPState:
         self.backward_prefetch: list[FSDPState] | None = None
         for module in modules:
             module.__dict__[_ATTR] = self
-            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self._post_forward, prepend=False)
+            # Hooks run eagerly even when the module itself is compiled (``module.compile()``),
+            # like FSDP2's (``skip_fsdp_hooks``): dynamo graph-breaks around them and compiles
+            # the forward between, so collectives, storage resizes and parameter swaps stay
+            # outside any graph (design note [fsdp-compile]).
+            module.register_forward_pre_hook(_eager(self._pre_forward), prepend=True,
+                                             with_kwargs=True)
+            module.register_forward_hook(_eager(self._post_forward), prepend=False)
             # Registered last and always called (also when forward raises), so the depth count
             # is right whatever happens inside forward.
-            module.register_forward_hook(self._forward_exit, prepend=False, always_call=True)
+            module.register_forward_hook(_eager(self._forward_exit), prepend=False,
+                                         always_call=True)
 
     @property
     def module(self) -> nn.Module:
@@ -494,11 +514,14 @@ class FSDPState:
             grad = torch.is_grad_enabled()
             group = self.group
             last = not self._pending  # list groups: the last of their modules to run
-            if last and group is not None:
-                group.reshard_after_forward_now()
             if self.mp_policy.output_dtype is not None:
                 output = _cast_floating(output, self.mp_policy.output_dtype)
             tensors = [t for t in tensors_in(output) if t.requires_grad]
+            # The last group of the recorded forward keeps its parameters: its backward comes
+            # first (one all-gather less per step).
+            if last and group is not None and not (grad and tensors
+                                                   and self._is_last_in_forward()):
+                group.reshard_after_forward_now()
             if grad and tensors:
                 for t in tensors:
                     t.register_hook(self._pre_backward)
@@ -509,6 +532,13 @@ class FSDPState:
             if last:
                 self.training_state = TrainingState.IDLE
             return output
+
+    def _is_last_in_forward(self) -> bool:
+        """The last group of the recorded forward order: its backward comes first, so it keeps
+        its parameters instead of freeing and re-gathering them at once (one all-gather less
+        per step; torchtitan sets ``reshard_after_forward=False`` on the last block by hand)."""
+        order = self.ctx.forward_order
+        return self.ctx.forward_recorded and bool(order) and order[-1] is self
 
     def _forward_exit(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._forward_depth = max(0, self._forward_depth - 1)
@@ -558,6 +588,11 @@ class FSDPState:
         self._post_backward_expected = self._post_backward_seen = 0
         self._unhooked_forward = False
         self._pending = set()
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` never traced by ``torch.compile`` (see design note [fsdp-compile])."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:

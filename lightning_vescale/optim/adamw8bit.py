@@ -76,6 +76,7 @@ from lightning_vescale.optim._base import (
     param_layout,
 )
 from lightning_vescale.optim._quant import DEFAULT_BLOCK_SIZE, QuantizedMoment, num_blocks
+from lightning_vescale.placement import compact_, contiguous_runs, run_view
 
 __all__ = ["AdamW8bit", "DEFAULT_MIN_8BIT_SIZE", "DEFAULT_CHUNK_SIZE"]
 
@@ -234,11 +235,14 @@ class AdamW8bit(ShardedOptimizer):
         for span in find_spans(entries, group["params"], self.state, bs):
             self._step_span(group, span)
             done.update(id(e.param) for e in span.members)
-        for e in entries:
+        rest = [e for e in entries if id(e.param) not in done]
+        for e in rest:
+            e.state["step"] += 1
+        done.update(self._step_fp32_runs(group, rest, bs))
+        for e in rest:
             if id(e.param) in done:
                 continue
             st, local = e.state, e.local
-            st["step"] += 1
             if local.numel() == 0:
                 continue
             flat = local.view(-1) if local.is_contiguous() else local.reshape(-1)
@@ -246,6 +250,35 @@ class AdamW8bit(ShardedOptimizer):
             step_flat(flat, e.grad.reshape(-1), moments, None, group, float(st["step"]), bs)
             if flat.data_ptr() != local.data_ptr() or not local.is_contiguous():
                 local.copy_(flat.view_as(local))
+
+    @staticmethod
+    def _step_fp32_runs(group: dict[str, Any], entries: list[StepEntry], bs: int) -> set[int]:
+        """Parameters with fp32 moments (small tensors: norms, biases) that lie back to back
+        in one storage (a DBuffer shard), with their gradients and moments, and have taken the
+        same number of steps, are stepped as one flat range (design note [flat-step] in
+        ``lightning_vescale.placement``): the same plain element-wise ops on more elements,
+        so bitwise the per-parameter result. Moments are moved into one buffer on first use.
+        Returns the ``id``s of the parameters stepped."""
+        fp32 = [e for e in entries if "exp_avg" in e.state and e.local.numel()]
+        if len(fp32) < 2:
+            return set()
+        for key in FP32_KEYS:
+            compact_([e.state[key] for e in fp32])
+        lists = ([e.local for e in fp32], [e.grad for e in fp32],
+                 [e.state["exp_avg"] for e in fp32], [e.state["exp_avg_sq"] for e in fp32])
+        done: set[int] = set()
+        for a, b in contiguous_runs(*lists):
+            start = a
+            for k in range(a + 1, b + 1):  # cut where the step counts differ
+                if k < b and float(fp32[k].state["step"]) == float(fp32[start].state["step"]):
+                    continue
+                if k - start > 1:
+                    views = [run_view(lst, start, k) for lst in lists]
+                    step_flat(views[0], views[1], (views[2], views[3]), None, group,
+                              float(fp32[start].state["step"]), bs)
+                    done.update(id(e.param) for e in fp32[start:k])
+                start = k
+        return done
 
     def _step_span(self, group: dict[str, Any], span: Span) -> None:
         # One fast-path span (a method, so tests can count the spans taken).

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam as _functional_adam
 
 from lightning_vescale.optim._base import (
@@ -77,14 +78,20 @@ from lightning_vescale.optim._newton_schulz import (
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
 )
+from lightning_vescale.placement import RaggedShard
 
 __all__ = ["Muon"]
 
 
 #: Every key a resolved group may hold (either kind); anything else was added afterwards.
-_RESOLVED = frozenset(("params", "param_names", "use_muon", "lr", "weight_decay", "momentum", "nesterov", "ns_coefficients",
-                       "eps", "ns_steps", "adjust_lr_fn", "betas", "foreach", "maximize",
-                       "capturable", "differentiable", "fused", "decoupled_weight_decay"))
+_RESOLVED = frozenset(("params", "param_names", "use_muon", "lr", "weight_decay", "momentum",
+                       "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn", "betas",
+                       "foreach", "maximize", "capturable", "differentiable", "fused",
+                       "decoupled_weight_decay"))
+
+
+def _is_ragged(t: Tensor) -> bool:
+    return isinstance(t, DTensor) and any(isinstance(pl, RaggedShard) for pl in t.placements)
 
 
 def _zeros_state(p: Tensor) -> Tensor:
@@ -408,6 +415,11 @@ class Muon(ShardedOptimizer):
 
     # -- AdamW fallback ----------------------------------------------------------------------------
     def _adamw_step(self, group: dict[str, Any]) -> None:
+        """torch's AdamW over the group. All-RaggedShard groups pass their DTensors with
+        ``foreach=True``: the element-wise work then runs on whole DBuffer shards (design note
+        [flat-step] in ``lightning_vescale.placement``); torch's multi-tensor AdamW is bitwise
+        its single-tensor one, so results equal ``torch.optim.AdamW``'s either way. Other
+        groups step the local tensors (single-tensor on CPU, as ``torch.optim.AdamW``)."""
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
         for p in group["params"]:
             if p.grad is None:
@@ -417,15 +429,20 @@ class Muon(ShardedOptimizer):
             state = self.state[p]
             if "step" not in state:
                 self._init_adamw_state(state, p)
-            params.append(local_view(p))
-            grads.append(local_view(p.grad))
-            exp_avgs.append(local_view(state["exp_avg"]))
-            exp_avg_sqs.append(local_view(state["exp_avg_sq"]))
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
         if not params:
             return
+        flat = all(_is_ragged(t) for lst in (params, grads, exp_avgs, exp_avg_sqs) for t in lst)
+        if not flat:
+            params, grads, exp_avgs, exp_avg_sqs = (
+                [local_view(t) for t in lst] for lst in (params, grads, exp_avgs, exp_avg_sqs))
         beta1, beta2 = group["betas"]
-        _functional_adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None,
+        _functional_adam(params, grads, exp_avgs, exp_avg_sqs, [], steps,
+                         foreach=True if flat else None,
                          capturable=False, differentiable=False, fused=None, has_complex=False,
                          decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2,
                          lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],

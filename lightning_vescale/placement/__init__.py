@@ -12,13 +12,23 @@ Modules, each importing only those before it:
 * ``_dtensor``: redistribution (with autograd), ``to_local`` backward, DCP chunks (design note
   [ragged-dtensor]); ``_reductions``: norms and full reductions ([ragged-reductions]);
 * ``_ops``: the operator dispatch hook (element-wise ops, copies; [ragged-ops]);
+* ``_flat_runs`` (memory layout: runs, compaction), ``_flat_ops`` (which ops, the exactness
+  probe) and ``_flat_step`` (the handler): list ops (``_foreach_*``, fused optimizers) on
+  whole flat runs of DBuffer shards instead of per tensor ([flat-step]);
+  :func:`flat_step_enabled` switches it;
 * ``_install``: :func:`install`, the one place that registers all of it with DTensor.
 
 Importing this package calls :func:`install` (idempotent), so no other module needs an import for
 its side effect.
 """
 
-from lightning_vescale.placement._install import install
+from lightning_vescale.placement._flat_runs import compact_, contiguous_runs, run_view
+from lightning_vescale.placement._install import (
+    flat_step_enabled,
+    install,
+    is_flat_step_enabled,
+    set_flat_step_enabled,
+)
 from lightning_vescale.placement._ragged_shard import (
     Box,
     FlatRange,
@@ -42,12 +52,18 @@ __all__ = [
     "RaggedShard",
     "box_numel",
     "chunk_bounds",
+    "compact_",
+    "contiguous_runs",
     "flat_range_to_boxes",
+    "flat_step_enabled",
     "install",
+    "is_flat_step_enabled",
     "local_slice",
     "overlap_matrix",
     "overlap_splits",
     "ragged_from_local",
     "ragged_ranges",
+    "run_view",
+    "set_flat_step_enabled",
     "slab_pieces",
 ]

@@ -19,6 +19,11 @@ What is patched (process-wide, not undone):
   ``torch.distributed._state_dict_utils`` -> :func:`~._compat.wrap_distribute_tensor`, and
   ``_state_dict_utils._distribute_tensors`` -> :func:`~._compat.wrap_distribute_tensors`
   (design note [ragged-compat]).
+* the flat optimizer step: a custom handler (:func:`~._flat_step.flat_list_op`) for every
+  element-wise ``_foreach_*`` op and the fused optimizer kernels (design note [flat-step]),
+  unless another handler is registered for the op; registered by the operator hook at the
+  process's first RaggedShard op, not here. :func:`set_flat_step_enabled` /
+  :func:`flat_step_enabled` remove and restore exactly these entries.
 
 Idempotent: every installed object carries a marker attribute, and a binding that already holds
 a marked object is left alone, so a second call (or a re-import) wraps nothing twice.
@@ -26,6 +31,8 @@ a marked object is left alone, so a second call (or a re-import) wraps nothing t
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TypeVar
 
 import torch
@@ -43,13 +50,15 @@ from lightning_vescale.placement._dtensor import (
     wrap_checkpoint_hook,
     wrap_redistribute,
 )
+from lightning_vescale.placement._flat_step import is_enabled as flat_is_enabled
+from lightning_vescale.placement._flat_step import set_enabled as flat_set_enabled
 from lightning_vescale.placement._ops import (
     GUARDED_CUSTOM_OPS,
     guard_custom_handler,
     wrap_slow_path,
 )
 
-__all__ = ["install"]
+__all__ = ["flat_step_enabled", "install", "is_flat_step_enabled", "set_flat_step_enabled"]
 
 _MARK = "__lightning_vescale_ragged__"
 _T = TypeVar("_T")
@@ -109,3 +118,37 @@ def install() -> None:
     current = getattr(_sd_utils, "_distribute_tensors", None)
     if current is not None and not _is_installed(current):
         _sd_utils._distribute_tensors = _marked(wrap_distribute_tensors(current))
+
+
+# ---------------------------------------------------------------------------------------------
+# The flat optimizer step's handlers (design note [flat-step]): on by default, switchable.
+# ---------------------------------------------------------------------------------------------
+def set_flat_step_enabled(enabled: bool) -> None:
+    """Turn the flat optimizer step (design note [flat-step]) on or off, process-wide.
+
+    On (the default) its DTensor custom handlers are registered at the process's first
+    RaggedShard op (at once when switched on here). Off removes them, so every
+    ``_foreach_*``/fused op takes DTensor's per-tensor path again (nothing of this package runs
+    for them). Results are bitwise the same either way; only speed differs. Handlers another
+    library registered are left alone.
+    """
+    flat_set_enabled(enabled)
+
+
+def is_flat_step_enabled() -> bool:
+    """Whether the flat optimizer step is on (see :func:`set_flat_step_enabled`)."""
+    return flat_is_enabled()
+
+
+@contextlib.contextmanager
+def flat_step_enabled(enabled: bool) -> Iterator[None]:
+    """Context manager: the flat optimizer step on/off inside, the previous setting after.
+
+    E.g. ``with flat_step_enabled(False): opt.step()`` times the per-tensor path.
+    """
+    before = flat_is_enabled()
+    flat_set_enabled(enabled)
+    try:
+        yield
+    finally:
+        flat_set_enabled(before)

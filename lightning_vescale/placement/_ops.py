@@ -16,7 +16,10 @@ How torch 2.13 dispatches a DTensor op (``torch/csrc/autograd/python_variable.cp
 1. A per-op ``OpDispatcher._custom_op_handlers`` dict is consulted first. Keying an op there
    would route *every* DTensor's call of that op through Python, so this module does not add
    entries for common ops; it only guards the few handlers torch already registers
-   (``argmin``/``argmax``/``convolution*``) against ragged inputs.
+   (``argmin``/``argmax``/``convolution*``) against ragged inputs. The one exception is the
+   package's ``_flat_step`` module (design note [flat-step]): list ops (``_foreach_*``, fused
+   optimizers) cost one Python call per *list*, and it hands non-ragged lists straight back to
+   this normal path.
 2. A C++ cache maps (op, input specs incl. placements, shapes, strides, dtypes, static args) to
    an ``OutputSharding``. On a hit, C++ runs the op on the local tensors and wraps the result
    with the cached output spec: no Python at all.
@@ -76,6 +79,7 @@ from lightning_vescale.placement._common import (
     spec_str,
     unsupported,
 )
+from lightning_vescale.placement._flat_step import activate as activate_flat_step
 from lightning_vescale.placement._random_ops import RANDOM_HANDLERS
 from lightning_vescale.placement._reductions import REDUCTION_HANDLERS
 
@@ -320,6 +324,7 @@ def wrap_slow_path(original: Callable[..., object]) -> Callable[..., object]:
         # Runs only on a C++ sharding-cache miss. Non-ragged schemas: untouched torch path.
         if not _schema_has_ragged(op_info):
             return original(op_call, args, kwargs, op_info, try_cache)
+        activate_flat_step()  # the process has RaggedShard DTensors: list ops go flat
         direct = REDUCTION_HANDLERS.get(op_call) or RANDOM_HANDLERS.get(op_call)
         if direct is not None:
             return direct(op_call, args, kwargs)

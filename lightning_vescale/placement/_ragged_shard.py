@@ -352,6 +352,20 @@ def ragged_from_local(
         ValueError: bad placement for ``shape``/mesh, or a local tensor of the wrong size/rank.
         NotImplementedError: a mesh with more than one dimension.
     """
+    if not autograd and not check and type(placement) is RaggedShard:
+        # The engine's per-step path (a gradient per parameter per step): a cached spec.
+        key = (id(mesh), id(placement), tuple(shape),
+               None if stride is None else tuple(stride), local.dtype)
+        hit = _FAST_SPECS.get(key)
+        if hit is not None and hit[0] is mesh and hit[1] is placement:
+            return _new_dtensor(DTensor, local, hit[2], requires_grad=False)
+        shape_t = tuple(int(d) for d in shape)
+        stride_t = _contiguous_stride(shape_t) if stride is None else tuple(int(d) for d in stride)
+        spec = _spec(mesh, placement, shape_t, stride_t, local.dtype)
+        if len(_FAST_SPECS) >= 4096:
+            _FAST_SPECS.clear()
+        _FAST_SPECS[key] = (mesh, placement, spec)  # keeps both alive: their ids stay unique
+        return _new_dtensor(DTensor, local, spec, requires_grad=False)
     if not isinstance(placement, RaggedShard):
         placements = tuple(placement)
         if len(placements) != 1 or not isinstance(placements[0], RaggedShard):
@@ -380,14 +394,35 @@ def ragged_from_local(
         # The DTensor constructor: no view, no graph. torch's from_local also treats shape=()
         # as "not given" (it is falsy) and then asks a C++ helper that rejects RaggedShard, so
         # 0-d tensors take this path too, wrapped in a differentiable function when asked.
-        spec = DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(
-            torch.Size(shape), stride, local.dtype))
+        spec = _spec(mesh, placement, shape, stride, local.dtype)
         if not autograd:
-            return DTensor(local, spec, requires_grad=False)
+            # DTensor(local, spec, ...) is this C++ __new__ plus an empty __init__ behind a
+            # dynamo wrapper (~2 us): the engine publishes every gradient through here.
+            return _new_dtensor(DTensor, local, spec, requires_grad=False)
         return _FromLocal0d.apply(local, spec)
     return DTensor.from_local(
         local, mesh, (placement,), run_check=False, shape=torch.Size(shape), stride=stride,
     )
+
+
+_new_dtensor = DTensor.__new__
+_SPECS: dict[tuple, tuple[DeviceMesh, DTensorSpec]] = {}
+_FAST_SPECS: dict[tuple, tuple[DeviceMesh, RaggedShard, DTensorSpec]] = {}
+
+
+def _spec(mesh: DeviceMesh, placement: RaggedShard, shape: tuple[int, ...],
+          stride: tuple[int, ...], dtype: torch.dtype) -> DTensorSpec:
+    """The (immutable) spec of a ragged DTensor, cached: a step publishes one per gradient."""
+    key = (id(mesh), placement, shape, stride, dtype)
+    hit = _SPECS.get(key)
+    if hit is not None and hit[0] is mesh:
+        return hit[1]
+    spec = DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(torch.Size(shape), stride,
+                                                                  dtype))
+    if len(_SPECS) >= 4096:
+        _SPECS.clear()
+    _SPECS[key] = (mesh, spec)  # the mesh is kept alive, so its id is not reused meanwhile
+    return spec
 
 
 class _FromLocal0d(torch.autograd.Function):

@@ -1,0 +1,55 @@
+"""``benchmarks/gpu_check.py`` runs unchanged where there is no GPU.
+
+Without CUDA, ``main`` must skip with a message and return 0 (writing nothing). Its rank-side
+checks are device-agnostic, so they run here on CPU/gloo (world 1 and 2) on tiny models: the
+code path a GPU run takes, minus NCCL and the CUDA memory counters. The report renders.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import gpu_check
+from tests.harness import run_distributed
+
+TINY = gpu_check.ThroughputConfig(n_layer=1, n_embd=32, n_head=2, seq=16, batch=2, steps=2,
+                                  warmup=1)
+
+
+def test_main_skips_cleanly_without_cuda(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "RESULTS_gpu.md"
+    assert gpu_check.main(["--output", str(out)]) == 0
+    assert "skipped: no CUDA device" in capsys.readouterr().out
+    assert not out.exists()
+
+
+def test_mfu_arithmetic():
+    f = gpu_check.flops_per_token(1_000_000, 2, 64, 128)
+    assert f == 6e6 + 12 * 2 * 64 * 128
+    assert gpu_check.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert gpu_check.peak_tflops("Some Unknown GPU") is None
+    assert gpu_check.mfu(1000.0, 1e9, 100.0, 2) == pytest.approx(1000 * 1e9 / 200e12)
+    assert gpu_check.mfu(1000.0, 1e9, None, 1) is None
+
+
+def _checks_body():
+    return gpu_check.run_checks(torch.device("cpu"), TINY)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_checks_run_on_cpu(world_size):
+    results = run_distributed(_checks_body, world_size, timeout=600)
+    res = results[0]
+    status = {r["check"]: r["status"] for r in res["rows"]}
+    assert status["fp32 parity vs single device"] == "PASS", res["rows"]
+    assert status["bf16-mixed"] == "PASS", res["rows"]
+    assert status["async path (prefetch on vs off)"] == "PASS", res["rows"]
+    assert status["CPU offload"] == "SKIP", res["rows"]
+    engines = [p["engine"] for p in res["perf"]]
+    assert engines == ["vescale", "fsdp2"], res["perf"]
+    assert all("error" not in p and p["tokens_per_s"] > 0 for p in res["perf"]), res["perf"]
+    text = gpu_check.render({world_size: res}, gpu_check.check_snapshot("/nonexistent"), TINY,
+                            "python -m benchmarks.gpu_check")
+    assert "| vescale / fsdp2 |" in text and "MemoryProfiler allocator snapshot | SKIP" in text
