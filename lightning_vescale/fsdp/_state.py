@@ -517,10 +517,12 @@ class FSDPState:
             if self.mp_policy.output_dtype is not None:
                 output = _cast_floating(output, self.mp_policy.output_dtype)
             tensors = [t for t in tensors_in(output) if t.requires_grad]
-            # The last group of the recorded forward keeps its parameters: its backward comes
-            # first (one all-gather less per step).
-            if last and group is not None and not (grad and tensors
-                                                   and self._is_last_in_forward()):
+            # Under reshard_after_forward=None (the engine decides), the last group of the
+            # recorded forward keeps its parameters: its backward comes first (one all-gather
+            # less per step). An explicit True always reshards, as in FSDP2.
+            keep = (grad and tensors and self.auto_reshard_after_forward
+                    and self._is_last_in_forward())
+            if last and group is not None and not keep:
                 group.reshard_after_forward_now()
             if grad and tensors:
                 for t in tensors:
@@ -534,9 +536,10 @@ class FSDPState:
             return output
 
     def _is_last_in_forward(self) -> bool:
-        """The last group of the recorded forward order: its backward comes first, so it keeps
-        its parameters instead of freeing and re-gathering them at once (one all-gather less
-        per step; torchtitan sets ``reshard_after_forward=False`` on the last block by hand)."""
+        """The last group of the recorded forward order: its backward comes first, so under
+        ``reshard_after_forward=None`` it keeps its parameters instead of freeing and
+        re-gathering them at once (one all-gather less per step; torchtitan sets
+        ``reshard_after_forward=False`` on the last block by hand)."""
         order = self.ctx.forward_order
         return self.ctx.forward_recorded and bool(order) and order[-1] is self
 
