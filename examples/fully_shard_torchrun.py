@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> float:
     if rank == 0:
         print(f"fully_shard: {world} process(es), {args.steps} steps, bf16 compute, "
               f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    # Tear down together: a rank that exits while its peer still talks to it can abort in gloo's
+    # transport threads ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
     return losses[-1]
 
