@@ -124,3 +124,25 @@ def all_gather_flat(output: torch.Tensor, local: torch.Tensor, group: dist.Proce
     """
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(output, local, group=group)
+
+
+#: The fused optimizer kernels, element-wise over their lists like ``_foreach_*`` ops
+#: (``grad_scale``/``found_inf``/tensor ``lr`` are scalar-like operands).
+FUSED_OPTIMIZER_OPS = ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
+#: ``_foreach_*`` ops whose base op is pointwise but that reduce (or are not element-wise).
+FOREACH_NOT_ELEMENTWISE = frozenset({"max", "norm", "powsum", "mm"})
+#: ``_foreach_*`` ops whose base is not tagged pointwise but that act element by element.
+FOREACH_EXTRA_ELEMENTWISE = frozenset({"copy", "zero"})
+
+
+def foreach_is_elementwise(base: str) -> bool:
+    """Whether ``_foreach_<base>`` maps each list item's elements independently (the one
+    definition, shared by the operator support and the flat optimizer step)."""
+    if base in FOREACH_NOT_ELEMENTWISE:
+        return False
+    if base in FOREACH_EXTRA_ELEMENTWISE:
+        return True
+    packet = getattr(aten, base, None)
+    return packet is not None and any(
+        torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads()
+    )

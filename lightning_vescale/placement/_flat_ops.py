@@ -11,15 +11,17 @@ from typing import Any, NamedTuple
 
 import torch
 
-from lightning_vescale.placement._common import aten
+from lightning_vescale.placement._common import (
+    FUSED_OPTIMIZER_OPS,
+    aten,
+    foreach_is_elementwise,
+)
 from lightning_vescale.placement._flat_runs import _SINGLETON, _count
 
 __all__ = ["FLAT_STEP_FUSED", "flat_step_ops"]
 
 #: Fused optimizer kernels handled like ``_foreach_*`` ops (their lists are element-wise).
-FLAT_STEP_FUSED = ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
-_FOREACH_NOT_ELEMENTWISE = {"max", "norm", "powsum", "mm"}
-_FOREACH_EXTRA = {"copy", "zero"}
+FLAT_STEP_FUSED = FUSED_OPTIMIZER_OPS
 _PROBE_ALIGNMENTS_FUSED = (1, 16, 64)
 
 
@@ -77,16 +79,6 @@ def _op_info(op: torch._ops.OpOverload) -> _OpInfo | None:
     )
 
 
-def _foreach_is_elementwise(base: str) -> bool:
-    if base in _FOREACH_NOT_ELEMENTWISE:
-        return False
-    if base in _FOREACH_EXTRA:
-        return True
-    packet = getattr(aten, base, None)
-    return packet is not None and any(
-        torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads()
-    )
-
 
 @functools.cache
 def flat_step_ops() -> tuple[torch._ops.OpOverload, ...]:
@@ -100,7 +92,7 @@ def flat_step_ops() -> tuple[torch._ops.OpOverload, ...]:
         if name.startswith("_fused_"):
             if name not in FLAT_STEP_FUSED:
                 continue
-        elif not _foreach_is_elementwise(name[len("_foreach_"):].rstrip("_")):
+        elif not foreach_is_elementwise(name[len("_foreach_"):].rstrip("_")):
             continue
         packet = getattr(aten, name, None)
         op = getattr(packet, overload or "default", None) if packet is not None else None

@@ -71,6 +71,8 @@ from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor.placement_types import Partial
 
 from lightning_vescale.placement._common import (
+    FUSED_OPTIMIZER_OPS,
+    foreach_is_elementwise,
     aten,
     bind_args,
     has_ragged,
@@ -115,16 +117,12 @@ _EXTRA_ELEMENTWISE.update(
 )
 # Fused optimizer steps are element-wise over their tensor lists too; ``state_steps`` (0-d) and
 # ``grad_scale``/``found_inf``/tensor ``lr`` are scalar-like operands.
-_FUSED_ELEMENTWISE_NAMES = ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_")
 _EXTRA_ELEMENTWISE.update(
     getattr(packet, o)
-    for packet in (getattr(aten, name, None) for name in _FUSED_ELEMENTWISE_NAMES)
+    for packet in (getattr(aten, name, None) for name in FUSED_OPTIMIZER_OPS)
     if packet is not None
     for o in packet.overloads()
 )
-# ``_foreach_X`` is element-wise when ``X`` is; these bases are reductions or matmuls instead.
-_FOREACH_NOT_ELEMENTWISE = {"max", "norm", "powsum", "mm"}
-_FOREACH_EXTRA_BASES = {"copy", "zero"}
 
 
 @functools.cache
@@ -140,15 +138,7 @@ def is_elementwise_op(op: torch._ops.OpOverload) -> bool:
         return True
     name = op._schema.name  # "aten::_foreach_add_" (op.name() carries the overload too)
     if name.startswith("aten::_foreach_"):
-        base = name[len("aten::_foreach_"):].rstrip("_")
-        if base in _FOREACH_NOT_ELEMENTWISE:
-            return False
-        if base in _FOREACH_EXTRA_BASES:
-            return True
-        packet = getattr(aten, base, None)
-        return packet is not None and any(
-            torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads()
-        )
+        return foreach_is_elementwise(name[len("aten::_foreach_"):].rstrip("_"))
     return False
 
 
