@@ -8,8 +8,18 @@ the group that replicates (gradient shards are all-reduced across it). FSDP2 kee
 ``FSDPMeshInfo`` / ``HSDPMeshInfo``; we keep them in one frozen :class:`MeshInfo` that
 ``fully_shard`` builds once per group and hands to ``ParamGroup``, ``DBuffer``, the optimizers,
 checkpoints and precision, instead of a bare process group or ``dist.group.WORLD``. The
-mesh-dimension convention (FSDP2's: on a 2-D mesh dim 0 replicates and dim 1 shards) and the
-1-D-only restriction of this version live here and nowhere else.
+mesh-dimension convention (FSDP2's: on a 2-D mesh dim 0 replicates and dim 1 shards) lives here
+and nowhere else.
+
+HSDP (design note [hsdp]): on a 2-D ``(replicate, shard)`` mesh a parameter is a DTensor with
+placements ``(Replicate(), RaggedShard(...))`` (:meth:`MeshInfo.placements`). Every layer plans,
+gathers and reduce-scatters inside the shard group (``shard_size`` ranks, the planner's
+``world_size``) exactly as on a 1-D mesh of that size; the only extra step is one all-reduce of
+each flat gradient shard across the replicate group (``DBuffer.reduce_scatter``). So the data of
+rank ``(i, j)`` equals the data of rank ``j`` of a 1-D run of ``shard_size`` ranks, and replicas
+compute the same optimizer steps on the same shards. A tensor-parallel (or any other) dim is left
+to the caller: pass the data-parallel sub-mesh (``mesh["dp_replicate", "dp_shard"]``), not the
+whole mesh.
 
 :func:`init_mesh` is the one factory for the default data-parallel mesh; the strategies and
 ``fully_shard(mesh=None)`` both use it, so they name the dimension the same way.
@@ -22,11 +32,14 @@ import dataclasses
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Placement, Replicate
 
-__all__ = ["MeshInfo", "init_mesh", "DP_SHARD_DIM_NAME"]
+__all__ = ["MeshInfo", "init_mesh", "DP_SHARD_DIM_NAME", "DP_REPLICATE_DIM_NAME"]
 
 #: Name of the shard dimension of the meshes this package creates.
 DP_SHARD_DIM_NAME = "dp_shard"
+#: Name of the replicate dimension of the HSDP meshes this package creates.
+DP_REPLICATE_DIM_NAME = "dp_replicate"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -51,20 +64,33 @@ class MeshInfo:
     def from_mesh(cls, mesh: DeviceMesh) -> "MeshInfo":
         """Read the shard (and replicate) dimension off ``mesh``.
 
+        A 1-D mesh shards over its one dim (FSDP); a 2-D mesh replicates over dim 0 and shards
+        over dim 1 (HSDP, FSDP2's convention). To keep a tensor-parallel dim out, pass the
+        data-parallel sub-mesh (``mesh["dp_replicate", "dp_shard"]``).
+
         Raises:
             TypeError: ``mesh`` is not a ``DeviceMesh``.
-            NotImplementedError: a mesh with more than one dimension (HSDP is not supported in
-                this version).
+            ValueError: a mesh with more than two dimensions.
         """
         if not isinstance(mesh, DeviceMesh):
             raise TypeError(f"mesh must be a torch.distributed DeviceMesh, got {mesh!r}")
-        if mesh.ndim != 1:
-            raise NotImplementedError(
-                f"lightning_vescale shards over 1-D device meshes only; got a {mesh.ndim}-D mesh "
-                f"of shape {tuple(mesh.shape)}. Pass a 1-D mesh (e.g. "
-                f"init_device_mesh(device_type, ({mesh.size()},)))."
-            )
-        return cls(mesh=mesh, shard_mesh_dim=0)
+        if mesh.ndim == 1:
+            return cls(mesh=mesh, shard_mesh_dim=0)
+        if mesh.ndim == 2:
+            return cls(mesh=mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+        names = getattr(mesh, "mesh_dim_names", None)
+        raise ValueError(
+            f"mesh: lightning_vescale shards over a 1-D mesh (FSDP) or a 2-D (replicate, shard) "
+            f"mesh (HSDP); got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)} (dims {names}). "
+            f"Pass the data-parallel sub-mesh, e.g. mesh['{DP_REPLICATE_DIM_NAME}', "
+            f"'{DP_SHARD_DIM_NAME}'].")
+
+    def placements(self, ragged: Placement) -> tuple[Placement, ...]:
+        """One placement per mesh dim for a tensor sharded by ``ragged`` on the shard dim:
+        ``(ragged,)`` on a 1-D mesh, ``(Replicate(), ragged)`` on an HSDP mesh."""
+        out: list[Placement] = [Replicate()] * self.mesh.ndim
+        out[self.shard_mesh_dim] = ragged
+        return tuple(out)
 
     # -- derived facts (cheap: DeviceMesh caches its groups and coordinates) --------------------
     @property
@@ -95,6 +121,22 @@ class MeshInfo:
     def replicate_size(self) -> int:
         return 1 if self.replicate_mesh_dim is None else self.mesh.size(self.replicate_mesh_dim)
 
+    @property
+    def replicate_rank(self) -> int:
+        """This rank's index inside the replicate group (0 without one)."""
+        return 0 if self.replicate_mesh_dim is None else self.mesh.get_local_rank(
+            self.replicate_mesh_dim)
+
+    @property
+    def is_hsdp(self) -> bool:
+        """True when gradients are all-reduced across more than one replica."""
+        return self.replicate_size > 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different data: ``replicate_size * shard_size``."""
+        return self.replicate_size * self.shard_size
+
     def __repr__(self) -> str:
         return (f"MeshInfo(mesh={tuple(self.mesh.shape)} {self.mesh.device_type}, "
                 f"shard_mesh_dim={self.shard_mesh_dim}, "
@@ -104,15 +146,24 @@ class MeshInfo:
 # Keyed on the world size too: a child forked from a process that built a mesh, or a new
 # init_process_group() after destroy_process_group(), may have another world size. (A 1-D world
 # mesh looks its group up by name, so it follows a re-initialised default group by itself.)
-_MESHES: dict[tuple[str, int], DeviceMesh] = {}
+_MESHES: dict[tuple[str, int, int], DeviceMesh] = {}
 
 
-def init_mesh(device_type: str, world_size: int | None = None) -> DeviceMesh:
-    """The 1-D data-parallel mesh over the default process group (cached).
+def init_mesh(device_type: str, world_size: int | None = None, *,
+              replicas: int = 1) -> DeviceMesh:
+    """The data-parallel mesh over the default process group (cached).
 
     Args:
         device_type: ``"cuda"``, ``"cpu"``, ... (take it from the strategy or the parameters).
         world_size: defaults to the default group's size; must equal it.
+        replicas: ``1`` (default): a 1-D mesh named ``("dp_shard",)`` (full sharding). More:
+            a 2-D HSDP mesh ``(replicas, world_size // replicas)`` named
+            ``("dp_replicate", "dp_shard")``; consecutive ranks share a shard group (so with
+            ranks numbered node by node, a shard group stays inside a node).
+
+    Raises:
+        ValueError: ``world_size`` differs from the default group's, or ``replicas`` does not
+            divide it.
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -123,9 +174,20 @@ def init_mesh(device_type: str, world_size: int | None = None) -> DeviceMesh:
         raise ValueError(
             f"init_mesh(world_size={world_size}) does not match the default process group's "
             f"size {size}.")
-    key = (device_type, size)
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1 \
+            or size % replicas:
+        raise ValueError(
+            f"init_mesh(replicas={replicas!r}): the number of replicas must be a positive int "
+            f"that divides the world size {size}.")
+    key = (device_type, size, replicas)
     if key not in _MESHES:
-        _MESHES[key] = init_device_mesh(device_type, (size,), mesh_dim_names=(DP_SHARD_DIM_NAME,))
+        if replicas == 1:
+            _MESHES[key] = init_device_mesh(device_type, (size,),
+                                            mesh_dim_names=(DP_SHARD_DIM_NAME,))
+        else:
+            _MESHES[key] = init_device_mesh(
+                device_type, (replicas, size // replicas),
+                mesh_dim_names=(DP_REPLICATE_DIM_NAME, DP_SHARD_DIM_NAME))
     return _MESHES[key]
 
 

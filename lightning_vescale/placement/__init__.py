@@ -40,6 +40,7 @@ from lightning_vescale.placement._ragged_shard import (
     overlap_matrix,
     overlap_splits,
     ragged_from_local,
+    ragged_mesh_dim,
     ragged_ranges,
     slab_pieces,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "overlap_matrix",
     "overlap_splits",
     "ragged_from_local",
+    "ragged_mesh_dim",
     "ragged_ranges",
     "run_view",
     "set_flat_step_enabled",

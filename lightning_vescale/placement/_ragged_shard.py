@@ -46,6 +46,7 @@ __all__ = [
     "overlap_matrix",
     "overlap_splits",
     "ragged_from_local",
+    "ragged_mesh_dim",
     "ragged_ranges",
     "require_1d_mesh",
     "slab_pieces",
@@ -311,22 +312,69 @@ def slab_pieces(
     return out
 
 
+def ragged_mesh_dim(placements: Sequence[Placement], what: str = "RaggedShard") -> int:
+    """The mesh dim of the one ``RaggedShard`` in ``placements``; every other dim must replicate.
+
+    Design note [ragged-nd]: a ``RaggedShard`` DTensor lives on a mesh where exactly one dim
+    shards it raggedly and every other dim holds a full copy of that sharding (``Replicate``):
+    ``(RaggedShard,)`` on a 1-D mesh (FSDP), ``(Replicate(), RaggedShard)`` on a 2-D
+    ``(replicate, shard)`` mesh (HSDP). The local tensor is then a function of the rank's
+    coordinate on the ragged dim only, so all range math, redistribution and checkpoint boxes
+    run on that dim's process group and ignore the others. Other combinations (two ragged dims,
+    ``Shard``/``Partial`` next to a ragged dim) are not supported.
+
+    Raises:
+        NotImplementedError: no ``RaggedShard``, more than one, or a non-``Replicate`` placement
+            beside it. ``what`` names the operation for the message.
+    """
+    placements = tuple(placements)
+    dims = [d for d, p in enumerate(placements) if isinstance(p, RaggedShard)]
+    others = [p for p in placements if not isinstance(p, RaggedShard) and not p.is_replicate()]
+    if len(dims) != 1 or others:
+        raise NotImplementedError(
+            f"{what} supports placements with exactly one RaggedShard and Replicate() on every "
+            f"other mesh dim (e.g. (RaggedShard,) or (Replicate(), RaggedShard)); got "
+            f"{placements}.")
+    return dims[0]
+
+
 def require_1d_mesh(mesh: DeviceMesh, what: str) -> None:
-    """Raise ``NotImplementedError`` unless ``mesh`` is 1-D (RaggedShard's one supported case).
+    """Raise ``NotImplementedError`` unless ``mesh`` is 1-D.
 
     ``what`` names the operation for the message (e.g. ``"RaggedShard redistribution"``).
     """
     if mesh.ndim != 1:
         raise NotImplementedError(
-            f"{what} supports 1-D device meshes only (the FSDP case); got a {mesh.ndim}-D mesh "
+            f"{what} supports 1-D device meshes only; got a {mesh.ndim}-D mesh "
             f"{tuple(mesh.shape)}. Flatten the mesh or use a 1-D sub-mesh."
         )
+
+
+def _as_placements(placement: RaggedShard | Sequence[Placement], mesh: DeviceMesh
+                   ) -> tuple[Placement, ...]:
+    if isinstance(placement, RaggedShard):
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"ragged_from_local: a bare RaggedShard is a placement for a 1-D mesh; on this "
+                f"{mesh.ndim}-D mesh {tuple(mesh.shape)} pass one placement per mesh dim, e.g. "
+                f"(Replicate(), RaggedShard(...)) (design note [ragged-nd]).")
+        return (placement,)
+    if isinstance(placement, Placement) or not isinstance(placement, Sequence):
+        raise TypeError(
+            f"ragged_from_local: placement must be a RaggedShard or a sequence of placements "
+            f"holding one, got {placement!r}")
+    placements = tuple(placement)
+    if len(placements) != mesh.ndim:
+        raise ValueError(
+            f"ragged_from_local: {len(placements)} placements {placements} for a {mesh.ndim}-D "
+            f"mesh {tuple(mesh.shape)}; pass one placement per mesh dim.")
+    return placements
 
 
 def ragged_from_local(
     local: torch.Tensor,
     mesh: DeviceMesh,
-    placement: RaggedShard | Sequence[RaggedShard],
+    placement: RaggedShard | Sequence[Placement],
     shape: Sequence[int],
     stride: Sequence[int] | None = None,
     *,
@@ -336,10 +384,13 @@ def ragged_from_local(
     """The one way to build a ``RaggedShard`` DTensor from this rank's flat slice.
 
     Args:
-        local: this rank's flat 1-D slice (``numel == placement.local_numel(shape, rank)``);
-            it is wrapped without a copy, so it may be a view into a flat buffer.
-        mesh: a 1-D ``DeviceMesh``.
-        placement: the ``RaggedShard`` (or a one-element sequence holding it).
+        local: this rank's flat 1-D slice (``numel == ragged.local_numel(shape, r)`` where ``r``
+            is this rank's coordinate on the ragged mesh dim); it is wrapped without a copy, so
+            it may be a view into a flat buffer.
+        mesh: the ``DeviceMesh`` (1-D, or N-D with one ragged dim: design note [ragged-nd]).
+        placement: the ``RaggedShard`` (1-D mesh), or one placement per mesh dim holding exactly
+            one ``RaggedShard`` and ``Replicate()`` elsewhere (e.g. HSDP's
+            ``(Replicate(), RaggedShard(...))``).
         shape: the global shape. ``stride``: the global stride (default: contiguous).
         autograd: ``True`` (default) behaves like ``DTensor.from_local``: differentiable, the
             gradient flows back to ``local``. ``False`` makes ``local`` itself the local tensor of
@@ -350,10 +401,12 @@ def ragged_from_local(
 
     Raises:
         ValueError: bad placement for ``shape``/mesh, or a local tensor of the wrong size/rank.
-        NotImplementedError: a mesh with more than one dimension.
+        TypeError: ``placement`` is neither a ``RaggedShard`` nor a sequence of placements.
+        NotImplementedError: placements other than one ``RaggedShard`` plus ``Replicate()``s.
     """
-    if not autograd and not check and type(placement) is RaggedShard:
-        # The engine's per-step path (a gradient per parameter per step): a cached spec.
+    if not autograd and not check and (type(placement) is RaggedShard or type(placement) is tuple):
+        # The engine's per-step path (a gradient per parameter per step): a cached spec, keyed
+        # on the identity of the placement object (the engine keeps one per parameter).
         key = (id(mesh), id(placement), tuple(shape),
                None if stride is None else tuple(stride), local.dtype)
         hit = _FAST_SPECS.get(key)
@@ -361,30 +414,26 @@ def ragged_from_local(
             return _new_dtensor(DTensor, local, hit[2], requires_grad=False)
         shape_t = tuple(int(d) for d in shape)
         stride_t = _contiguous_stride(shape_t) if stride is None else tuple(int(d) for d in stride)
-        spec = _spec(mesh, placement, shape_t, stride_t, local.dtype)
+        placements_t = placement if type(placement) is tuple else (placement,)
+        spec = _spec(mesh, placements_t, shape_t, stride_t, local.dtype)
         if len(_FAST_SPECS) >= 4096:
             _FAST_SPECS.clear()
         _FAST_SPECS[key] = (mesh, placement, spec)  # keeps both alive: their ids stay unique
         return _new_dtensor(DTensor, local, spec, requires_grad=False)
-    if not isinstance(placement, RaggedShard):
-        placements = tuple(placement)
-        if len(placements) != 1 or not isinstance(placements[0], RaggedShard):
-            raise TypeError(
-                f"ragged_from_local: placement must be a RaggedShard, got {placement!r}"
-            )
-        placement = placements[0]
+    placements = _as_placements(placement, mesh)
+    dim = ragged_mesh_dim(placements, "ragged_from_local")
+    ragged = placements[dim]
     shape = tuple(int(s) for s in shape)
     if check:
-        require_1d_mesh(mesh, "RaggedShard")
-        placement.validate(shape, mesh.size(0))
+        ragged.validate(shape, mesh.size(dim))
         if not isinstance(local, torch.Tensor):
             raise TypeError(
                 f"ragged_from_local: local must be a torch.Tensor, got {type(local)}")
-        rank = mesh.get_local_rank(0)
-        expected = placement.local_numel(shape, rank)
+        rank = mesh.get_local_rank(dim)
+        expected = ragged.local_numel(shape, rank)
         if local.dim() != 1 or local.numel() != expected:
             raise ValueError(
-                f"ragged_from_local: rank {rank} of {placement!r} on shape {shape} expects a flat "
+                f"ragged_from_local: rank {rank} of {ragged!r} on shape {shape} expects a flat "
                 f"1-D local tensor of {expected} elements, got shape {tuple(local.shape)} "
                 f"({local.numel()} elements); pass this rank's flat slice "
                 f"(local_slice(full, placement, rank))."
@@ -394,30 +443,30 @@ def ragged_from_local(
         # The DTensor constructor: no view, no graph. torch's from_local also treats shape=()
         # as "not given" (it is falsy) and then asks a C++ helper that rejects RaggedShard, so
         # 0-d tensors take this path too, wrapped in a differentiable function when asked.
-        spec = _spec(mesh, placement, shape, stride, local.dtype)
+        spec = _spec(mesh, placements, shape, stride, local.dtype)
         if not autograd:
             # DTensor(local, spec, ...) is this C++ __new__ plus an empty __init__ behind a
             # dynamo wrapper (~2 us): the engine publishes every gradient through here.
             return _new_dtensor(DTensor, local, spec, requires_grad=False)
         return _FromLocal0d.apply(local, spec)
     return DTensor.from_local(
-        local, mesh, (placement,), run_check=False, shape=torch.Size(shape), stride=stride,
+        local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride,
     )
 
 
 _new_dtensor = DTensor.__new__
 _SPECS: dict[tuple, tuple[DeviceMesh, DTensorSpec]] = {}
-_FAST_SPECS: dict[tuple, tuple[DeviceMesh, RaggedShard, DTensorSpec]] = {}
+_FAST_SPECS: dict[tuple, tuple[DeviceMesh, object, DTensorSpec]] = {}
 
 
-def _spec(mesh: DeviceMesh, placement: RaggedShard, shape: tuple[int, ...],
+def _spec(mesh: DeviceMesh, placements: tuple[Placement, ...], shape: tuple[int, ...],
           stride: tuple[int, ...], dtype: torch.dtype) -> DTensorSpec:
     """The (immutable) spec of a ragged DTensor, cached: a step publishes one per gradient."""
-    key = (id(mesh), placement, shape, stride, dtype)
+    key = (id(mesh), placements, shape, stride, dtype)
     hit = _SPECS.get(key)
     if hit is not None and hit[0] is mesh:
         return hit[1]
-    spec = DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(torch.Size(shape), stride,
+    spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), stride,
                                                                   dtype))
     if len(_SPECS) >= 4096:
         _SPECS.clear()
