@@ -27,7 +27,10 @@ The model (stated in the printed header, overridable on the command line):
   (``reduce_dtype``), so all-gathers move 2 bytes per element and reduce-scatters/all-reduces 4;
 * one step: every block all-gathers twice (forward, and again in backward: resharded after
   forward) and reduce-scatters once; the root all-gathers once (kept for backward, both
-  engines' default) and reduce-scatters once; under HSDP every group all-reduces its fp32
+  engines' default) and reduce-scatters once; ours also keeps the last block's parameters
+  into backward (the engine's ``reshard_after_forward=None`` rule: one all-gather less per
+  step) and all-reduces (MAX) one byte per parameter over the shard group ("received a
+  gradient" flags: a latency-only collective); under HSDP every group all-reduces its fp32
   gradient shard across the replicas;
 * copies at an HBM bandwidth (bytes read + bytes written). Both engines cast the fp32 shard to
   bf16 before each all-gather and the bf16 unsharded gradients to fp32 before each
@@ -130,7 +133,8 @@ class GroupSizes:
     name: str
     numel: int  # real parameters of the group
     shard: dict[str, int]  # engine -> per-rank (padded) shard elements
-    gathers: int  # all-gathers per step (2 = resharded after forward, 1 = kept)
+    tensors: int
+    gathers: dict[str, int]  # engine -> all-gathers per step (2 = resharded after forward)
 
 
 def default_granularity() -> ShardGranularity:
@@ -140,8 +144,13 @@ def default_granularity() -> ShardGranularity:
 
 
 def group_sizes(cfg: TransformerConfig, shard_world: int,
-                policy: ShardGranularity | None = None) -> list[GroupSizes]:
-    """Plan every group of ``cfg`` (per block, then the root) over ``shard_world`` ranks."""
+                policy: ShardGranularity | None = None, *,
+                fsdp2_keeps_last_block: bool = False) -> list[GroupSizes]:
+    """Plan every group of ``cfg`` (per block, then the root) over ``shard_world`` ranks.
+
+    ``fsdp2_keeps_last_block``: give FSDP2 ``reshard_after_forward=False`` on the last block (as
+    torchtitan sets by hand), so both engines gather the same number of times.
+    """
     policy = policy or default_granularity()
     out = []
     groups = transformer_groups(cfg, "block")
@@ -149,9 +158,14 @@ def group_sizes(cfg: TransformerConfig, shard_world: int,
         entries = [(n, s, policy(n, torch.empty(s, device="meta"))) for n, s in params]
         plan = plan_layout(entries, shard_world)
         fsdp2 = fsdp2_even_rowwise(params, shard_world)
-        out.append(GroupSizes(name=gname, numel=plan.total_numel,
+        # The root keeps its parameters for backward (both engines' default); ours also keeps
+        # the last block's (the last group of the forward: its backward comes first).
+        root, last_block = k == len(groups) - 1, k == len(groups) - 2
+        out.append(GroupSizes(name=gname, numel=plan.total_numel, tensors=len(params),
                               shard={"ours": plan.shard_size, "fsdp2": fsdp2.shard_size},
-                              gathers=1 if k == len(groups) - 1 else 2))
+                              gathers={"ours": 1 if root or last_block else 2,
+                                       "fsdp2": 1 if root or (last_block and
+                                                              fsdp2_keeps_last_block) else 2}))
     return out
 
 
@@ -207,8 +221,9 @@ def model_step(engine: str, layout: str, nodes: int, sizes: list[GroupSizes],
     for g in sizes:
         s = g.shard[engine]
         full = m * s
-        ag_b += g.gathers * full * PARAM_BYTES
-        ag_s += g.gathers * ring_all_gather_s(full * PARAM_BYTES, m, bw, lat)
+        gathers = g.gathers[engine]
+        ag_b += gathers * full * PARAM_BYTES
+        ag_s += gathers * ring_all_gather_s(full * PARAM_BYTES, m, bw, lat)
         rs_b += full * REDUCE_BYTES
         rs_s += ring_reduce_scatter_s(full * REDUCE_BYTES, m, bw, lat)
         if replicas > 1:
@@ -216,10 +231,14 @@ def model_step(engine: str, layout: str, nodes: int, sizes: list[GroupSizes],
             ar_s += ring_all_reduce_s(s * REDUCE_BYTES, replicas, ar_bw, ar_lat)
         # both: cast the shard to bf16 before every all-gather, the bf16 gradients to fp32
         # before the reduce-scatter (read + write)
-        copy_b += g.gathers * s * (MASTER_BYTES + PARAM_BYTES)
+        copy_b += gathers * s * (MASTER_BYTES + PARAM_BYTES)
         copy_b += full * (PARAM_BYTES + REDUCE_BYTES)
         if engine == "fsdp2":  # copy-out of every all-gather into per-parameter tensors
-            copy_b += g.gathers * full * 2 * PARAM_BYTES
+            copy_b += gathers * full * 2 * PARAM_BYTES
+    if engine == "ours":  # one all-reduce (MAX) of a byte per parameter: "got a gradient"
+        flags = sum(g.tensors for g in sizes)
+        ar_b += flags
+        ar_s += ring_all_reduce_s(flags, m, bw, lat)
     real = sum(g.numel for g in sizes)
     return StepComm(engine=engine, layout=layout, nodes=nodes, gpus=gpus, shard_ranks=m,
                     replicas=replicas, shard_elems=sum(g.shard[engine] for g in sizes),
@@ -229,7 +248,8 @@ def model_step(engine: str, layout: str, nodes: int, sizes: list[GroupSizes],
 
 
 def model_table(cfg: TransformerConfig, nodes: tuple[int, ...] = NODES,
-                net: Network | None = None) -> list[dict[str, StepComm]]:
+                net: Network | None = None, *,
+                fsdp2_keeps_last_block: bool = False) -> list[dict[str, StepComm]]:
     """For every node count and layout, ``{"ours": StepComm, "fsdp2": StepComm}``."""
     net = net or Network()
     rows = []
@@ -238,7 +258,8 @@ def model_table(cfg: TransformerConfig, nodes: tuple[int, ...] = NODES,
         for n in nodes:
             m = n * net.gpus_per_node if layout == "full" else net.gpus_per_node
             if m not in cache:
-                cache[m] = group_sizes(cfg, m)
+                cache[m] = group_sizes(cfg, m,
+                                       fsdp2_keeps_last_block=fsdp2_keeps_last_block)
             rows.append({e: model_step(e, layout, n, cache[m], net) for e in ENGINES})
     return rows
 
@@ -258,7 +279,9 @@ def report(rows: list[dict[str, StepComm]], net: Network, cfg_name: str, nparams
         f"Network: {net.describe()}.",
         "Collectives: ring; all-gather/reduce-scatter (n-1)/n*B/bw + (n-1)*lat, all-reduce twice "
         "that; a ring spanning nodes runs at the inter-node figures. bf16 all-gather, fp32 "
-        "reduce-scatter/all-reduce; blocks gather twice per step, the root once.",
+        "reduce-scatter/all-reduce; blocks gather twice per step, the root once (ours: the "
+        "last block once too); ours adds one all-reduce of a byte per parameter (grad flags) "
+        "in the shard group, counted under AR.",
         "Per-rank sizes: ours = plan_layout at the shard-group size (strategy default "
         "granularity), FSDP2 = torch.chunk dim-0 padding. Copies: casts in both engines + "
         "FSDP2's all-gather copy-out. No overlap with compute is modelled.",
@@ -305,13 +328,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--inter-latency-us", type=float, default=10.0)
     p.add_argument("--hbm-gbs", type=float, default=3000.0)
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    p.add_argument("--fsdp2-keeps-last-block", action="store_true",
+                   help="FSDP2 with reshard_after_forward=False on the last block (torchtitan's "
+                        "setting): the same all-gather count as ours")
     a = p.parse_args(argv)
     net = Network(gpus_per_node=a.gpus_per_node, intra_bw=a.intra_bw_gbs * 1e9,
                   intra_latency=a.intra_latency_us * 1e-6, inter_bw=a.inter_bw_gbs * 1e9,
                   inter_latency=a.inter_latency_us * 1e-6, hbm_bw=a.hbm_gbs * 1e9)
     cfg = PRESETS[a.preset]
     nparams = sum(math.prod(s) for _, g in transformer_groups(cfg, "model") for _, s in g)
-    print(report(model_table(cfg, tuple(a.nodes), net), net, a.preset, nparams, a.markdown))
+    rows = model_table(cfg, tuple(a.nodes), net, fsdp2_keeps_last_block=a.fsdp2_keeps_last_block)
+    print(report(rows, net, a.preset, nparams, a.markdown))
+    if a.fsdp2_keeps_last_block:
+        print("FSDP2 modelled with reshard_after_forward=False on the last block.")
 
 
 if __name__ == "__main__":
