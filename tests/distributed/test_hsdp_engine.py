@@ -260,3 +260,44 @@ def test_hsdp_errors(worlds):
     assert "3-D mesh" in out["3d"] and "dp_replicate" in out["3d"], out["3d"]
     assert "replicas=3" in out["replicas"] and "world size 4" in out["replicas"], out
     assert "set_requires_gradient_sync(False)" in out["all_reduce"], out
+
+
+# -- room for a tensor-parallel dim: the DP mesh is a sub-mesh, not the whole world -------------
+def _tp_room_body():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_vescale.fsdp import fully_shard
+
+    world_mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard",
+                                                                     "tp"))
+    dp = world_mesh["dp_replicate", "dp_shard"]  # 2 data-parallel ranks per "tp" coordinate
+    dp_rank, dp_size = dp.get_local_rank(1), dp.size(1)
+    model = build("mlp")
+    ref = copy.deepcopy(model)
+    fully_shard(model.l1, mesh=dp)
+    fully_shard(model, mesh=dp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in batches("mlp", 2, 2 * dp_size):  # data differs along dp only
+        model(micro(x, dp_rank, dp_size), micro(y, dp_rank, dp_size)).backward()
+        opt.step()
+        opt.zero_grad()
+        ref(x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {n: (p.to_local().detach().clone(), dp_rank,
+                q.detach().reshape(-1).clone())
+            for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())}
+
+
+def test_hsdp_on_a_data_parallel_sub_mesh(worlds):
+    """A (dp_replicate, dp_shard, tp) world mesh: fully_shard on the DP sub-mesh trains each tp
+    coordinate's copy like single-process training (no collective spans the tp dim)."""
+    results = worlds(4).run(_tp_room_body)
+    # tp is the last mesh dim, so world ranks 0 and 2 form one DP group (tp=0), 1 and 3 the
+    # other (tp=1).
+    for group in ((0, 2), (1, 3)):
+        for n, (_, _, want) in results[group[0]].items():
+            pieces = sorted((results[r][n][1], results[r][n][0]) for r in group)
+            got = torch.cat([t.reshape(-1) for _, t in pieces])
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=n)
