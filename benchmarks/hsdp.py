@@ -250,8 +250,8 @@ def run(world_size: int, cfg_kw: dict, batch: int, steps: int, warmup: int, runs
     return out
 
 
-def _kib(n: float) -> str:
-    return f"{n / 1024:,.1f}"
+def _b(n: float) -> str:
+    return f"{int(n):,}"
 
 
 def report(res: dict[str, Any]) -> str:
@@ -264,18 +264,18 @@ def report(res: dict[str, Any]) -> str:
         cells = [key]
         for k in KINDS[:3]:
             for r in ROLES[:2]:
-                cells.append(f"{_kib(b.get(f'{k}/{r}', 0))} ({c.get(f'{k}/{r}', 0)})")
+                cells.append(f"{_b(b.get(f'{k}/{r}', 0))} ({c.get(f'{k}/{r}', 0)})")
         other = sum(v for name, v in b.items() if name.split("/")[0] == "other"
                     or name.endswith("/other"))
-        cells += [_kib(other), _kib(sum(b.values())), str(sum(c.values())),
-                  _kib(p["copy_bytes"]), str(p["copies"]), f"{p['median_step_s'] * 1e3:.1f}"]
+        cells += [_b(other), _b(sum(b.values())), str(sum(c.values())),
+                  _b(p["copy_bytes"]), str(p["copies"]), f"{p['median_step_s'] * 1e3:.1f}"]
         if not p["ranks_agree"]:
             cells[0] += " (ranks differ!)"
         body.append(cells)
     w = [max(len(col), *(len(b[i]) for b in body)) for i, col in enumerate(cols)]
     n = next(iter(pairs.values()))["steps_timed"]
     lines = [f"GPT with {res['nparams'] / 1e6:.2f}M parameters, world size {res['world_size']}, "
-             f"{n} timed steps per pair (slowest rank per step). Bytes: KiB per step, full-buffer "
+             f"{n} timed steps per pair (slowest rank per step). Bytes per step, full-buffer "
              "size of each collective (calls in brackets); 'shard' = inside the shard group, "
              "'replicate' = across replicas; copies in fwd+bwd+step.",
              "  ".join(col.rjust(w[i]) for i, col in enumerate(cols))]

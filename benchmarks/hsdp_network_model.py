@@ -29,9 +29,9 @@ The model (stated in the printed header, overridable on the command line):
   forward) and reduce-scatters once; the root all-gathers once (kept for backward, both
   engines' default) and reduce-scatters once; ours also keeps the last block's parameters
   into backward (the engine's ``reshard_after_forward=None`` rule: one all-gather less per
-  step) and all-reduces (MAX) one byte per parameter over the shard group ("received a
-  gradient" flags: a latency-only collective); under HSDP every group all-reduces its fp32
-  gradient shard across the replicas;
+  step) and all-reduces (MAX) one byte per parameter over the shard group, then under HSDP
+  over the replicate group ("received a gradient" flags: latency-only collectives); under HSDP
+  every group all-reduces its fp32 gradient shard across the replicas;
 * copies at an HBM bandwidth (bytes read + bytes written). Both engines cast the fp32 shard to
   bf16 before each all-gather and the bf16 unsharded gradients to fp32 before each
   reduce-scatter (ours: one whole-buffer cast, ``DBuffer``; FSDP2: fused into its copy-in).
@@ -239,6 +239,9 @@ def model_step(engine: str, layout: str, nodes: int, sizes: list[GroupSizes],
         flags = sum(g.tensors for g in sizes)
         ar_b += flags
         ar_s += ring_all_reduce_s(flags, m, bw, lat)
+        if replicas > 1:  # HSDP: then across the replicas
+            ar_b += flags
+            ar_s += ring_all_reduce_s(flags, replicas, ar_bw, ar_lat)
     real = sum(g.numel for g in sizes)
     return StepComm(engine=engine, layout=layout, nodes=nodes, gpus=gpus, shard_ranks=m,
                     replicas=replicas, shard_elems=sum(g.shard[engine] for g in sizes),
@@ -281,7 +284,7 @@ def report(rows: list[dict[str, StepComm]], net: Network, cfg_name: str, nparams
         "that; a ring spanning nodes runs at the inter-node figures. bf16 all-gather, fp32 "
         "reduce-scatter/all-reduce; blocks gather twice per step, the root once (ours: the "
         "last block once too); ours adds one all-reduce of a byte per parameter (grad flags) "
-        "in the shard group, counted under AR.",
+        "in the shard group (HSDP: and across replicas), counted under AR.",
         "Per-rank sizes: ours = plan_layout at the shard-group size (strategy default "
         "granularity), FSDP2 = torch.chunk dim-0 padding. Copies: casts in both engines + "
         "FSDP2's all-gather copy-out. No overlap with compute is modelled.",
