@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._pytree import tree_flatten
 
 from benchmarks.fsdp2_vs_vescale import _micro
@@ -72,18 +73,26 @@ def _kind(op_name: str) -> str:
     return "other"
 
 
-def _group_name(args: tuple) -> str | None:
-    """The process group's name from a c10d op's arguments (a boxed ``ProcessGroup``, or the
-    group-name string that functional collectives take)."""
+def _group(args: tuple) -> tuple[str | None, int]:
+    """``(name, size)`` of the process group in a c10d op's arguments (a boxed
+    ``ProcessGroup``, or the group-name string that functional collectives take)."""
     for a in args:
         if isinstance(a, torch.ScriptObject):
             try:
-                return dist.ProcessGroup.unbox(a).group_name
+                pg = dist.ProcessGroup.unbox(a)
             except (RuntimeError, TypeError):
                 continue
+            return pg.group_name, pg.size()
         if isinstance(a, str):
-            return a
-    return None
+            return a, _resolve_process_group(a).size()
+    return None, 1
+
+
+def ring_sent_bytes(kind: str, nbytes: int, n: int) -> float:
+    """Bytes one rank sends in a ring collective of ``n`` ranks over an ``nbytes`` buffer."""
+    if n <= 1:
+        return 0.0
+    return (2 if kind == "all_reduce" else 1) * (n - 1) / n * nbytes
 
 
 def _tensor_bytes(x: Any) -> int:
@@ -99,7 +108,8 @@ class GroupCommCounter(CopyCommCounter):
     any other group (e.g. the world group of a 1-D mesh used for a barrier) counts as
     ``"other"``. Bytes are the full-buffer size: the larger of the op's first two arguments'
     tensor bytes (output/input of all-gather and reduce-scatter; the tensor list of all-reduce).
-    :attr:`bytes` and :attr:`calls` are ``Counter``s keyed by ``(kind, role)``.
+    :attr:`bytes`, :attr:`calls` and :attr:`sent` (bytes one rank sends if the collective runs
+    as a ring, :func:`ring_sent_bytes`) are ``Counter``s keyed by ``(kind, role)``.
     """
 
     def __init__(self, roles: dict[str, str]) -> None:
@@ -107,20 +117,23 @@ class GroupCommCounter(CopyCommCounter):
         self.roles = dict(roles)
         self.bytes: Counter[tuple[str, str]] = Counter()
         self.calls: Counter[tuple[str, str]] = Counter()
+        self.sent: Counter[tuple[str, str]] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         if func.namespace in ("c10d", "_c10d_functional") and self._depth == 0:
-            key = (_kind(func.overloadpacket.__name__),
-                   self.roles.get(_group_name(args) or "", "other"))
+            name, size = _group(args)
+            key = (_kind(func.overloadpacket.__name__), self.roles.get(name or "", "other"))
             nbytes = max((_tensor_bytes(a) for a in args[:2]), default=0)
             self.bytes[key] += nbytes
             self.calls[key] += 1
+            self.sent[key] += ring_sent_bytes(key[0], nbytes, size)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def split(self) -> dict[str, Any]:
         """Plain-dict figures: ``bytes``/``calls`` as ``{"kind/role": n}`` plus the copy counts."""
         return {"bytes": {f"{k}/{r}": v for (k, r), v in self.bytes.items()},
                 "calls": {f"{k}/{r}": v for (k, r), v in self.calls.items()},
+                "sent": {f"{k}/{r}": v for (k, r), v in self.sent.items()},
                 **self.summary()}
 
 
@@ -243,9 +256,11 @@ def run(world_size: int, cfg_kw: dict, batch: int, steps: int, warmup: int, runs
             "losses": per_rank[0]["losses"][key],
             "bytes": counts[0]["bytes"],
             "calls": counts[0]["calls"],
+            "sent": counts[0]["sent"],
             "ranks_agree": all(c["bytes"] == counts[0]["bytes"] for c in counts),
             "copy_bytes": counts[0]["copy_bytes"],
             "copies": counts[0]["copies"],
+            "by_op": counts[0]["by_op"],
         }
     return out
 
@@ -257,7 +272,8 @@ def _b(n: float) -> str:
 def report(res: dict[str, Any]) -> str:
     pairs = res["pairs"]
     cols = ["engine/layout"] + [f"{k} {r}" for k in KINDS[:3] for r in ROLES[:2]] + [
-        "other", "total", "collectives", "copied", "copies", "median step ms"]
+        "other", "total", "collectives", "ring sent shard", "ring sent replicate", "copied",
+        "copies", "median step ms", "min step ms"]
     body = []
     for key, p in pairs.items():
         b, c = p["bytes"], p["calls"]
@@ -267,8 +283,11 @@ def report(res: dict[str, Any]) -> str:
                 cells.append(f"{_b(b.get(f'{k}/{r}', 0))} ({c.get(f'{k}/{r}', 0)})")
         other = sum(v for name, v in b.items() if name.split("/")[0] == "other"
                     or name.endswith("/other"))
-        cells += [_b(other), _b(sum(b.values())), str(sum(c.values())),
-                  _b(p["copy_bytes"]), str(p["copies"]), f"{p['median_step_s'] * 1e3:.1f}"]
+        sent = {r: sum(v for name, v in p["sent"].items() if name.endswith("/" + r))
+                for r in ROLES[:2]}
+        cells += [_b(other), _b(sum(b.values())), str(sum(c.values())), _b(sent["shard"]),
+                  _b(sent["replicate"]), _b(p["copy_bytes"]), str(p["copies"]),
+                  f"{p['median_step_s'] * 1e3:.1f}", f"{p['min_step_s'] * 1e3:.1f}"]
         if not p["ranks_agree"]:
             cells[0] += " (ranks differ!)"
         body.append(cells)
@@ -277,7 +296,9 @@ def report(res: dict[str, Any]) -> str:
     lines = [f"GPT with {res['nparams'] / 1e6:.2f}M parameters, world size {res['world_size']}, "
              f"{n} timed steps per pair (slowest rank per step). Bytes per step, full-buffer "
              "size of each collective (calls in brackets); 'shard' = inside the shard group, "
-             "'replicate' = across replicas; copies in fwd+bwd+step.",
+             "'replicate' = across replicas; 'ring sent' = bytes one rank sends if each "
+             "collective runs as a ring ((n-1)/n of the buffer, all-reduce twice that); copies "
+             "in fwd+bwd+step.",
              "  ".join(col.rjust(w[i]) for i, col in enumerate(cols))]
     lines += ["  ".join(v.rjust(w[i]) for i, v in enumerate(b)) for b in body]
 
@@ -297,6 +318,8 @@ def report(res: dict[str, Any]) -> str:
     worst = max(abs(x - y) / abs(y) for p in pairs.values() for x, y in zip(p["losses"], ref))
     lines.append(f"losses agree across all pairs: max relative difference {worst:.2e} over "
                  f"{len(ref)} steps")
+    for key, p in pairs.items():
+        lines.append(f"{key} ops: {p.get('by_op', {})}")
     return "\n".join(lines)
 
 

@@ -117,9 +117,14 @@ def test_bench_counts_by_group_and_pairs_agree():
         if engine == "vescale":  # one byte per parameter, over each mesh dim of size > 1
             flags = n_tensors
             assert b["all_reduce/shard"] == n_tensors, (key, b)
+        sent = p["sent"]  # ring bytes per rank: (n-1)/n of the buffer, all-reduce twice that
+        m = 4 if layout == "full" else 2
+        assert sum(v for k, v in sent.items() if k.endswith("/shard")) == pytest.approx(
+            (m - 1) / m * (b["all_gather/shard"] + rs + 2 * b.get("all_reduce/shard", 0)))
         if layout == "full":
             assert ar == 0 and "all_reduce/replicate" not in p["calls"], (key, b)
         else:
+            assert sent["all_reduce/replicate"] == pytest.approx(ar)  # 2 * (2-1)/2
             # the cross-replica all-reduce: one gradient shard = the reduce-scatter buffer / 2
             assert ar - flags == rs // 2, (key, b)
     ref = pairs["fsdp2/full"]["losses"]
