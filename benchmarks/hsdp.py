@@ -161,8 +161,14 @@ def mesh_roles(mesh: DeviceMesh) -> dict[str, str]:
     return {mesh.get_group(1).group_name: "shard", mesh.get_group(0).group_name: "replicate"}
 
 
-def build(engine: str, cfg: GPTConfig, mesh: DeviceMesh, seed: int = 0):
-    """The GPT sharded by ``engine`` on ``mesh`` (each block, then the root) and its AdamW."""
+def build(engine: str, cfg: GPTConfig, mesh: DeviceMesh, seed: int = 0,
+          fsdp2_keep_last_block: bool = False):
+    """The GPT sharded by ``engine`` on ``mesh`` (each block, then the root) and its AdamW.
+
+    Both engines run their defaults; ours keeps the last block's parameters into backward
+    (``reshard_after_forward=None``). ``fsdp2_keep_last_block`` gives FSDP2 the same by hand
+    (``reshard_after_forward=False`` on the last block, as torchtitan does).
+    """
     if engine == "vescale":
         from lightning_vescale.fsdp import fully_shard
     elif engine == "fsdp2":
@@ -171,8 +177,9 @@ def build(engine: str, cfg: GPTConfig, mesh: DeviceMesh, seed: int = 0):
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     torch.manual_seed(seed)
     model = GPT(cfg)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
+    for i, block in enumerate(model.blocks):
+        keep = engine == "fsdp2" and fsdp2_keep_last_block and i == len(model.blocks) - 1
+        fully_shard(block, mesh=mesh, **({"reshard_after_forward": False} if keep else {}))
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
     return model, opt
@@ -187,8 +194,8 @@ def _step(model, opt, x, y) -> float:
 
 
 def bench_body(cfg_kw: dict, batch: int, steps: int, warmup: int, runs: int,
-               engines: tuple[str, ...] = ENGINES, layouts: tuple[str, ...] = tuple(LAYOUTS)
-               ) -> dict[str, Any]:
+               engines: tuple[str, ...] = ENGINES, layouts: tuple[str, ...] = tuple(LAYOUTS),
+               fsdp2_keep_last_block: bool = False) -> dict[str, Any]:
     """On every rank: build every (engine, layout) pair, count one step, time the rest."""
     from lightning_vescale.placement import set_flat_step_enabled
 
@@ -197,7 +204,8 @@ def bench_body(cfg_kw: dict, batch: int, steps: int, warmup: int, runs: int,
     data = _micro(make_batches(warmup + steps, batch * world, cfg.block_size), rank, world)
     meshes = {lay: make_mesh(lay) for lay in layouts}
     pairs = [(e, lay) for lay in layouts for e in engines]
-    built = {p: build(p[0], cfg, meshes[p[1]]) for p in pairs}
+    built = {p: build(p[0], cfg, meshes[p[1]], fsdp2_keep_last_block=fsdp2_keep_last_block)
+             for p in pairs}
     losses: dict[str, list[float]] = {f"{e}/{lay}": [] for e, lay in pairs}
     times: dict[str, list[float]] = {f"{e}/{lay}": [] for e, lay in pairs}
     counts: dict[str, Any] = {}
@@ -235,7 +243,7 @@ def bench_body(cfg_kw: dict, batch: int, steps: int, warmup: int, runs: int,
 # ------------------------------------------------------------------------------------------------
 def run(world_size: int, cfg_kw: dict, batch: int, steps: int, warmup: int, runs: int,
         engines: tuple[str, ...] = ENGINES, layouts: tuple[str, ...] = tuple(LAYOUTS),
-        timeout: float = 3600) -> dict[str, Any]:
+        timeout: float = 3600, fsdp2_keep_last_block: bool = False) -> dict[str, Any]:
     """Fork ``world_size`` gloo ranks, run :func:`bench_body`, reduce over ranks."""
     from tests.harness import run_distributed
 
@@ -243,7 +251,7 @@ def run(world_size: int, cfg_kw: dict, batch: int, steps: int, warmup: int, runs
         raise ValueError(f"warmup must be >= 1 (the last warm-up step is the counted one), "
                          f"got warmup={warmup}")
     per_rank = run_distributed(bench_body, world_size, cfg_kw, batch, steps, warmup, runs,
-                               engines, layouts, timeout=timeout)
+                               engines, layouts, fsdp2_keep_last_block, timeout=timeout)
     out: dict[str, Any] = {"world_size": world_size, "nparams": per_rank[0]["nparams"],
                            "pairs": {}}
     for key in per_rank[0]["times"]:
@@ -340,12 +348,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--fsdp2-keep-last-block", action="store_true",
+                   help="FSDP2 with reshard_after_forward=False on the last block (torchtitan's "
+                        "setting; ours does this by default)")
     a = p.parse_args(argv)
     cfg_kw = dict(vocab_size=65, block_size=a.block_size, n_layer=a.n_layer, n_head=a.n_head,
                   n_embd=a.n_embd, tie_weights=True)
     res = run(a.world_size, cfg_kw, a.batch, a.steps, a.warmup, a.runs, tuple(a.engines),
-              tuple(a.layouts))
+              tuple(a.layouts), fsdp2_keep_last_block=a.fsdp2_keep_last_block)
     print(report(res))
+    if a.fsdp2_keep_last_block:
+        print("FSDP2 ran with reshard_after_forward=False on the last block.")
 
 
 if __name__ == "__main__":
