@@ -30,8 +30,9 @@ not a network: the network model (``benchmarks/hsdp_network_model.py``) projects
 
 Run from the repository root::
 
-    python -m benchmarks.hsdp                      # ~1.6M-param GPT, world 4
-    python -m benchmarks.hsdp --n-layer 4 --n-embd 256 --steps 6 --runs 3
+    python -m benchmarks.hsdp                      # 3.19M-param GPT, world 4, ~2.5 min here
+    python -m benchmarks.hsdp --runs 5 --fsdp2-keep-last-block
+    python -m benchmarks.hsdp --n-layer 2 --n-embd 64 --steps 2 --runs 1   # seconds
 
 Results and how they were taken: ``benchmarks/RESULTS_hsdp.md``.
 """
@@ -339,13 +340,13 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--n-embd", type=int, default=256)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--batch", type=int, default=4, help="micro-batch per rank")
     p.add_argument("--steps", type=int, default=8, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", type=int, default=5)
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--fsdp2-keep-last-block", action="store_true",
