@@ -255,6 +255,14 @@ def _body_elementwise_and_foreach():
         results.append(True)
     with pytest.raises(ValueError, match="same global shape, stride and placement"):
         _rs(a_full, mesh, LAYOUTS[0]) + _rs(b_full, mesh, LAYOUTS[1])
+    # copy_ from another layout of the same tensor: (R, R), (R, Shard), (R, RS')
+    rep = DTensor.from_local(b_full, mesh, [R, R], run_check=False)
+    for src in (rep, rep.redistribute(mesh, [R, Shard(1)]), _rs(b_full, mesh, LAYOUTS[2])):
+        dst = _rs(a_full, mesh, LAYOUTS[1])
+        local = dst._local_tensor
+        dst.copy_(src)
+        assert dst._local_tensor is local and dst.placements == (R, LAYOUTS[1])
+        torch.testing.assert_close(dst.full_tensor(), b_full, rtol=0, atol=0)
     # an optimizer step (foreach and fused) on (R, RS) parameters = the dense step
     for kw in ({"foreach": True}, {"fused": True}, {"foreach": False}):
         dense = [a_full.clone().requires_grad_(), _dense(3, (7,)).requires_grad_()]
@@ -405,6 +413,27 @@ def _body_distribute_tensors():
     return True
 
 
+def _body_ragged_on_dim0():
+    """The ragged dim need not be the last: (RaggedShard, Replicate()) on the same 2 x 2 mesh
+    acts in the dim-0 groups (ranks {j, 2 + j})."""
+    mesh = _mesh2d()
+    i = mesh.get_local_rank(0)
+    full = _dense(11)
+    pl = LAYOUTS[1]
+    dt = ragged_from_local(_expect(full, pl, i).clone(), mesh, (pl, R), SHAPE)
+    torch.testing.assert_close(dt.full_tensor(), full, rtol=0, atol=0)
+    out = dt.redistribute(mesh, [Shard(0), R])
+    torch.testing.assert_close(out.to_local(), _expect(full, Shard(0), i), rtol=0, atol=0)
+    back = out.redistribute(mesh, [LAYOUTS[0], R])
+    torch.testing.assert_close(back.to_local(), _expect(full, LAYOUTS[0], i), rtol=0, atol=0)
+    with _count_collectives() as counts:
+        norm = torch.linalg.vector_norm(dt)
+    assert norm.placements == (R, R) and set(counts) == {("all_reduce", 2)}
+    torch.testing.assert_close(norm.to_local(), full.norm())
+    torch.testing.assert_close((dt * 2).full_tensor(), full * 2)
+    return True
+
+
 # -- distributed checkpoint ------------------------------------------------------------------------
 CKPT_SHAPES = {"w": (6, 5, 3), "v": (10,), "s": (), "m": (4, 3)}
 
@@ -485,6 +514,10 @@ def test_partial_to_ragged_2d(worlds):
 
 def test_collectives_stay_in_the_shard_group(worlds):
     worlds(4).run(_body_collectives_in_shard_group)
+
+
+def test_ragged_dim_0_of_a_2d_mesh(worlds):
+    assert worlds(4).run(_body_ragged_on_dim0) == [True] * 4
 
 
 def test_unsupported_pairs_raise(worlds):
