@@ -240,3 +240,86 @@ def test_single_process_full_checkpoint_loads_on_hsdp(worlds, tmp_path, kind):
     """A plain (single-process) state dict is cut to each rank's slice of the shard group."""
     outs = worlds(4).run(_full_roundtrip_body, kind, (2, 2), str(tmp_path / "unused"), True)
     _check_loaded(outs, kind, "one process", (2, 2))
+
+
+# -- through fully_shard (the strategies' engine) -------------------------------------------------
+def _gpt_run(kind: str, mesh_shape: tuple[int, ...] | None, steps: range, *,
+             load_from: str | None = None, save_to: str | None = None) -> dict | None:
+    """GPT under ``fully_shard`` on ``mesh_shape`` (``None``: one process), every rank on the
+    whole batch (the averaged gradient is exact, so runs on any mesh are bitwise comparable);
+    optionally load a sharded checkpoint first and/or save one after ``steps``. Returns this
+    rank's flat local parameters."""
+    from lightning_vescale.fsdp import fully_shard
+    from tests.distributed._fully_shard_helpers import batches, build
+
+    model = build("gpt")
+    if mesh_shape is not None:
+        mesh = _mesh(mesh_shape)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, granularity=B)
+        fully_shard(model, mesh=mesh, granularity=B)
+    opt = _optimizer(kind, model)
+    if load_from is not None:
+        ckpt.load_sharded(Path(load_from), model, {"optimizer_0": opt})
+    data = batches("gpt", steps.stop, 4)
+    for step in steps:
+        x, y = data[step]
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    if save_to is not None:
+        ckpt.save_sharded(Path(save_to), {"state_dict": ckpt.model_state(model, full=False),
+                                          "optimizer_0": ckpt.optimizer_state(model, opt,
+                                                                              full=False)}, {})
+    return {n: _local_flat(p) for n, p in model.named_parameters()}
+
+
+def _assemble(per_rank: list[dict], first: int, count: int) -> dict:
+    ranks = per_rank[first:first + count]
+    return {n: torch.cat([r[n] for r in ranks]) for n in ranks[0]}
+
+
+@pytest.mark.parametrize("kind", ["adamw8bit", "muon"])
+def test_fully_shard_checkpoints_move_between_hsdp_and_1d(worlds, tmp_path, kind):
+    """fully_shard GPT: HSDP (2, 2) save -> 1-D of 4 and of 2; 1-D of 4 save -> HSDP (2, 2).
+    Two steps, save, load elsewhere, two more steps == four steps in one process, bitwise."""
+    before, after = range(0, 2), range(2, 4)
+    ref = worlds(1).run(_gpt_run, kind, None, range(0, 4))[0]
+    hsdp_path, fsdp_path = str(tmp_path / "hsdp"), str(tmp_path / "fsdp")
+    worlds(4).run(_gpt_run, kind, (2, 2), before, save_to=hsdp_path)
+    worlds(4).run(_gpt_run, kind, (4,), before, save_to=fsdp_path)
+    for world, shape, src in [(4, (4,), hsdp_path), (2, (2,), hsdp_path),
+                              (4, (2, 2), fsdp_path)]:
+        outs = worlds(world).run(_gpt_run, kind, shape, after, load_from=src)
+        shard_size = shape[-1]
+        for first in range(0, world, shard_size):
+            got = _assemble(outs, first, shard_size)
+            bad = [n for n in ref if not torch.equal(got[n], ref[n])]
+            assert not bad, f"{kind}: {src} loaded on {shape}: {bad} differ"
+
+
+def _full_state_dict_body(shape: tuple[int, ...]) -> dict:
+    """``module.load_state_dict`` of a plain full state dict into an HSDP module: each rank
+    keeps its slice of the shard group (fsdp's load pre-hook)."""
+    from lightning_vescale.fsdp import fully_shard
+    from tests.distributed._fully_shard_helpers import build
+
+    src = build("gpt", seed=1)
+    model = build("gpt")
+    mesh = _mesh(shape)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.load_state_dict(src.state_dict())
+    info = MeshInfo.from_mesh(mesh)
+    out = {}
+    for n, p in model.named_parameters():
+        want = local_slice(src.get_parameter(n).detach(), p.placements[info.shard_mesh_dim],
+                           info.shard_rank).reshape(-1)
+        out[n] = bool(torch.equal(_local_flat(p), want))
+    return out
+
+
+def test_full_state_dict_loads_into_an_hsdp_module(worlds):
+    for rank, out in enumerate(worlds(4).run(_full_state_dict_body, (2, 2))):
+        assert all(out.values()), (rank, [n for n, ok in out.items() if not ok])
