@@ -193,6 +193,15 @@ def test_replicas_write_no_duplicate_bytes_and_the_manifest_covers_every_item(wo
         manifest = load_manifest(path)
         md = read_metadata(path)
         assert manifest is not None and len(manifest["items"]) == len(md.storage_data)
+    # offline consolidation (one process, no mesh) reads the same full tensors from all three
+    full = {p.name: ckpt.consolidate(p) for p in (hsdp, fsdp2, replicated)}
+    for name in ("hsdp", "replicated"):
+        for key, want in full["fsdp2"]["state_dict"].items():
+            assert torch.equal(full[name]["state_dict"][key], want), (name, key)
+        got_states = full[name]["optimizer_states"][0]["state"]
+        for idx, st in full["fsdp2"]["optimizer_states"][0]["state"].items():
+            for k, v in st.items():
+                assert torch.equal(got_states[idx][k], v), (name, idx, k)
 
 
 def _full_roundtrip_body(kind: str, mesh_shape: tuple[int, ...], path: str,
