@@ -156,10 +156,17 @@ def make_mesh(layout: str) -> DeviceMesh:
 
 
 def mesh_roles(mesh: DeviceMesh) -> dict[str, str]:
-    """Group name -> role for a 1-D (shard) or 2-D (replicate, shard) mesh."""
+    """Group name -> role for a 1-D (shard) or 2-D (replicate, shard) mesh.
+
+    On a 2-D mesh the flattened data-parallel group (our engine's one grad-flag all-reduce over
+    every rank, ``MeshInfo.data_parallel_group``) crosses replicas, so it counts as
+    ``"replicate"`` traffic (the ring figures use each op's own group size). Asking for it here
+    creates it on every rank at the same point (it is cached by torch on the mesh).
+    """
     if mesh.ndim == 1:
         return {mesh.get_group(0).group_name: "shard"}
-    return {mesh.get_group(1).group_name: "shard", mesh.get_group(0).group_name: "replicate"}
+    return {mesh.get_group(1).group_name: "shard", mesh.get_group(0).group_name: "replicate",
+            mesh._flatten().get_group().group_name: "replicate"}
 
 
 def build(engine: str, cfg: GPTConfig, mesh: DeviceMesh, seed: int = 0,

@@ -29,9 +29,10 @@ The model (stated in the printed header, overridable on the command line):
   forward) and reduce-scatters once; the root all-gathers once (kept for backward, both
   engines' default) and reduce-scatters once; ours also keeps the last block's parameters
   into backward (the engine's ``reshard_after_forward=None`` rule: one all-gather less per
-  step) and all-reduces (MAX) one byte per parameter over the shard group, then under HSDP
-  over the replicate group ("received a gradient" flags: latency-only collectives); under HSDP
-  every group all-reduces its fp32 gradient shard across the replicas;
+  step) and all-reduces (MAX) one byte per parameter over all data-parallel ranks ("received a
+  gradient" flags, one latency-bound collective, modelled as a binary tree:
+  ``2 ceil(log2 n)`` latency steps); under HSDP every group all-reduces its fp32 gradient shard
+  across the replicas (a ring);
 * copies at an HBM bandwidth (bytes read + bytes written). Both engines cast the fp32 shard to
   bf16 before each all-gather and the bf16 unsharded gradients to fp32 before each
   reduce-scatter (ours: one whole-buffer cast, ``DBuffer``; FSDP2: fused into its copy-in).
@@ -121,6 +122,15 @@ ring_reduce_scatter_s = ring_all_gather_s
 def ring_all_reduce_s(nbytes: float, n: int, bw: float, latency: float) -> float:
     """Ring all-reduce of ``nbytes`` over ``n`` ranks (a reduce-scatter then an all-gather)."""
     return 2 * ring_all_gather_s(nbytes, n, bw, latency)
+
+
+def tree_all_reduce_s(nbytes: float, n: int, bw: float, latency: float) -> float:
+    """Tree all-reduce of a small ``nbytes`` message over ``n`` ranks: a reduce up and a
+    broadcast down a binary tree, ``2 ceil(log2 n)`` latency-bound steps (what NCCL picks for
+    latency-bound messages; the bytes are negligible)."""
+    if n <= 1:
+        return 0.0
+    return 2 * math.ceil(math.log2(n)) * (latency + nbytes / bw)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -235,13 +245,13 @@ def model_step(engine: str, layout: str, nodes: int, sizes: list[GroupSizes],
         copy_b += full * (PARAM_BYTES + REDUCE_BYTES)
         if engine == "fsdp2":  # copy-out of every all-gather into per-parameter tensors
             copy_b += gathers * full * 2 * PARAM_BYTES
-    if engine == "ours":  # one all-reduce (MAX) of a byte per parameter: "got a gradient"
+    if engine == "ours":  # one all-reduce (MAX) of a byte per parameter: "got a gradient",
+        # over every data-parallel rank at once (HSDP: the flattened replicate x shard group);
+        # a latency-bound message, modelled as a tree
         flags = sum(g.tensors for g in sizes)
         ar_b += flags
-        ar_s += ring_all_reduce_s(flags, m, bw, lat)
-        if replicas > 1:  # HSDP: then across the replicas
-            ar_b += flags
-            ar_s += ring_all_reduce_s(flags, replicas, ar_bw, ar_lat)
+        fbw, flat_ = net.link(gpus, spans_nodes=gpus > net.gpus_per_node)
+        ar_s += tree_all_reduce_s(flags, gpus, fbw, flat_)
     real = sum(g.numel for g in sizes)
     return StepComm(engine=engine, layout=layout, nodes=nodes, gpus=gpus, shard_ranks=m,
                     replicas=replicas, shard_elems=sum(g.shard[engine] for g in sizes),
@@ -284,7 +294,8 @@ def report(rows: list[dict[str, StepComm]], net: Network, cfg_name: str, nparams
         "that; a ring spanning nodes runs at the inter-node figures. bf16 all-gather, fp32 "
         "reduce-scatter/all-reduce; blocks gather twice per step, the root once (ours: the "
         "last block once too); ours adds one all-reduce of a byte per parameter (grad flags) "
-        "in the shard group (HSDP: and across replicas), counted under AR.",
+        "over all data-parallel ranks, latency-bound, as a binary tree (2*ceil(log2 n)*lat), "
+        "counted under AR.",
         "Per-rank sizes: ours = plan_layout at the shard-group size (strategy default "
         "granularity), FSDP2 = torch.chunk dim-0 padding. Copies: casts in both engines + "
         "FSDP2's all-gather copy-out. No overlap with compute is modelled.",
