@@ -256,3 +256,24 @@ def test_clear_errors_and_lenient_mode(worlds):
     assert r["differentiable"].startswith("ValueError"), r
     assert r["rmsprop_lenient"] and r["plain_lenient"] and r["differentiable_lenient"], r
     assert r["twice"], r
+
+
+class _PositionDependent(torch.optim.SGD):
+    """An update that depends on where an element sits in its tensor: never exact when flat."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(torch.arange(p.numel(), dtype=p.dtype), alpha=-g["lr"])
+
+
+def test_probe_detects_inexact_flat_forms():
+    cpu = torch.device("cpu")
+    assert exact_alignment(_PositionDependent, {"lr": 0.1}, torch.float32, cpu) == 0
+    assert exact_alignment(torch.optim.SGD, {"lr": 0.1, "foreach": True}, torch.float32, cpu) == 1
+    # The CPU fused AdamW kernel: some alignment (16 on AVX512) or none, never a wrong "1" that
+    # the probe's per-item comparison would contradict.
+    fused = exact_alignment(torch.optim.AdamW, {"lr": 1e-3, "fused": True}, torch.float32, cpu)
+    assert fused in (0, 1, 16, 64)
