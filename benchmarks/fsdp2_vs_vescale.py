@@ -39,6 +39,9 @@ from torch.utils._pytree import tree_flatten
 from examples.gpt import GPT, GPTConfig, make_batches
 
 ENGINES = ("vescale", "fsdp2")
+#: Timed next to the engines (no memory run): vescale with its AdamW wrapped in
+#: ``lightning_vescale.optim.FlatParamOptimizer`` (design note [flat-params]).
+FLAT_PARAMS = "vescale flat-params"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -206,10 +209,14 @@ def _timing_body(cfg_kw: dict, batch: int, steps: int, warmup: int, runs: int,
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(**cfg_kw)
     data = _micro(make_batches(warmup + steps, batch * world, cfg.block_size), rank, world)
+    from lightning_vescale.optim import FlatParamOptimizer
+
     engines = {e: _build(e, cfg, compile_blocks=compile_blocks) for e in ENGINES}
+    flat_model, flat_opt = _build("vescale", cfg, compile_blocks=compile_blocks)
+    engines[FLAT_PARAMS] = Engine(flat_model, FlatParamOptimizer(flat_opt))
     engines["compute"] = _build_compute(cfg, engines["vescale"].model,
                                         compile_blocks=compile_blocks)
-    timed = (*ENGINES, "compute")
+    timed = (*ENGINES, FLAT_PARAMS, "compute")
     times: dict[str, list[float]] = {e: [] for e in timed}
     fwd_bwd: dict[str, list[float]] = {e: [] for e in timed}
     optim: dict[str, list[float]] = {e: [] for e in timed}
@@ -221,7 +228,7 @@ def _timing_body(cfg_kw: dict, batch: int, steps: int, warmup: int, runs: int,
             for e in (timed if k % 2 else timed[::-1]):
                 # FSDP2 and the compute-only limit run without this package's flat-step
                 # handlers (switched outside the timed region), so they pay nothing for them.
-                set_flat_step_enabled(e == "vescale")
+                set_flat_step_enabled(e == "vescale")  # FlatParamOptimizer needs none
                 dist.barrier()
                 t0 = time.perf_counter()
                 step = (_compute_step if e == "compute" else _step)(
@@ -292,6 +299,11 @@ def run(world_size: int, cfg_kw: dict, batch: int, steps: int, warmup: int,
         k: statistics.median(max(ps) for ps in zip(*(r[src]["compute"] for r in timing)))
         for k, src in (("median_step_s", "times"), ("median_fwd_bwd_s", "fwd_bwd"),
                        ("median_optim_s", "optim"))}
+    out[FLAT_PARAMS] = {
+        k: statistics.median(max(ps) for ps in zip(*(r[src][FLAT_PARAMS] for r in timing)))
+        for k, src in (("median_step_s", "times"), ("median_fwd_bwd_s", "fwd_bwd"),
+                       ("median_optim_s", "optim"))}
+    out[FLAT_PARAMS]["losses"] = timing[0]["losses"][FLAT_PARAMS]
     for e in ENGINES:
         all_times = [t for r in timing for t in r["times"][e]]  # every rank's steps
         per_step = [max(ts) for ts in zip(*(r["times"][e] for r in timing))]  # slowest rank
@@ -358,6 +370,14 @@ def report(res: dict[str, Any]) -> str:
     maxdiff = max(abs(a - b) / abs(b) for a, b in zip(v["losses"], f["losses"]))
     lines.append(f"loss agreement (max relative difference over {len(v['losses'])} steps): "
                  f"{maxdiff:.2e}")
+    fp = res.get(FLAT_PARAMS)
+    if fp is not None:
+        lines.append(f"vescale + FlatParamOptimizer: step {fp['median_step_s'] * 1e3:.1f} ms "
+                     f"(fwd+bwd {fp['median_fwd_bwd_s'] * 1e3:.1f}, optimizer "
+                     f"{fp['median_optim_s'] * 1e3:.1f} ms); speed-up fsdp2 / it: "
+                     f"{f['median_step_s'] / fp['median_step_s']:.3f}x; it / compute-only: "
+                     f"{fp['median_step_s'] / c['median_step_s']:.3f}; losses equal to "
+                     f"vescale's: {fp['losses'] == v['losses']}")
     lines.append(f"vescale ops: {v['by_op']}")
     lines.append(f"fsdp2 ops:   {f['by_op']}")
     return "\n".join(lines)

@@ -8,6 +8,9 @@ step (so machine load hits every variant alike), median over ``--steps`` steps:
 * ``vescale``: ``torch.optim.<Opt>`` on lightning_vescale's RaggedShard DTensors, whose local
   tensors tile each group's DBuffer shard. With the flat step (design note [flat-step] in
   ``lightning_vescale.placement._flat_step``) the element-wise work runs on whole shards;
+* ``vescale flat-params``: the same optimizer wrapped in
+  ``lightning_vescale.optim.FlatParamOptimizer`` (design note [flat-params]): the optimizer
+  itself sees one plain flat tensor per run of a DBuffer shard, not one DTensor per parameter;
 * ``vescale per-tensor``: the same, with the flat step switched off
   (``lightning_vescale.placement.flat_step_enabled(False)``): today's per-tensor DTensor path;
 * ``fsdp2``: the same optimizer on FSDP2's ``Shard(0)`` DTensors, with this package's handlers
@@ -42,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from examples.gpt import GPT, GPTConfig, make_batches
 
-VARIANTS = ("vescale", "vescale per-tensor", "fsdp2", "fsdp2 + handlers", "local per-tensor",
+VARIANTS = ("vescale flat-params", "vescale", "vescale per-tensor", "fsdp2", "fsdp2 + handlers", "local per-tensor",
             "flat limit", "flat limit fused")
 #: Variants timed with lightning_vescale's flat-step handlers installed (the default); all
 #: others run with them removed (``set_flat_step_enabled(False)``, switched outside the timed
@@ -120,6 +123,7 @@ def _flat_groups(holder: torch.nn.Module, groups: int) -> list[dict[str, Any]]:
 
 def _body(cfg_kw: dict, opt_name: str, fused: bool, groups: int, steps: int,
           warmup: int) -> dict[str, Any]:
+    from lightning_vescale.optim import FlatParamOptimizer
     from lightning_vescale.placement import set_flat_step_enabled
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -127,12 +131,15 @@ def _body(cfg_kw: dict, opt_name: str, fused: bool, groups: int, steps: int,
     x, y = make_batches(1, 4 * world, cfg.block_size)[0]
     x, y = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
     ours = _sharded("vescale", cfg, x, y)
+    ours_fp = _sharded("vescale", cfg, x, y)
     ours_pt = _sharded("vescale", cfg, x, y)
     theirs = _sharded("fsdp2", cfg, x, y)
     theirs_h = _sharded("fsdp2", cfg, x, y)
     plain = _plain_like(theirs)
     flat = _flat_like(theirs, groups)
     opts: dict[str, torch.optim.Optimizer] = {
+        "vescale flat-params": FlatParamOptimizer(
+            make_optimizer(opt_name, param_groups(ours_fp, groups), fused=fused)),
         "vescale": make_optimizer(opt_name, param_groups(ours, groups), fused=fused),
         "vescale per-tensor": make_optimizer(opt_name, param_groups(ours_pt, groups), fused=fused),
         "fsdp2": make_optimizer(opt_name, param_groups(theirs, groups), fused=fused),
@@ -157,9 +164,13 @@ def _body(cfg_kw: dict, opt_name: str, fused: bool, groups: int, steps: int,
     set_flat_step_enabled(True)
     same = all(torch.equal(_local(a), _local(b))
                for a, b in zip(ours.parameters(), ours_pt.parameters()))
+    same_fp = all(torch.equal(_local(a), _local(b))
+                  for a, b in zip(ours_fp.parameters(), ours_pt.parameters()))
+    flat_tensors = opts["vescale flat-params"].num_flat_tensors()  # type: ignore[attr-defined]
     tensors = sum(len(g["params"]) for g in opts["vescale"].param_groups)
     numel = sum(_local(p).numel() for p in ours.parameters())
-    return {"times": times, "bitwise_equal": same, "tensors": tensors, "numel": numel}
+    return {"times": times, "bitwise_equal": same, "bitwise_equal_fp": same_fp,
+            "flat_tensors": flat_tensors, "tensors": tensors, "numel": numel}
 
 
 def run(world_size: int, cfg_kw: dict, opt_name: str, fused: bool, groups: int, steps: int,
@@ -171,7 +182,9 @@ def run(world_size: int, cfg_kw: dict, opt_name: str, fused: bool, groups: int, 
                           timeout=3600)
     out: dict[str, Any] = {"world_size": world_size, "tensors": res[0]["tensors"],
                            "numel": [r["numel"] for r in res],
-                           "bitwise_equal": all(r["bitwise_equal"] for r in res)}
+                           "bitwise_equal": all(r["bitwise_equal"] for r in res),
+                           "bitwise_equal_fp": all(r["bitwise_equal_fp"] for r in res),
+                           "flat_tensors": [r["flat_tensors"] for r in res]}
     for k in VARIANTS:
         per_step = [max(ts) for ts in zip(*(r["times"][k] for r in res))]
         out[k] = statistics.median(per_step)
@@ -192,6 +205,12 @@ def report(res: dict[str, Any], label: str) -> str:
     lines.append(f"  vescale / flat limit (same optimizer) {v / res['flat limit']:6.2f}x")
     lines.append(f"  vescale / flat limit fused            {v / res['flat limit fused']:6.2f}x")
     lines.append(f"  flat step bitwise equal to per-tensor step: {res['bitwise_equal']}")
+    f = res["vescale flat-params"]
+    lines.append(f"  flat-params: {res['flat_tensors']} flat tensors per rank")
+    lines.append(f"  fsdp2 / vescale flat-params (speed-up)  {res['fsdp2'] / f:6.2f}x")
+    lines.append(f"  vescale flat-params / flat limit       {f / res['flat limit']:6.2f}x")
+    lines.append(f"  vescale flat-params / flat limit fused {f / res['flat limit fused']:6.2f}x")
+    lines.append(f"  flat-params bitwise equal to per-tensor step: {res['bitwise_equal_fp']}")
     return "\n".join(lines)
 
 

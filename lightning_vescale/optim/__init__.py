@@ -6,6 +6,9 @@ The optimizers:
   shard bounds, so states need no communication.
 * :class:`Muon` (``muon.py``): Muon with an AdamW fallback; sharded matrices go whole to one
   load-balanced owner rank for Newton–Schulz and come back.
+* :class:`FlatParamOptimizer` / :func:`flat_param_optimizer` (``_flat_params.py``): wraps
+  ``torch.optim.Adam/AdamW/SGD`` so that they step a few flat views of the DBuffer shards
+  instead of one tensor per parameter (bitwise the same result).
 
 Their building blocks, importable from here (pure functions, no process group):
 
@@ -22,6 +25,11 @@ export/import for distributed checkpoint; design note [sharded-optimizer]): a ne
 one module on top of it, plus one import line here.
 """
 
+from lightning_vescale.optim._flat_params import (
+    SUPPORTED_OPTIMIZERS,
+    FlatParamOptimizer,
+    flat_param_optimizer,
+)
 from lightning_vescale.optim._muon_groups import DEFAULT_ADAMW_PATTERNS
 from lightning_vescale.optim._muon_plan import assign_owners, plan_buckets
 from lightning_vescale.optim._newton_schulz import (
@@ -52,6 +60,10 @@ __all__ = [
     # the optimizers
     "AdamW8bit",
     "Muon",
+    # torch's element-wise optimizers on flat shards
+    "FlatParamOptimizer",
+    "SUPPORTED_OPTIMIZERS",
+    "flat_param_optimizer",
     # block-wise quantization (alphabetical)
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_MIN_8BIT_SIZE",
