@@ -18,7 +18,7 @@ from torch import nn
 from lightning_vescale.fsdp import fully_shard
 from lightning_vescale.mesh import init_mesh
 from lightning_vescale.optim import FlatParamOptimizer, flat_param_optimizer
-from lightning_vescale.optim._flat_params import exact_alignment
+from lightning_vescale.optim._flat_param_runs import exact_alignment
 
 
 class Net(nn.Module):
@@ -46,7 +46,7 @@ def _model(mesh=None) -> nn.Module:
     return fully_shard(m, mesh=mesh)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_of(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
@@ -78,7 +78,7 @@ def _make(kind: str, groups):
 
 
 def _same(a: nn.Module, b: nn.Module) -> bool:
-    return all(torch.equal(_local(p), _local(q)) for p, q in zip(a.parameters(), b.parameters()))
+    return all(torch.equal(local_of(p), local_of(q)) for p, q in zip(a.parameters(), b.parameters()))
 
 
 def _parity_body(kind: str, split: bool, replicas: int = 1) -> dict:
@@ -154,20 +154,20 @@ def _checkpoint_body(kind: str, save_flat: bool) -> dict:
     buf.seek(0)
     sd = torch.load(buf, weights_only=False)
     sd_copy = copy.deepcopy(oa.state_dict())
-    assert torch.equal(_local(sd_copy["state"][0]["exp_avg"]), _local(sd["state"][0]["exp_avg"]))
+    assert torch.equal(local_of(sd_copy["state"][0]["exp_avg"]), local_of(sd["state"][0]["exp_avg"]))
     keys = sorted(sd["state"][0])
     types = {k: type(v).__name__ for k, v in sd["state"][0].items()}
     b = _model()
     with torch.no_grad():
         for p, q in zip(a.parameters(), b.parameters()):
-            _local(q).copy_(_local(p))
+            local_of(q).copy_(local_of(p))
     ob = _make(kind, _groups(b, True))
     if not save_flat:
         ob = FlatParamOptimizer(ob)
     ob.load_state_dict(sd)
     sb = ob.state_dict()
     same_sd = all(
-        torch.equal(_local(sd["state"][i][k]), _local(sb["state"][i][k]))
+        torch.equal(local_of(sd["state"][i][k]), local_of(sb["state"][i][k]))
         for i in sd["state"] for k in sd["state"][i])
     same = []
     for idx in data[2:]:
@@ -207,7 +207,7 @@ def _dcp_body(tmp: str) -> dict:
     b = _model()
     with torch.no_grad():
         for p, q in zip(a.parameters(), b.parameters()):
-            _local(q).copy_(_local(p))
+            local_of(q).copy_(local_of(p))
     ob = _make("adamw", _groups(b, False))  # the unwrapped optimizer loads it
     osd = get_optimizer_state_dict(b, ob)
     dcp.load({"optim": osd}, checkpoint_id=tmp)
