@@ -16,6 +16,8 @@ Modules, each importing only those before it:
   probe) and ``_flat_step`` (the handler): list ops (``_foreach_*``, fused optimizers) on
   whole flat runs of DBuffer shards instead of per tensor ([flat-step]);
   :func:`flat_step_enabled` switches it;
+* ``_pickle``: pickling and deep-copying DTensors over views at a storage offset
+  ([dtensor-views-pickle]);
 * ``_install``: :func:`install`, the one place that registers all of it with DTensor.
 
 Importing this package calls :func:`install` (idempotent), so no other module needs an import for

@@ -52,6 +52,7 @@ from lightning_vescale.placement._dtensor import (
 )
 from lightning_vescale.placement._flat_step import is_enabled as flat_is_enabled
 from lightning_vescale.placement._flat_step import set_enabled as flat_set_enabled
+from lightning_vescale.placement._pickle import wrap_deepcopy, wrap_reduce_ex
 from lightning_vescale.placement._ops import (
     GUARDED_CUSTOM_OPS,
     guard_custom_handler,
@@ -118,6 +119,11 @@ def install() -> None:
     current = getattr(_sd_utils, "_distribute_tensors", None)
     if current is not None and not _is_installed(current):
         _sd_utils._distribute_tensors = _marked(wrap_distribute_tensors(current))
+    # E5: pickling / deep-copying DTensors over views at a storage offset (DBuffer views).
+    for name, wrap in (("__reduce_ex__", wrap_reduce_ex), ("__deepcopy__", wrap_deepcopy)):
+        current = getattr(DTensor, name)
+        if not _is_installed(current):
+            setattr(DTensor, name, _marked(wrap(current)))
 
 
 # ---------------------------------------------------------------------------------------------
