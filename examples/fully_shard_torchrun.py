@@ -2,13 +2,17 @@
 
     torchrun --nproc-per-node 2 examples/fully_shard_torchrun.py               # CPU (gloo)
     torchrun --nproc-per-node 8 examples/fully_shard_torchrun.py --steps 100   # 8 GPUs (nccl)
+    torchrun --nproc-per-node 4 examples/fully_shard_torchrun.py --replicas 2  # HSDP 2 x 2
     python examples/fully_shard_torchrun.py                                    # 1 process
 
 The calls are FSDP2's: ``fully_shard`` each block, then the root, with the *same*
 ``MixedPrecisionPolicy`` on every group (the root computes the embeddings and the head; with a
 bf16 policy on the blocks only, bf16 activations would reach the root's fp32 weights). Parameters
 become ``RaggedShard`` DTensors, so any ``torch.optim`` optimizer steps on each rank's shard.
-Each rank trains on its own slice of every global batch; rank 0 prints the loss.
+Each rank trains on its own slice of every global batch; rank 0 prints the loss. With
+``--replicas R`` the mesh is HSDP's 2-D ``(R, world // R)``: parameters are sharded inside each
+group of ``world // R`` consecutive ranks (a node, when ranks are numbered node by node) and
+replicated across the ``R`` groups, whose gradient shards are all-reduced.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ try:
 except ImportError:  # a checkout without `pip install -e .`: use the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_vescale import MixedPrecisionPolicy, fully_shard
+from lightning_vescale.mesh import init_mesh
 
 try:
     from examples.gpt import GPT, GPTConfig, make_batches
@@ -37,6 +42,8 @@ def main(argv: list[str] | None = None) -> float:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=8, help="global batch size")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="HSDP: replicate over this many groups of world/replicas ranks")
     args = p.parse_args(argv)
 
     # torchrun sets RANK/WORLD_SIZE/MASTER_ADDR; a plain `python` run is a world of one.
@@ -59,10 +66,12 @@ def main(argv: list[str] | None = None) -> float:
     torch.manual_seed(0)  # the same initial weights on every rank (each keeps its shard)
     model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4)).to(device)
 
+    # 1-D mesh (full sharding), or with --replicas R HSDP's 2-D (R, world // R) mesh
+    mesh = init_mesh(device.type, replicas=args.replicas)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:                   # as with FSDP2: each block, then the root,
-        fully_shard(block, mp_policy=mp)         # with the same policy everywhere
-    fully_shard(model, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp)  # with the same mesh and policy everywhere
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)  # RaggedShard DTensors
 
     per_rank = args.batch_size // world
@@ -78,7 +87,8 @@ def main(argv: list[str] | None = None) -> float:
         losses.append(loss.item() / world)
 
     if rank == 0:
-        print(f"fully_shard: {world} process(es), {args.steps} steps, bf16 compute, "
+        layout = f"HSDP {tuple(mesh.shape)}" if mesh.ndim == 2 else "full sharding"
+        print(f"fully_shard: {world} process(es), {layout}, {args.steps} steps, bf16 compute, "
               f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     # Tear down together: a rank that exits while its peer still talks to it can abort in gloo's
     # transport threads ("terminate called without an active exception").

@@ -186,6 +186,9 @@ COMMANDS: dict[str, object] = {
         Runs(extra=("--trainer.max_steps=4", "--trainer.enable_progress_bar=false")),
     "torchrun --nproc-per-node 2 examples/fully_shard_torchrun.py":
         Runs(extra=("--steps", "3"), check=lambda out, _: "fully_shard: 2 process(es)" in out),
+    "torchrun --nproc-per-node 4 examples/fully_shard_torchrun.py --replicas 2":
+        Runs(extra=("--steps", "3"),
+             check=lambda out, _: "fully_shard: 4 process(es), HSDP (2, 2)" in out),
     "python -m lightning_vescale.consolidate /tmp/gpt_ckpt /tmp/gpt_full.ckpt": Custom(_consolidate),
     "torchrun --nnodes 4 --nproc-per-node 8 --node-rank $NODE_RANK --master-addr $MASTER_ADDR "
     "--master-port 29500 examples/llama.py fit --config "
