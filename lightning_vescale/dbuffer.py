@@ -186,6 +186,11 @@ class DBuffer:
         self.name = name
         self.mesh_info = mesh_info
         self.group = mesh_info.shard_group if mesh_info is not None else None
+        # HSDP (design note [hsdp] in mesh.py): the reduced gradient shard is all-reduced across
+        # the replicas of this shard group; None on a 1-D mesh.
+        self.replicate_group = (mesh_info.replicate_group
+                                if mesh_info is not None and mesh_info.is_hsdp else None)
+        self.replicate_size = mesh_info.replicate_size if mesh_info is not None else 1
         self.device = torch.device(device)
         self.is_meta = self.device.type == "meta"
         self.offload = offload
@@ -483,7 +488,8 @@ class DBuffer:
 
     def _reduce_scatter(self, async_op: bool, rop: dist.ReduceOp,
                         accumulate: bool, scale: float | None = None) -> CommHandle:
-        divide = rop == dist.ReduceOp.AVG and self.world_size > 1 and self._avg_as_sum()
+        ranks = self.world_size * self.replicate_size  # data-parallel ranks that are averaged
+        divide = rop == dist.ReduceOp.AVG and ranks > 1 and self._avg_as_sum()
         if divide:
             rop = dist.ReduceOp.SUM
         # offload: the collective writes on device; the epilogue copies the shard to the host
@@ -507,7 +513,7 @@ class DBuffer:
 
         def epilogue(inp=inp, out=out) -> None:
             if divide:
-                out.div_(self.world_size)
+                out.div_(ranks)
             if scale is not None:
                 out.mul_(scale)
             if out is not gs:
@@ -519,10 +525,20 @@ class DBuffer:
 
         if self.world_size == 1:
             out.copy_(inp[: self.shard_size])
-            handle = CommHandle(None, epilogue)
-            handle.wait()
-            return handle
-        work = _reduce_scatter_flat(out, inp, op=rop, group=self.group, async_op=async_op)
+            work = None
+        else:
+            work = _reduce_scatter_flat(out, inp, op=rop, group=self.group, async_op=async_op)
+        if self.replicate_group is not None:
+            # HSDP: the cross-replica all-reduce reads the reduce-scatter's output. Waiting on
+            # the reduce-scatter's work first orders the two (on NCCL that is a stream
+            # dependency, not a host sync; gloo runs it to completion); the all-reduce is then
+            # the handle's work. With AVG each stage averages over its own group.
+            if work is not None:
+                with record_function("vescale::comm_wait"):
+                    work.wait()
+            with record_function("vescale::all_reduce"):
+                work = dist.all_reduce(out, op=rop, group=self.replicate_group,
+                                       async_op=async_op)
         handle = CommHandle(work, epilogue)
         if not async_op:
             handle.wait()

@@ -111,8 +111,9 @@ def _rebuild(group: ParamGroup, locals_: dict[str, torch.Tensor]) -> None:
 
 
 def _on_device_type(mesh: DeviceMesh, device_type: str) -> DeviceMesh:
-    """``mesh`` (1-D) on ``device_type``: the same process group, ranks and dimension name."""
-    return DeviceMesh.from_group(mesh.get_group(), device_type, mesh=mesh.mesh.tolist(),
+    """``mesh`` on ``device_type``: the same process groups, ranks and dimension names."""
+    groups = mesh.get_group() if mesh.ndim == 1 else [mesh.get_group(d) for d in range(mesh.ndim)]
+    return DeviceMesh.from_group(groups, device_type, mesh=mesh.mesh.tolist(),
                                  mesh_dim_names=mesh.mesh_dim_names)
 
 

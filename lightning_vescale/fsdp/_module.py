@@ -157,9 +157,18 @@ class VeScaleFSDPModule(FSDPModule):
             group.reduce_grads = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """FSDP2's HSDP switch for the replica all-reduce. Meshes here are 1-D (no replica
-        all-reduce exists), so there is nothing to turn on or off; the value is validated."""
+        """FSDP2's HSDP switch to reduce-scatter without the replica all-reduce. On a 1-D mesh
+        there is no all-reduce, so either value is accepted. On an HSDP mesh ``True`` is the
+        only behaviour: the all-reduce runs in place on the reduce-scattered flat shard, and
+        there is no separate partial-gradient buffer to accumulate into between the two. For
+        gradient accumulation use ``set_requires_gradient_sync(False)``, which skips all
+        communication until the last micro-batch."""
         _check_bool("requires_all_reduce", requires_all_reduce)
+        if not requires_all_reduce and any(g.mesh_info.is_hsdp for g in self._groups(recurse)):
+            raise _not_supported(
+                "set_requires_all_reduce(False)", "the replica all-reduce runs in place on each "
+                "reduce-scattered gradient shard; to accumulate gradients without communication "
+                "use set_requires_gradient_sync(False) on all but the last micro-batch.")
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change whether groups free their unsharded parameters after forward (the root
@@ -244,8 +253,9 @@ class VeScaleFSDPModule(FSDPModule):
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
                             stream: Any = None) -> None:
-        raise _not_supported("set_all_reduce_hook", "there is no HSDP all-reduce to replace "
-                             "(meshes are 1-D).")
+        raise _not_supported("set_all_reduce_hook", "the HSDP all-reduce runs in place on the "
+                             "group's flat gradient shard (zero-copy); a custom collective "
+                             "cannot plug in.")
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
                                              recurse: bool = True) -> None:

@@ -157,6 +157,7 @@ class ParamGroup:
         self.applying: tuple[Any, set[int]] | None = None
         # One DBuffer per (dtype, trainable at build time); see design note [fsdp-grads].
         self.buffers: dict[tuple[torch.dtype, bool], DBuffer] = {}
+        self._placement_cache: dict[tuple[int, str], tuple[Any, tuple]] = {}
         self.modules_hold_unsharded = False
         self._gather: list[CommHandle] | None = None  # in-flight all-gathers
         self._reduce: list[CommHandle] | None = None  # in-flight reduce-scatters
@@ -226,13 +227,27 @@ class ParamGroup:
             mark_replaced(mp.sharded, f"{self.fqn}.{mp.name}" if self.fqn else mp.name,
                           original=False)
         local = buf.local_view(mp.name)
-        dt = ragged_from_local(local, self.mesh_info.mesh, buf.placement(mp.name), mp.shape,
+        dt = ragged_from_local(local, self.mesh_info.mesh, self._placements(mp), mp.shape,
                                autograd=False, check=False)
         mp.sharded = nn.Parameter(dt, requires_grad=mp.requires_grad)
         mp.unsharded = nn.Parameter(buf.param_view(mp.name), requires_grad=mp.requires_grad)
         mp.got_grad = False
         if not buf.is_meta and mp.requires_grad:
             self._register_grad_hooks(mp)
+
+    def _placements(self, mp: ManagedParam) -> Any:
+        """The parameter's DTensor placements: its buffer's ``RaggedShard`` on a 1-D mesh, or
+        ``(Replicate(), RaggedShard)`` on an HSDP mesh (one tuple per parameter and buffer, kept,
+        so ``ragged_from_local``'s per-step spec cache hits)."""
+        ragged = mp.buffer.placement(mp.name)
+        if self.mesh_info.replicate_mesh_dim is None:
+            return ragged
+        key = (id(mp.buffer), mp.name)
+        hit = self._placement_cache.get(key)
+        if hit is None or hit[0] is not ragged:
+            hit = (ragged, self.mesh_info.placements(ragged))
+            self._placement_cache[key] = hit
+        return hit[1]
 
     def sync_requires_grad(self) -> None:
         """Follow ``requires_grad_`` calls users made on the sharded parameters."""
@@ -501,7 +516,7 @@ class ParamGroup:
             if self.gradient_divide_factor is not None:  # set_gradient_divide_factor
                 op, scale = "sum", 1.0 / self.gradient_divide_factor
             elif self.force_sum_reduction:  # set_force_sum_reduction_for_comms
-                op, scale = "sum", 1.0 / self.mesh_info.shard_size
+                op, scale = "sum", 1.0 / self.mesh_info.data_parallel_size
             else:
                 op = "avg"
         handles = []
@@ -605,7 +620,7 @@ class ParamGroup:
             if g is None or not self._is_our_grad(mp, g):
                 view = mp.buffer.grad_local_view(mp.name)
                 mp.sharded.grad = ragged_from_local(
-                    view, self.mesh_info.mesh, mp.buffer.placement(mp.name), mp.shape,
+                    view, self.mesh_info.mesh, self._placements(mp), mp.shape,
                     autograd=False, check=False)
 
     def release_unused_grad_shards(self) -> None:

@@ -345,13 +345,18 @@ class RootContext:
         local = bytes(int(mp.got_grad) for mps in per_group for mp in mps)
         flags = list(local)
         mesh_info = groups[0].mesh_info
-        if mesh_info.shard_size > 1 and local:
+        if mesh_info.data_parallel_size > 1 and local:
             with record_function("vescale::grad_flags_all_reduce"):
                 # frombuffer: no ATen op (the zero-copy tests count copy operators)
                 t = torch.frombuffer(bytearray(local), dtype=torch.uint8)
                 device = next(iter(groups[0].buffers.values())).device
                 t = t.to(device) if device.type != "cpu" else t
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh_info.shard_group)
+                # HSDP: replicas must publish the same gradients too, so the flags span the
+                # whole data-parallel mesh (shard group, then replicate group).
+                for pg, n in ((mesh_info.shard_group, mesh_info.shard_size),
+                              (mesh_info.replicate_group, mesh_info.replicate_size)):
+                    if n > 1:
+                        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
                 flags = t.tolist()
         i = 0
         for g, mps in zip(groups, per_group):

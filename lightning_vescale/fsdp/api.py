@@ -114,7 +114,8 @@ def _mesh_info(mesh: DeviceMesh | None, device: torch.device | None) -> MeshInfo
     if mesh is None:
         mesh = init_mesh(default_device_type(device))
     elif not isinstance(mesh, DeviceMesh):
-        raise ValueError(f"fully_shard(mesh=...) must be a 1-D DeviceMesh or None, got {mesh!r}")
+        raise ValueError(f"fully_shard(mesh=...) must be a 1-D DeviceMesh (FSDP), a 2-D "
+                         f"(replicate, shard) DeviceMesh (HSDP) or None, got {mesh!r}")
     return MeshInfo.from_mesh(mesh)
 
 
@@ -159,8 +160,12 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             embedding and output head: ``fully_shard([model.emb, model.head])``); call bottom-up
             (each block, then the root). A module without parameters of its own is allowed
             (it still gets the root hooks).
-        mesh: a 1-D :class:`DeviceMesh` (default: the whole world, device type from the
-            parameters or the current accelerator).
+        mesh: a 1-D :class:`DeviceMesh` (FSDP; default: the whole world, device type from the
+            parameters or the current accelerator), or a 2-D ``(replicate, shard)`` mesh
+            (HSDP, FSDP2's convention: dim 0 replicates, dim 1 shards; e.g.
+            ``init_mesh(device_type, replicas=nodes)``). Parameters are then DTensors with
+            placements ``(Replicate(), RaggedShard)``, planned for the shard dim's size, and
+            each gradient shard is all-reduced across the replicas (design note [hsdp]).
         reshard_after_forward: FSDP2's meaning. ``None`` (default): ``True`` for every group
             but the root, which keeps its parameters after forward (backward needs them
             first); ``True``/``False``: free (or keep) the unsharded parameters after forward,
