@@ -227,6 +227,7 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        self._check_device_mesh_world()  # in the main process, before any rank starts
         if self._start_method == "popen":
             if not self.cluster_environment.creates_processes_externally:
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment,

@@ -54,7 +54,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_vescale._lightning.hsdp import build_device_mesh, validate_device_mesh
+from lightning_vescale._lightning.hsdp import (
+    build_device_mesh,
+    check_world_size,
+    validate_device_mesh,
+)
 from lightning_vescale._lightning.peers import ExceptionAgreement
 from lightning_vescale._lightning.sharding import (
     ShardGranularity,
@@ -225,6 +229,11 @@ class VeScaleStrategyCore:
             self._device_mesh_spec, device_type=device.type, world_size=self.world_size,
             num_nodes=self.num_nodes, devices=self.num_processes)
         self._vescale_precision._set_device_type(device.type)
+
+    def _check_device_mesh_world(self) -> None:
+        """The ``device_mesh`` shape against ``num_nodes * devices``, before any launch."""
+        check_world_size(self._device_mesh_spec, world_size=self.num_nodes * self.num_processes,
+                         num_nodes=self.num_nodes, devices=self.num_processes)
 
     def set_world_ranks(self) -> None:
         """Tell the cluster environment and ``rank_zero_only`` this process's global rank."""

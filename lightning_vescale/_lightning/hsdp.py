@@ -23,8 +23,10 @@ Whatever the shape, every rank sees different data: the distributed sampler span
 
 Checks happen as early as the facts are known: the type and the sanity of the shape (two
 positive ints; a mesh of at most two dims) at construction, so a YAML mistake fails before any
-process starts; the product against the world size (``num_nodes * devices``), and a mesh's device
-type against the strategy's device, when the processes exist (``setup_environment``).
+process starts; the product against the world size (``num_nodes * devices``) as soon as the
+Trainer/Fabric has told the strategy its devices and nodes (``_configure_launcher``, still in the
+main process), and again with a mesh's device type when the processes exist
+(``setup_environment``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_vescale.mesh import DP_REPLICATE_DIM_NAME, DP_SHARD_DIM_NAME, init_mesh
 
-__all__ = ["DeviceMeshArg", "validate_device_mesh", "build_device_mesh"]
+__all__ = ["DeviceMeshArg", "validate_device_mesh", "check_world_size", "build_device_mesh"]
 
 #: What the strategies' ``device_mesh`` argument accepts (the annotation LightningCLI reads: a
 #: YAML list ``[2, 4]`` parses into the tuple).
@@ -100,6 +102,35 @@ def _shape_hint(world_size: int, num_nodes: int, devices: int) -> str:
             + ", ".join(f"({r}, {s})" for r, s in pairs[:6]) + ", or device_mesh=None")
 
 
+def check_world_size(spec: Union[None, tuple[int, int], DeviceMesh], *, world_size: int,
+                     num_nodes: int, devices: int) -> None:
+    """Check that ``spec`` covers exactly the ``world_size = num_nodes * devices`` ranks.
+
+    The Trainer and Fabric know the world size before they start processes, so the strategies
+    call this from ``_configure_launcher`` too: a wrong shape fails once, in the main process,
+    not on every rank after the launch.
+
+    Raises:
+        ValueError: naming the shape, its product, the world size and a shape that fits.
+    """
+    where = f"the run has {world_size} processes (num_nodes={num_nodes} x devices={devices})"
+    if spec is None:
+        return
+    if isinstance(spec, DeviceMesh):
+        if spec.size() != world_size:
+            raise ValueError(
+                f"device_mesh: the DeviceMesh of shape {tuple(spec.shape)} covers {spec.size()} "
+                f"ranks but {where}; every rank must be in the data-parallel mesh: "
+                f"{_shape_hint(world_size, num_nodes, devices)}.")
+        return
+    replicas, shard_size = spec
+    if replicas * shard_size != world_size:
+        raise ValueError(
+            f"device_mesh=({replicas}, {shard_size}) describes {replicas * shard_size} ranks "
+            f"(replicas {replicas} x shard_size {shard_size}) but {where}: "
+            f"{_shape_hint(world_size, num_nodes, devices)}.")
+
+
 def build_device_mesh(spec: Union[None, tuple[int, int], DeviceMesh], *, device_type: str,
                       world_size: int, num_nodes: int, devices: int) -> DeviceMesh:
     """The data-parallel mesh for ``spec`` (from :func:`validate_device_mesh`), once the default
@@ -109,15 +140,10 @@ def build_device_mesh(spec: Union[None, tuple[int, int], DeviceMesh], *, device_
         ValueError: the shape's product is not the world size, or a ``DeviceMesh``'s size or
             device type does not match the run.
     """
-    where = f"the run has {world_size} processes (num_nodes={num_nodes} x devices={devices})"
     if spec is None:
         return init_mesh(device_type, world_size)
+    check_world_size(spec, world_size=world_size, num_nodes=num_nodes, devices=devices)
     if isinstance(spec, DeviceMesh):
-        if spec.size() != world_size:
-            raise ValueError(
-                f"device_mesh: the DeviceMesh of shape {tuple(spec.shape)} covers {spec.size()} "
-                f"ranks but {where}; every rank must be in the data-parallel mesh: "
-                f"{_shape_hint(world_size, num_nodes, devices)}.")
         if spec.device_type != device_type:
             raise ValueError(
                 f"device_mesh: the DeviceMesh is on {spec.device_type!r} but the strategy runs "
@@ -125,11 +151,6 @@ def build_device_mesh(spec: Union[None, tuple[int, int], DeviceMesh], *, device_
                 f"pass device_mesh={tuple(spec.shape)!r} and let the strategy build it.")
         return spec
     replicas, shard_size = spec
-    if replicas * shard_size != world_size:
-        raise ValueError(
-            f"device_mesh=({replicas}, {shard_size}) describes {replicas * shard_size} ranks "
-            f"(replicas {replicas} x shard_size {shard_size}) but {where}: "
-            f"{_shape_hint(world_size, num_nodes, devices)}.")
     if num_nodes > 1 and shard_size > devices:
         rank_zero_info(
             f"device_mesh=({replicas}, {shard_size}): each shard group spans "

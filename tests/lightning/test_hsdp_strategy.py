@@ -66,6 +66,27 @@ def test_shape_not_matching_the_world_fails_at_setup(spec, nodes, devices, match
                           devices=devices)
 
 
+def test_trainer_and_fabric_refuse_a_wrong_shape_before_launching():
+    """The connectors tell the strategy its devices and nodes, then configure the launcher: the
+    shape is checked there, in the main process, before any rank starts."""
+    import lightning.pytorch as pl
+    from lightning.fabric import Fabric
+
+    with pytest.raises(ValueError, match=r"device_mesh=\(2, 2\) describes 4 ranks .* the run has "
+                                         r"2 processes \(num_nodes=1 x devices=2\)"):
+        pl.Trainer(accelerator="cpu", devices=2, logger=False,
+                   strategy=VeScaleFSDPStrategy(device_mesh=(2, 2), start_method="fork"))
+    with pytest.raises(ValueError, match=r"describes 8 ranks .* 4 processes \(num_nodes=2 x "
+                                         r"devices=2\): use device_mesh=\(2, 2\)"):
+        pl.Trainer(accelerator="cpu", devices=2, num_nodes=2, logger=False,
+                   strategy=VeScaleFSDPStrategy(device_mesh=(2, 4)))
+    with pytest.raises(ValueError, match=r"describes 3 ranks .* 2 processes"):
+        Fabric(accelerator="cpu", devices=2, strategy=VeScaleFabricStrategy(device_mesh=(3, 1)))
+    t = pl.Trainer(accelerator="cpu", devices=2, num_nodes=2, logger=False,
+                   strategy=VeScaleFSDPStrategy(device_mesh=(4, 1)))  # any shape that fits
+    assert t.strategy._device_mesh_spec == (4, 1)
+
+
 def _meshes_at_world_4():
     from torch.distributed.device_mesh import init_device_mesh
 
