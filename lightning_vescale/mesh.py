@@ -133,6 +133,25 @@ class MeshInfo:
         return self.replicate_size > 1
 
     @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """One process group over every data-parallel rank of this mesh, for the engine's small
+        all-reduces that must span replicas too (one collective instead of one per mesh dim).
+
+        On a 1-D mesh the shard group; with one rank per shard group the replicate group; on an
+        HSDP mesh the group of the flattened mesh (``DeviceMesh._flatten``, created on first use
+        and cached by torch on the root mesh: every rank must reach the first use together,
+        which ``fully_shard`` guarantees by asking at its call). ``None`` for a 2-D mesh
+        without dimension names (torch cannot flatten it): callers then reduce dim by dim.
+        """
+        if not self.is_hsdp:
+            return self.shard_group
+        if self.shard_size == 1:
+            return self.replicate_group
+        if not getattr(self.mesh, "mesh_dim_names", None):
+            return None
+        return self.mesh._flatten().get_group()
+
+    @property
     def data_parallel_size(self) -> int:
         """Ranks that see different data: ``replicate_size * shard_size``."""
         return self.replicate_size * self.shard_size

@@ -21,8 +21,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_vescale.checkpoint._files import rank
-from lightning_vescale.mesh import MeshInfo
-from lightning_vescale.placement import RaggedShard, local_slice, ragged_from_local
+from lightning_vescale.placement import RaggedShard, local_slice, ragged_from_local, ragged_mesh_dim
 
 __all__ = [
     "model_state",
@@ -44,12 +43,16 @@ def _full(t: Any) -> Any:
     return t
 
 
-def _ragged_placement(t: DTensor) -> RaggedShard | None:
-    """The ``RaggedShard`` of a DTensor on a 1-D mesh (this package's parameters), else None."""
-    placement = t.placements[0]
-    if t.device_mesh.ndim == 1 and isinstance(placement, RaggedShard):
-        return placement
-    return None
+def _ragged_dim(t: DTensor) -> int | None:
+    """The mesh dim of a DTensor's ``RaggedShard`` (this package's parameters and states:
+    ``(RaggedShard,)`` or HSDP's ``(Replicate(), RaggedShard)``), else ``None``.
+
+    Its local tensor depends only on the rank's coordinate on that dim (design note
+    [ragged-nd]), so slicing a full tensor needs no communication on any mesh.
+    """
+    if not any(isinstance(p, RaggedShard) for p in t.placements):
+        return None
+    return ragged_mesh_dim(t.placements, "loading a full checkpoint into a RaggedShard DTensor")
 
 
 @torch.no_grad()
@@ -65,9 +68,9 @@ def _copy_full_into(target: Tensor, full: Tensor, name: str) -> None:
         return
     local = target.to_local()
     mesh, placements = target.device_mesh, target.placements
-    ragged = _ragged_placement(target)
-    if ragged is not None:
-        local.view(-1).copy_(local_slice(full, ragged, MeshInfo.from_mesh(mesh).shard_rank))
+    dim = _ragged_dim(target)
+    if dim is not None:
+        local.view(-1).copy_(local_slice(full, placements[dim], mesh.get_local_rank(dim)))
         return
     src = DTensor.from_local(full.to(device=local.device, dtype=local.dtype), mesh,
                              [Replicate()] * mesh.ndim, run_check=False)
@@ -79,10 +82,9 @@ def _zero_grad_for(param: Tensor) -> Tensor:
     if not isinstance(param, DTensor):
         return torch.zeros_like(param)
     zeros = torch.zeros_like(param.to_local())
-    ragged = _ragged_placement(param)
-    if ragged is not None:
-        return ragged_from_local(zeros, param.device_mesh, ragged, param.shape, param.stride(),
-                                 autograd=False, check=False)
+    if _ragged_dim(param) is not None:
+        return ragged_from_local(zeros, param.device_mesh, tuple(param.placements), param.shape,
+                                 param.stride(), autograd=False, check=False)
     return DTensor.from_local(zeros, param.device_mesh, param.placements, run_check=False,
                               shape=param.shape, stride=param.stride())
 

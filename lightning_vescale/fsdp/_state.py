@@ -352,9 +352,13 @@ class RootContext:
                 device = next(iter(groups[0].buffers.values())).device
                 t = t.to(device) if device.type != "cpu" else t
                 # HSDP: replicas must publish the same gradients too, so the flags span the
-                # whole data-parallel mesh (shard group, then replicate group).
-                for pg, n in ((mesh_info.shard_group, mesh_info.shard_size),
-                              (mesh_info.replicate_group, mesh_info.replicate_size)):
+                # whole data-parallel mesh: one all-reduce over its flattened group (or, for a
+                # mesh torch cannot flatten, the shard group and then the replicate group).
+                dp_group = mesh_info.data_parallel_group
+                stages = ([(dp_group, 2)] if dp_group is not None else
+                          [(mesh_info.shard_group, mesh_info.shard_size),
+                           (mesh_info.replicate_group, mesh_info.replicate_size)])
+                for pg, n in stages:
                     if n > 1:
                         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
                 flags = t.tolist()

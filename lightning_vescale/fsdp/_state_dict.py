@@ -28,25 +28,28 @@ from torch.distributed.tensor import DTensor
 
 from lightning_vescale.fsdp._common import in_backward
 from lightning_vescale.fsdp._param_group import ParamGroup
-from lightning_vescale.placement import local_slice, ragged_from_local
+from lightning_vescale.placement import local_slice, ragged_from_local, ragged_mesh_dim
 
 __all__ = ["register_state_dict_hooks", "to_param_layout"]
 
 
-def to_param_layout(value: Any, sharded: DTensor, rank: int) -> Any:
-    """``value`` as a DTensor with ``sharded``'s mesh and placement (see the design note).
+def to_param_layout(value: Any, sharded: DTensor) -> Any:
+    """``value`` as a DTensor with ``sharded``'s mesh and placements (see the design note).
 
-    ``rank`` is this rank's index in the shard group (the slice a full tensor is cut to).
+    ``sharded`` is a RaggedShard parameter: ``(RaggedShard,)`` on a 1-D mesh or HSDP's
+    ``(Replicate(), RaggedShard)``. A full tensor is cut to this rank's slice on the ragged mesh
+    dim (the shard group: every replica takes the same slice; design note [ragged-nd]).
     """
     if isinstance(value, DTensor):
         if value.placements == sharded.placements and value.device_mesh == sharded.device_mesh:
             return value
         return value.redistribute(sharded.device_mesh, sharded.placements)
     if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(sharded.shape):
-        placement = sharded.placements[0]
-        local = local_slice(value.detach(), placement, rank)
+        mesh, placements = sharded.device_mesh, tuple(sharded.placements)
+        dim = ragged_mesh_dim(placements, "loading a full state dict into a sharded module")
+        local = local_slice(value.detach(), placements[dim], mesh.get_local_rank(dim))
         local = local.to(device=sharded.device, dtype=sharded.dtype).clone()
-        return ragged_from_local(local, sharded.device_mesh, placement, tuple(sharded.shape),
+        return ragged_from_local(local, mesh, placements, tuple(sharded.shape),
                                  autograd=False, check=False)
     return value  # a shape mismatch: let nn.Module report it
 
@@ -84,7 +87,6 @@ def register_state_dict_hooks(module: nn.Module, group: ParamGroup, index: int =
             for alias in names(mp):
                 key = prefix + alias
                 if key in state_dict:
-                    state_dict[key] = to_param_layout(state_dict[key], mp.sharded,
-                                                      mp.buffer.rank)
+                    state_dict[key] = to_param_layout(state_dict[key], mp.sharded)
 
     module.register_load_state_dict_pre_hook(hook)

@@ -212,6 +212,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     device = next(iter(devices)) if devices else None
     mesh_info = _mesh_info(mesh, device)
     _check_reshard_after_forward(reshard_after_forward, mesh_info)
+    if mesh_info.is_hsdp:
+        mesh_info.data_parallel_group  # collective on first use: create it at this call
     if device is None or (offload is not None and device.type != "meta"):
         device = _compute_device(mesh_info)
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) \

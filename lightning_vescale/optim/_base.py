@@ -15,7 +15,9 @@ another optimizer is one file:
   rank's index and the shard group's :class:`~lightning_vescale.mesh.MeshInfo`. Supported are
   plain tensors and all-``Replicate`` DTensors (every rank holds the whole tensor) and
   ``RaggedShard`` DTensors on the meshes ``MeshInfo.from_mesh`` accepts (the one place that knows
-  the mesh restrictions: 1-D in this version). Other placements raise ``TypeError`` naming the
+  the mesh restrictions): ``(RaggedShard,)`` on a 1-D mesh and ``(Replicate(), RaggedShard)`` on an
+  HSDP mesh. Ranges and the rank are the shard group's (``MeshInfo.shard_rank``), so the replicas
+  of a shard rank hold, and step, the same range. Other placements raise ``TypeError`` naming the
   parameter; a local tensor whose size disagrees with its placement raises ``ValueError``.
   :func:`check_block_aligned` is the check block-wise states need: every rank's range starts on
   a block boundary and ends on one or at the tensor's end.
@@ -207,8 +209,8 @@ def param_layout(p: Tensor, *, where: str) -> ShardLayout:
 
     Raises:
         TypeError: another placement (``Shard``, ``Partial``, ...).
-        NotImplementedError: a mesh ``MeshInfo.from_mesh`` does not support.
-        ValueError: the local tensor's size disagrees with the placement.
+        ValueError: a mesh ``MeshInfo.from_mesh`` does not support (more than two dims), or
+            the local tensor's size disagrees with the placement.
     """
     shape = tuple(p.shape)
     if not isinstance(p, DTensor):
@@ -220,8 +222,8 @@ def param_layout(p: Tensor, *, where: str) -> ShardLayout:
     if any(isinstance(pl, RaggedShard) for pl in placements):
         try:
             info = MeshInfo.from_mesh(p.device_mesh)
-        except NotImplementedError as err:
-            raise NotImplementedError(f"{where}: {err}") from None
+        except (NotImplementedError, ValueError) as err:
+            raise type(err)(f"{where}: {err}") from None
         d = info.shard_mesh_dim
         placement = placements[d]
         if isinstance(placement, RaggedShard) and all(
@@ -237,7 +239,8 @@ def param_layout(p: Tensor, *, where: str) -> ShardLayout:
             return layout
     raise TypeError(
         f"{where} (shape {shape}) is a DTensor with placements {placements}; supported are "
-        "plain tensors, Replicate, and (RaggedShard(...),) (as produced by "
+        "plain tensors, Replicate, and (RaggedShard(...),) on a 1-D mesh or "
+        "(Replicate(), RaggedShard(...)) on a 2-D (replicate, shard) mesh (as produced by "
         "lightning_vescale.fully_shard / VeScaleFSDPStrategy).")
 
 

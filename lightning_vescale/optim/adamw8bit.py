@@ -96,7 +96,8 @@ class AdamW8bit(ShardedOptimizer):
 
     Args:
         params: parameters or parameter groups (plain tensors on any device, or ``DTensor``s with
-            ``RaggedShard``/``Replicate`` placements on a 1-D mesh).
+            ``(RaggedShard,)`` / ``(Replicate(), RaggedShard)`` / all-``Replicate`` placements
+            on a 1-D or HSDP mesh; the shard group's ranges decide the blocks).
         lr, betas, eps, weight_decay, maximize: as ``torch.optim.AdamW``.
         amsgrad: only ``False`` is supported.
         block_size: elements per quantization block (per group); sharded parameters need shard

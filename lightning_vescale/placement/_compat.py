@@ -7,10 +7,12 @@ Two torch entry points cut a full tensor into DTensor shards by placement type, 
 
 * ``distribute_tensor(full, mesh, placements, *, src_data_rank=0)`` raises "unsupported
   placements" for a ``RaggedShard``. :func:`wrap_distribute_tensor` answers ragged placements
-  (on 1-D meshes) and passes every other call to torch unchanged: with ``src_data_rank`` set,
-  that rank's ``full`` is broadcast first (into a temporary on the other ranks: the caller's
-  tensor is not overwritten), then every rank keeps its flat range (:func:`local_slice`), as a
-  new leaf DTensor with ``full``'s ``requires_grad``.
+  (``(RaggedShard,)``, or one ``RaggedShard`` and ``Replicate()`` elsewhere on an N-D mesh,
+  design note [ragged-nd]) and passes every other call to torch unchanged: with
+  ``src_data_rank`` set, that rank's ``full`` is broadcast first (along each mesh dim, as
+  torch does; into a temporary on the other ranks: the caller's tensor is not overwritten),
+  then every rank keeps the flat range of its coordinate on the ragged dim
+  (:func:`local_slice`), as a new leaf DTensor with ``full``'s ``requires_grad``.
 * ``torch.distributed._state_dict_utils._distribute_tensors`` (behind
   ``set_model_state_dict(..., StateDictOptions(full_state_dict=True,
   broadcast_from_rank0=True))``) cuts each broadcast full tensor with
@@ -43,29 +45,42 @@ from lightning_vescale.placement._ragged_shard import (
     RaggedShard,
     local_slice,
     ragged_from_local,
+    ragged_mesh_dim,
 )
 
 __all__ = ["distribute_ragged", "wrap_distribute_tensor", "wrap_distribute_tensors"]
 
 
-def _the_ragged(placements: Sequence[Any], mesh: DeviceMesh, what: str) -> RaggedShard:
+def _the_ragged(placements: Sequence[Any], mesh: DeviceMesh, what: str
+                ) -> tuple[int, RaggedShard]:
+    """The ragged mesh dim of ``placements`` and its ``RaggedShard`` (design note [ragged-nd]:
+    one ``RaggedShard``, ``Replicate()`` on every other mesh dim)."""
     placements = tuple(placements)
-    if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], RaggedShard):
-        raise NotImplementedError(
-            f"{what} with a RaggedShard placement supports 1-D meshes with placements "
-            f"(RaggedShard,) only; got placements {placements} on a {mesh.ndim}-D mesh.")
-    return placements[0]
+    if len(placements) != mesh.ndim:
+        raise ValueError(
+            f"{what}: {len(placements)} placements {placements} for a {mesh.ndim}-D mesh "
+            f"{tuple(mesh.shape)}; pass one placement per mesh dim.")
+    dim = ragged_mesh_dim(placements, f"{what} with a RaggedShard placement")
+    return dim, placements[dim]
 
 
 def distribute_ragged(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Any], *,
                       src_data_rank: int | None = 0) -> DTensor:
-    """``distribute_tensor`` for ``(RaggedShard,)`` placements (design note [ragged-compat])."""
-    placement = _the_ragged(placements, mesh, "distribute_tensor")
+    """``distribute_tensor`` for ragged placements (design note [ragged-compat]).
+
+    ``placements`` holds one ``RaggedShard`` and ``Replicate()`` on every other mesh dim. As in
+    torch, ``src_data_rank`` is a rank *within each mesh dim*: the data of the rank at mesh
+    coordinate ``(src_data_rank, ..., src_data_rank)`` is broadcast along every dim in turn
+    (torch replicates along a dim with a broadcast from ``group_src=src_data_rank`` and shards
+    with a scatter from it, which reads the same data).
+    """
+    dim, placement = _the_ragged(placements, mesh, "distribute_tensor")
+    placements = tuple(placements)
     if isinstance(tensor, DTensor):
-        if tensor.device_mesh == mesh and tuple(tensor.placements) == (placement,):
+        if tensor.device_mesh == mesh and tuple(tensor.placements) == placements:
             return tensor
         raise ValueError(f"Cannot distribute a DTensor with placements {tensor.placements} to "
-                         f"{(placement,)}; call .redistribute(...) instead.")
+                         f"{placements}; call .redistribute(...) instead.")
     if not tensor.is_leaf:
         raise RuntimeError("`distribute_tensor` should be used to distribute leaf tensors! but "
                            "found non-leaf tensor!")
@@ -73,16 +88,19 @@ def distribute_ragged(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequen
     if full.device.type != mesh.device_type and not full.is_meta:
         full = full.to(mesh.device_type)
     shape = tuple(full.shape)
-    placement.validate(shape, mesh.size(0))
-    if src_data_rank is not None and mesh.size(0) > 1 and not full.is_meta:
-        group = mesh.get_group(0)
-        src = dist.get_global_rank(group, src_data_rank)
-        buf = full.contiguous() if dist.get_rank() == src else torch.empty_like(
-            full, memory_format=torch.contiguous_format)
-        dist.broadcast(buf, src=src, group=group)
+    placement.validate(shape, mesh.size(dim))
+    if src_data_rank is not None and not full.is_meta:
+        buf = full.contiguous()  # may alias the caller's tensor: only ever sent, never written
+        for d in range(mesh.ndim):
+            if mesh.size(d) == 1:
+                continue
+            group = mesh.get_group(d)
+            if mesh.get_local_rank(d) != src_data_rank:  # receive into a temporary
+                buf = torch.empty_like(full, memory_format=torch.contiguous_format)
+            dist.broadcast(buf, src=dist.get_global_rank(group, src_data_rank), group=group)
         full = buf
-    local = local_slice(full, placement, mesh.get_local_rank(0)).clone()
-    out = ragged_from_local(local, mesh, placement, shape, autograd=False, check=False)
+    local = local_slice(full, placement, mesh.get_local_rank(dim)).clone()
+    out = ragged_from_local(local, mesh, placements, shape, autograd=False, check=False)
     return out.requires_grad_(tensor.requires_grad)
 
 
@@ -120,12 +138,12 @@ def wrap_distribute_tensors(original: Callable[..., None]) -> Callable[..., None
                 continue
             local_state, full = entry
             mesh = local_state.device_mesh
-            placement = _the_ragged(local_state.placements, mesh, "set_model_state_dict")
-            piece = local_slice(full, placement, mesh.get_local_rank(0))
+            dim, placement = _the_ragged(local_state.placements, mesh, "set_model_state_dict")
+            piece = local_slice(full, placement, mesh.get_local_rank(dim))
             if local_state.is_meta:
                 local_state_dict[key] = ragged_from_local(
-                    piece.detach().clone(), mesh, placement, tuple(local_state.shape),
-                    autograd=False, check=False)
+                    piece.detach().clone(), mesh, local_state._spec.placements,
+                    tuple(local_state.shape), autograd=False, check=False)
             else:
                 with torch.no_grad():
                     local_state._local_tensor.copy_(piece)

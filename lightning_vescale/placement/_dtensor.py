@@ -52,9 +52,17 @@ Communication per path (1-D mesh of ``P`` ranks; ``n`` = tensor numel, ``n_r`` =
 =================================  =======================================================
 
 Every redistribution of a ``RaggedShard`` runs under
-``record_function("vescale::ragged_redistribute")``, so that a profiler trace shows it. Only 1-D
-meshes are supported (the FSDP case); a ``RaggedShard`` on a multi-dim mesh raises
-``NotImplementedError``.
+``record_function("vescale::ragged_redistribute")``, so that a profiler trace shows it.
+
+N-D meshes (design note [ragged-nd] in ``_ragged_shard``; HSDP's ``(Replicate(), RaggedShard)``):
+the table above is the whole story. A ragged DTensor's local tensor depends only on the rank's
+coordinate on its one ragged mesh dim, so a redistribution between two specs that differ only on
+that dim (``Replicate()`` on every other dim of both) runs the 1-D path in that dim's process
+group (``mesh.get_group(dim)``, ``mesh.get_local_rank(dim)``); the replicas run the same
+collective in parallel groups and end with the same result. DCP boxes (E3) come from the ragged
+dim's rank too: replicas report identical write items, which DCP's planner keeps once
+(``dedup_save_plans``). Any other pair involving a ragged dim (a ``Shard``/``Partial`` on a
+replicate dim, a ragged dim that moves) raises ``NotImplementedError`` saying how to go in steps.
 """
 
 from __future__ import annotations
@@ -85,8 +93,8 @@ from lightning_vescale.placement._ragged_shard import (
     chunk_bounds,
     flat_range_to_boxes,
     overlap_splits,
+    ragged_mesh_dim,
     ragged_ranges,
-    require_1d_mesh,
     slab_pieces,
 )
 
@@ -113,18 +121,15 @@ def redistribute_ragged_local(
     mesh = current_spec.mesh
     if mesh != target_spec.mesh:
         raise NotImplementedError("Cross device mesh comm not supported yet!")
-    require_1d_mesh(
-        mesh,
-        f"RaggedShard redistribution ({current_spec.placements} -> {target_spec.placements})",
-    )
+    dim = _ragged_pair_dim(current_spec.placements, target_spec.placements)
     if not mesh._is_current_rank_part_of_mesh():  # same convention as torch
         return local_tensor
-    src, dst = current_spec.placements[0], target_spec.placements[0]
+    src, dst = current_spec.placements[dim], target_spec.placements[dim]
     shape = tuple(current_spec.shape)
-    rank = mesh.get_local_rank(0)
+    rank = mesh.get_local_rank(dim)
     for p in (src, dst):
         if isinstance(p, RaggedShard):
-            p.validate(shape, mesh.size(0))
+            p.validate(shape, mesh.size(dim))
     if isinstance(src, RaggedShard):
         expected = src.local_numel(shape, rank)
         if local_tensor.numel() != expected:
@@ -137,7 +142,31 @@ def redistribute_ragged_local(
     if src == dst:
         return local_tensor
     with record_function("vescale::ragged_redistribute"):
-        return _redistribute(local_tensor, src, dst, shape, mesh.get_group(0), rank)
+        return _redistribute(local_tensor, src, dst, shape, mesh.get_group(dim), rank)
+
+
+def _ragged_pair_dim(src: tuple, dst: tuple) -> int:
+    """The one mesh dim on which a redistribution involving ``RaggedShard`` acts.
+
+    Design note [ragged-nd]: the two specs may differ only on the ragged dim, and every other
+    mesh dim must be ``Replicate`` in both; the local tensors then depend only on the rank's
+    coordinate on that dim, so the 1-D algorithm runs in that dim's process group.
+    """
+    src, dst = tuple(src), tuple(dst)
+    ragged = sorted({d for pl in (src, dst) for d, p in enumerate(pl)
+                     if isinstance(p, RaggedShard)})
+    others_replicate = len(ragged) == 1 and all(
+        src[d].is_replicate() and dst[d].is_replicate()
+        for d in range(len(src)) if d != ragged[0]
+    )
+    if not others_replicate:
+        raise NotImplementedError(
+            f"RaggedShard redistribution {src} -> {dst} is not supported: on a multi-dim mesh "
+            "both placements must hold Replicate() on every mesh dim but one, and that dim "
+            "holds the RaggedShard (e.g. (Replicate(), RaggedShard) -> (Replicate(), "
+            "Replicate() / Shard(d) / RaggedShard)). Redistribute in steps: first the ragged "
+            "dim to Replicate() (or the other dims to Replicate()), then the rest.")
+    return ragged[0]
 
 
 def _redistribute(local_tensor, src, dst, shape, group, rank) -> torch.Tensor:
@@ -438,10 +467,11 @@ def make_to_torch_tensor(base: type) -> type:
 # ------------------------------------------------------------------------------------------------
 def _ragged_local_boxes(dt: DTensor) -> list[_BoxView]:
     """A :class:`_BoxView` for each box of this rank's range of a RaggedShard DTensor."""
-    require_1d_mesh(dt.device_mesh, "checkpointing RaggedShard DTensors")
-    placement = dt.placements[0]
+    dim = ragged_mesh_dim(dt.placements, "checkpointing RaggedShard DTensors")
+    placement = dt.placements[dim]
     shape = tuple(dt.shape)
-    start, end = placement.local_range(shape, dt.device_mesh.get_local_rank(0))
+    # Replicas (other mesh dims) report the same boxes; DCP's planner saves each once.
+    start, end = placement.local_range(shape, dt.device_mesh.get_local_rank(dim))
     return _range_box_views(dt._local_tensor.reshape(-1), shape, start, end)
 
 
@@ -478,7 +508,7 @@ def _ragged_tensor_shard(self: DTensor, index: MetadataIndex) -> torch.Tensor:
         if tuple(bv.box.offsets) == offsets:
             return bv.view
     raise ValueError(
-        f"{index.fqn}: no chunk at offsets {offsets} on this rank of {self.placements[0]!r} "
+        f"{index.fqn}: no chunk at offsets {offsets} on this rank of {self.placements!r} "
         f"(shape {tuple(self.shape)})"
     )
 

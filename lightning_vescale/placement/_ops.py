@@ -6,9 +6,14 @@ The local tensor of a ``RaggedShard`` DTensor is its rank's flat, contiguous sli
 row-major global tensor. Two operands with the *same* global shape, stride and ``RaggedShard``
 placement therefore hold the same flat element range on every rank, so an element-wise op is
 exact when run on the local tensors, with the result keeping that placement. Norms and full
-reductions are a local partial plus one collective over the mesh dimension. Nothing else
-(views, matmuls, indexing, partial-dim reductions, random fills) is defined on a ragged layout,
-and such ops must fail loudly instead of returning a tensor with a wrong placement.
+reductions are a local partial plus one collective over the ragged mesh dimension. Nothing else
+(views, matmuls, indexing) is defined on a ragged layout, and such ops must fail loudly instead
+of returning a tensor with a wrong placement.
+
+On an N-D mesh (design note [ragged-nd]; HSDP's ``(Replicate(), RaggedShard)``) the same holds
+with *all* placements: operands must have equal placement tuples, results keep the whole tuple
+(the replicate dims stay ``Replicate``), a scalar-like operand is ``Replicate`` on every dim,
+and ``Partial`` on any dim is refused. Nothing here depends on the number of mesh dims.
 
 How torch 2.13 dispatches a DTensor op (``torch/csrc/autograd/python_variable.cpp``,
 ``dispatchDTensorOp``), and where this module hooks in:

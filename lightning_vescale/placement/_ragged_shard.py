@@ -48,7 +48,6 @@ __all__ = [
     "ragged_from_local",
     "ragged_mesh_dim",
     "ragged_ranges",
-    "require_1d_mesh",
     "slab_pieces",
 ]
 
@@ -336,18 +335,6 @@ def ragged_mesh_dim(placements: Sequence[Placement], what: str = "RaggedShard") 
             f"other mesh dim (e.g. (RaggedShard,) or (Replicate(), RaggedShard)); got "
             f"{placements}.")
     return dims[0]
-
-
-def require_1d_mesh(mesh: DeviceMesh, what: str) -> None:
-    """Raise ``NotImplementedError`` unless ``mesh`` is 1-D.
-
-    ``what`` names the operation for the message (e.g. ``"RaggedShard redistribution"``).
-    """
-    if mesh.ndim != 1:
-        raise NotImplementedError(
-            f"{what} supports 1-D device meshes only; got a {mesh.ndim}-D mesh "
-            f"{tuple(mesh.shape)}. Flatten the mesh or use a 1-D sub-mesh."
-        )
 
 
 def _as_placements(placement: RaggedShard | Sequence[Placement], mesh: DeviceMesh

@@ -14,7 +14,9 @@ the same state. Each rank draws the *whole* tensor into a temporary of the globa
 local tensor's device (same op, same arguments, same generator: the default one of that device,
 or the ``generator=`` given) and keeps its flat range. Every rank must hold the same generator
 state, as for any initialisation of a data-parallel model (seed every rank alike); no
-collective runs. Cost: one full-size temporary per call (initialisation only).
+collective runs. Cost: one full-size temporary per call (initialisation only). On an N-D mesh
+(``(Replicate(), RaggedShard)``, design note [ragged-nd]) each rank keeps the range of its
+coordinate on the ragged dim, so replicas hold identical values, as after a broadcast.
 
 torch's FSDP2, for comparison (measured with torch 2.13): on CUDA its ``Shard(0)`` DTensors use
 DTensor's ``OffsetBasedRNGTracker``, which offsets each shard's Philox stream to the shard's
@@ -38,19 +40,27 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_vescale.placement._common import aten, has_ragged, unsupported
-from lightning_vescale.placement._ragged_shard import RaggedShard, local_slice, ragged_from_local
+from lightning_vescale.placement._ragged_shard import (
+    RaggedShard,
+    local_slice,
+    ragged_from_local,
+    ragged_mesh_dim,
+)
 
 __all__ = ["RANDOM_HANDLERS"]
 
 
-def _ragged_self(op: Any, args: tuple) -> tuple[DTensor, RaggedShard]:
+def _ragged_self(op: Any, args: tuple) -> tuple[DTensor, RaggedShard, int]:
+    """The ragged DTensor ``self``, its ``RaggedShard`` and this rank's coordinate on that
+    placement's mesh dim (the other dims replicate: design note [ragged-nd])."""
     x = args[0] if args else None
     if not (isinstance(x, DTensor) and has_ragged(x._spec)):
         raise unsupported(op, [getattr(x, "_spec", x)])
-    placements = tuple(x.placements)
-    if x.device_mesh.ndim != 1 or len(placements) != 1:
-        raise unsupported(op, [x._spec], " on a mesh with more than one dimension")
-    return x, placements[0]
+    try:
+        dim = ragged_mesh_dim(x.placements, str(op))
+    except NotImplementedError as e:
+        raise unsupported(op, [x._spec], f": {e}") from None
+    return x, x.placements[dim], x.device_mesh.get_local_rank(dim)
 
 
 def _check_plain(op: Any, x: DTensor, rest: tuple, kwargs: dict) -> None:
@@ -61,19 +71,19 @@ def _check_plain(op: Any, x: DTensor, rest: tuple, kwargs: dict) -> None:
 
 def _fill_inplace(op: Any, args: tuple, kwargs: dict) -> DTensor:
     """``x.<random>_(...)``: draw the whole tensor, keep this rank's range."""
-    x, placement = _ragged_self(op, args)
+    x, placement, rank = _ragged_self(op, args)
     _check_plain(op, x, args[1:], kwargs)
     local = x._local_tensor
     full = torch.empty(tuple(x.shape), dtype=local.dtype, device=local.device)
     op(full, *args[1:], **kwargs)
     with torch.no_grad():
-        local.copy_(local_slice(full, placement, x.device_mesh.get_local_rank(0)))
+        local.copy_(local_slice(full, placement, rank))
     return x
 
 
 def _random_like(op: Any, args: tuple, kwargs: dict) -> DTensor:
     """``torch.rand_like(x)`` and friends: a new DTensor with ``x``'s placement."""
-    x, placement = _ragged_self(op, args)
+    x, placement, rank = _ragged_self(op, args)
     _check_plain(op, x, args[1:], kwargs)
     local = x._local_tensor
     kwargs = dict(kwargs)
@@ -84,9 +94,9 @@ def _random_like(op: Any, args: tuple, kwargs: dict) -> DTensor:
         kwargs.pop(k, None)
     full_in = torch.empty(tuple(x.shape), dtype=dtype, device=device)
     full = op(full_in, *args[1:], dtype=dtype, device=device, **kwargs)
-    piece = local_slice(full, placement, x.device_mesh.get_local_rank(0)).clone()
-    return ragged_from_local(piece, x.device_mesh, placement, tuple(x.shape), autograd=False,
-                             check=False)
+    piece = local_slice(full, placement, rank).clone()
+    return ragged_from_local(piece, x.device_mesh, x._spec.placements, tuple(x.shape),
+                             autograd=False, check=False)
 
 
 def _overloads(names: tuple[str, ...]) -> list[torch._ops.OpOverload]:

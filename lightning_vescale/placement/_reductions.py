@@ -3,10 +3,16 @@
 Design note [ragged-reductions]
 -------------------------------
 A ragged rank holds a flat slice of the tensor, so a *full* reduction (``dim=None``, or every
-dim) is a local partial plus one collective over each mesh dimension the tensor is ragged over
+dim) is a local partial plus one collective over the mesh dimension the tensor is ragged over
 (all other mesh dims must be ``Replicate``). Results are ``Replicate`` DTensors, as torch's own
-sharded reductions return after their collective. Partial-dim reductions would need the
-tensor's rows, which a ragged slice does not respect, so they raise.
+sharded reductions return after their collective.
+
+On an N-D mesh (HSDP's ``(Replicate(), RaggedShard)``, design note [ragged-nd]) the collective
+runs only in the ragged dim's group: the replicas along the other dims hold the same slices, so
+their partials are identical and the result is ``Replicate`` there without any communication.
+Reducing over the replicate dims too would count every element once per replica (a gradient
+norm ``sqrt(replicas)`` times too large, and ``clip_grad_norm_`` clipping too hard).
+Reductions over some dims are described below.
 
 * Partials of many tensors are bucketed by (process groups, combine, dtype, device) and combined
   with one collective per bucket (:func:`_all_reduce_many`): ``_foreach_norm`` costs one
@@ -50,7 +56,7 @@ from lightning_vescale.placement._common import (
     same_layout,
     unsupported,
 )
-from lightning_vescale.placement._ragged_shard import RaggedShard
+from lightning_vescale.placement._ragged_shard import RaggedShard, ragged_mesh_dim
 
 __all__ = ["REDUCTION_HANDLERS"]
 
@@ -96,15 +102,17 @@ def _dims_reduction(op: object, x: DTensor, dims: list[int], keepdim: bool, *,
                     mean: bool = False) -> _Reduction:
     """A reduction of ``x`` over ``dims`` (not all): ``values`` (this rank's local elements,
     already mapped, e.g. ``|x|^p``) reduced into the result's elements by index."""
-    placement = x._spec.placements[0] if len(x._spec.placements) == 1 else None
-    if not isinstance(placement, RaggedShard):
-        raise unsupported(op, [x._spec], " with dim= on a mesh with more than one dimension")
+    try:
+        mesh_dim = ragged_mesh_dim(x._spec.placements, f"{op} with dim=")
+    except NotImplementedError as e:
+        raise unsupported(op, [x._spec], f" with dim=: {e}") from None
+    placement = x._spec.placements[mesh_dim]
     shape = tuple(x.shape)
     kept = [d for d in range(len(shape)) if d not in dims]
     out_numel = math.prod(shape[d] for d in kept)
     full_stride = [math.prod(shape[d + 1:]) for d in range(len(shape))]
     out_stride = [math.prod(shape[k] for k in kept[i + 1:]) for i in range(len(kept))]
-    start, end = placement.local_range(shape, x.device_mesh.get_local_rank(0))
+    start, end = placement.local_range(shape, x.device_mesh.get_local_rank(mesh_dim))
     device = values.device
     flat = torch.arange(start, end, device=device)
     index = torch.zeros_like(flat)

@@ -301,3 +301,33 @@ def test_hsdp_on_a_data_parallel_sub_mesh(worlds):
             pieces = sorted((results[r][n][1], results[r][n][0]) for r in group)
             got = torch.cat([t.reshape(-1) for _, t in pieces])
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=n)
+
+
+# -- meta-device init -----------------------------------------------------------------------
+def _meta_body():
+    from lightning_vescale.fsdp import materialize
+
+    mesh = _mesh(2)
+    with torch.device("meta"):
+        meta = build("gpt")
+    _shard(meta, mesh)
+    torch.manual_seed(0)
+    materialize(meta, torch.device("cpu"))  # default init: reset_parameters(), group by group
+    ref = build("gpt")
+    torch.manual_seed(0)
+    for m in ref.modules():  # the same calls in the same order on a plain model
+        if callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()
+    ref_full = {n: p.detach().reshape(-1).clone() for n, p in ref.named_parameters()}
+    return _locals(meta), ref_full, mesh.size(1)
+
+
+def test_hsdp_meta_device_init_is_exact_on_every_replica(worlds):
+    results = worlds(4).run(_meta_body)
+    _, ref_full, shard_size = results[0]
+    per_rank = [r[0] for r in results]
+    for replica in (0, 1):
+        got = _full_from_shard_group(per_rank, shard_size, replica)
+        assert set(got) == set(ref_full)
+        for n, want in ref_full.items():
+            assert torch.equal(got[n], want), (replica, n)

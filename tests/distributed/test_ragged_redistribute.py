@@ -256,10 +256,15 @@ def _body_errors():
             errors[name] = None
     if world == 4:
         mesh2 = init_device_mesh("cpu", (2, 2))
-        try:
+        try:  # a bare RaggedShard is a 1-D placement (design note [ragged-nd])
             ragged_from_local(full.reshape(-1)[:0], mesh2, RaggedShard((0,), (1, 1)), SHAPE)
-        except NotImplementedError as e:
+        except ValueError as e:
             errors["mesh2d"] = str(e)
+        try:  # one ragged dim only
+            ragged_from_local(full.reshape(-1)[:0], mesh2, [RaggedShard((0,), (1, 1))] * 2,
+                              SHAPE)
+        except NotImplementedError as e:
+            errors["mesh2d_two_ragged"] = str(e)
     return errors
 
 
@@ -312,7 +317,8 @@ def test_bad_input_raises_clear_errors(worlds, world):
     assert errors["torch_from_local"] is not None and "ragged_from_local" in \
         errors["torch_from_local"]
     if world == 4:
-        assert "1-D device meshes" in errors["mesh2d"]
+        assert "(Replicate(), RaggedShard(...))" in errors["mesh2d"]
+        assert "exactly one RaggedShard" in errors["mesh2d_two_ragged"]
 
 
 def _body_profiler_labels():
