@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_vescale._lightning.core import RegistryEntry, VeScaleStrategyCore
+from lightning_vescale._lightning.hsdp import DeviceMeshArg
 from lightning_vescale._lightning.sharding import (
     DEFAULT_MIN_BLOCK_NUMEL,
     DEFAULT_OPTIMIZER_BLOCK_SIZE,
@@ -72,6 +73,12 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
             ``"full"`` (one file from rank 0, loadable without this package).
         process_group_backend: defaults to the accelerator's (``gloo`` on CPU, ``nccl`` on CUDA).
         timeout: process-group timeout.
+        device_mesh: ``None`` (default): shard every group over all ranks. ``(replicas,
+            shard_size)`` (a list in YAML: ``device_mesh: [2, 8]``): HSDP, shard inside groups of
+            ``shard_size`` consecutive ranks and all-reduce gradient shards across the
+            ``replicas`` groups; ``(num_nodes, devices)`` shards inside each node. Or a 1-D/2-D
+            ``DeviceMesh`` (dim 0 replicates, dim 1 shards), used as it is. The product must be
+            the world size (``num_nodes * devices``). See design note [strategy-mesh].
     """
 
     _registry_entries = (RegistryEntry(
@@ -88,6 +95,7 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
         state_dict_type: Literal["sharded", "full"] = "sharded",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        device_mesh: DeviceMeshArg = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -101,7 +109,8 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
                         optimizer_min_block_numel=optimizer_min_block_numel,
                         reshard_after_forward=reshard_after_forward,
                         state_dict_type=state_dict_type,
-                        process_group_backend=process_group_backend, timeout=timeout)
+                        process_group_backend=process_group_backend, timeout=timeout,
+                        device_mesh=device_mesh)
         self._backward_sync_control = _VeScaleBackwardSyncControl()
         self._set_up_modules: list[weakref.ref[Module]] = []
 
@@ -125,6 +134,7 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        self._check_device_mesh_world()  # in the main process, before any rank starts
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
                                                        self.num_nodes)

@@ -85,12 +85,18 @@ _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixe
 # Sharding-aware gradient utilities
 # ------------------------------------------------------------------------------------------------
 def _local_and_kind(grad: Tensor) -> tuple[Tensor, bool, Any]:
-    """``(local tensor, is_sharded, process group or None)`` of a (possibly DTensor) gradient."""
+    """``(local tensor, is_sharded, process group or None)`` of a (possibly DTensor) gradient.
+
+    The group is the one the local pieces partition the tensor over: the mesh dim that shards
+    it. On an HSDP mesh ``(Replicate(), RaggedShard)`` that is the shard dim only; summing over
+    the whole world would count every element once per replica (design note [hsdp]). With more
+    than one sharded dim, ``None`` (the default group, the whole world).
+    """
     if isinstance(grad, DTensor):
         mesh = grad.device_mesh
-        sharded = any(not isinstance(p, Replicate) for p in grad.placements)
-        group = mesh.get_group() if mesh.ndim == 1 else None
-        return grad.to_local(), sharded, group
+        dims = [d for d, p in enumerate(grad.placements) if not isinstance(p, Replicate)]
+        group = mesh.get_group(dims[0]) if len(dims) == 1 else None
+        return grad.to_local(), bool(dims), group
     return grad, False, None
 
 

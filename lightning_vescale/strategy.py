@@ -9,7 +9,8 @@ A thin Trainer face over ``fully_shard`` (layer 3), modelled on Lightning's
   externally) or, with ``start_method="fork"|"spawn"``, a multiprocessing launcher whose
   worker hands rank 0's *full* weights back to the main process (DTensors do not survive the
   trip). Backend from the accelerator (``gloo`` on CPU, ``nccl`` on CUDA), a 1-D device mesh
-  over the world, exposed as ``LightningModule.device_mesh`` for ``configure_model``.
+  over the world (or the 2-D HSDP mesh of ``device_mesh``, design note [strategy-mesh]),
+  exposed as ``LightningModule.device_mesh`` for ``configure_model``.
 * Sharding in ``setup``: the units of design note [sharding-units] (``_lightning/sharding.py``),
   then the LightningModule itself is the root group, so calling it directly works anywhere (a
   summary's example input, sampling in a hook, a later Trainer on the same module). Lightning calls
@@ -80,6 +81,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_vescale._lightning.core import RegistryEntry, VeScaleStrategyCore
+from lightning_vescale._lightning.hsdp import DeviceMeshArg
 from lightning_vescale._lightning.launcher import VeScaleMultiProcessingLauncher
 from lightning_vescale._lightning.sharding import (
     DEFAULT_MIN_BLOCK_NUMEL,
@@ -136,6 +138,12 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
         start_method: ``"popen"`` (default; re-runs the script per rank, like ``ddp``), or
             ``"fork"``/``"spawn"``/``"forkserver"`` (processes started from the current one, like
             ``ddp_fork``/``ddp_spawn``; useful in notebooks and tests).
+        device_mesh: ``None`` (default): shard every group over all ranks. ``(replicas,
+            shard_size)`` (a list in YAML: ``device_mesh: [2, 8]``): HSDP, shard inside groups of
+            ``shard_size`` consecutive ranks and all-reduce gradient shards across the
+            ``replicas`` groups; ``(num_nodes, devices)`` shards inside each node. Or a 1-D/2-D
+            ``DeviceMesh`` (dim 0 replicates, dim 1 shards), used as it is. The product must be
+            the world size (``num_nodes * devices``). See design note [strategy-mesh].
     """
 
     strategy_name = "vescale_fsdp"
@@ -157,6 +165,7 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        device_mesh: DeviceMeshArg = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -172,7 +181,8 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
                         optimizer_min_block_numel=optimizer_min_block_numel,
                         reshard_after_forward=reshard_after_forward,
                         state_dict_type=state_dict_type,
-                        process_group_backend=process_group_backend, timeout=timeout)
+                        process_group_backend=process_group_backend, timeout=timeout,
+                        device_mesh=device_mesh)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be one of 'popen', 'spawn', 'fork', "
                              f"'forkserver', got {start_method!r}.")
@@ -217,6 +227,7 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        self._check_device_mesh_world()  # in the main process, before any rank starts
         if self._start_method == "popen":
             if not self.cluster_environment.creates_processes_externally:
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment,

@@ -15,7 +15,9 @@ hooks take precedence over Lightning's defaults:
   reading ``checkpoint_io`` raises instead of returning a plugin nothing would use;
 * environment set-up: world ranks (Lightning's Trainer connector calls ``set_world_ranks``,
   Fabric's ``_set_world_ranks``: the same method), the default process group with the strategy's
-  ``timeout``, the 1-D data-parallel mesh from :func:`lightning_vescale.mesh.init_mesh`;
+  ``timeout``, the data-parallel mesh of the ``device_mesh`` argument (design note
+  [strategy-mesh] in ``_lightning/hsdp.py``: 1-D from :func:`lightning_vescale.mesh.init_mesh`
+  by default, 2-D for HSDP);
 * sharding through ``_lightning/sharding.py`` with the precision plugin's mixed-precision policy;
 * collectives: ``broadcast`` and the barrier behind the peer-exception guard of design note
   [failures] (``strategy.py``; only the Trainer can be handling an exception, see
@@ -52,6 +54,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_vescale._lightning.hsdp import (
+    build_device_mesh,
+    check_world_size,
+    validate_device_mesh,
+)
 from lightning_vescale._lightning.peers import ExceptionAgreement
 from lightning_vescale._lightning.sharding import (
     ShardGranularity,
@@ -64,7 +71,6 @@ from lightning_vescale._lightning.sharding import (
     validate_timeout,
 )
 from lightning_vescale.checkpoint import check_checkpoint_path
-from lightning_vescale.mesh import init_mesh
 from lightning_vescale.optim import AdamW8bit, Muon
 from lightning_vescale.precision import _VeScalePrecisionMixin
 
@@ -107,6 +113,7 @@ class VeScaleStrategyCore:
         state_dict_type: Any,
         process_group_backend: Optional[str],
         timeout: Any,
+        device_mesh: Any = None,
     ) -> None:
         """Validate and store the arguments both strategies take (errors name the parameter).
 
@@ -124,6 +131,7 @@ class VeScaleStrategyCore:
         self._process_group_backend = validate_process_group_backend(process_group_backend)
         self._timeout: Optional[timedelta] = validate_timeout(timeout)
         self._num_nodes = 1
+        self._device_mesh_spec = validate_device_mesh(device_mesh)
         self._device_mesh: Optional[DeviceMesh] = None
         self._exception_agreement = ExceptionAgreement()
 
@@ -216,8 +224,16 @@ class VeScaleStrategyCore:
             kwargs["device_id"] = device  # eager NCCL communicator bound to this rank's device
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
         self._process_group_backend = backend
-        self._device_mesh = init_mesh(device.type, self.world_size)  # reuses the default group
+        # reuses the default group (a 2-D mesh makes one subgroup per row and column)
+        self._device_mesh = build_device_mesh(
+            self._device_mesh_spec, device_type=device.type, world_size=self.world_size,
+            num_nodes=self.num_nodes, devices=self.num_processes)
         self._vescale_precision._set_device_type(device.type)
+
+    def _check_device_mesh_world(self) -> None:
+        """The ``device_mesh`` shape against ``num_nodes * devices``, before any launch."""
+        check_world_size(self._device_mesh_spec, world_size=self.num_nodes * self.num_processes,
+                         num_nodes=self.num_nodes, devices=self.num_processes)
 
     def set_world_ranks(self) -> None:
         """Tell the cluster environment and ``rank_zero_only`` this process's global rank."""

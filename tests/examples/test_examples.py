@@ -46,6 +46,10 @@ RUN = {
     "examples/configs/muon.yaml": "test_configs_run_tiny_on_cpu and test_cli_optimizers",
     "examples/configs/bf16_gpu.yaml": "test_configs_run_tiny_on_cpu (CPU, bf16-mixed)",
     "examples/configs/llama_8gpu_multinode.yaml": "test_llama_config_runs_tiny_on_cpu",
+    "examples/configs/hsdp_llama_2x8gpu.yaml":
+        "tests/lightning/test_hsdp_strategy.py (parsed; no GPUs here)",
+    "examples/slurm_hsdp_2x8.sbatch": "tests/lightning/test_hsdp_strategy.py (bash -n)",
+    "examples/multinode_trainer.py": "tests/lightning/test_hsdp_multinode.py (torchrun)",
 }
 
 
