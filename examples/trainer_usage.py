@@ -35,6 +35,7 @@ def main() -> None:
         optimizer_block_size=256,      # AdamW8bit's block: no quantization block straddles ranks
         reshard_after_forward=True,    # ZeRO-3; False keeps parameters gathered until backward
         state_dict_type="sharded",     # or "full": one file from rank 0, loadable without us
+        device_mesh=None,              # or (replicas, shard_size): HSDP, e.g. (nodes, gpus)
     )
     trainer = L.Trainer(strategy=strategy, precision="bf16-mixed", max_steps=10)
     trainer.fit(GPTModule(), CharDataModule())

@@ -193,6 +193,16 @@ COMMANDS: dict[str, object] = {
     "torchrun --nnodes 4 --nproc-per-node 8 --node-rank $NODE_RANK --master-addr $MASTER_ADDR "
     "--master-port 29500 examples/llama.py fit --config "
     "examples/configs/llama_8gpu_multinode.yaml": Custom(_two_nodes, slow=True),
+    "torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK --master-addr $MASTER_ADDR "
+    "--master-port 29500 examples/llama.py fit --config examples/configs/hsdp_llama_2x8gpu.yaml":
+        NotHere("needs 16 GPUs; tests/lightning/test_hsdp_strategy.py parses the config and "
+                "test_hsdp_multinode.py runs HSDP on two torchrun nodes"),
+    "sbatch examples/slurm_hsdp_2x8.sbatch":
+        NotHere("needs a SLURM cluster; test_hsdp_strategy checks it with bash -n"),
+    "torchrun --nnodes 2 --nproc-per-node 2 --node-rank $NODE_RANK --master-addr $MASTER_ADDR "
+    "--master-port 29500 examples/multinode_trainer.py --num-nodes 2 --devices 2 --device-mesh 2 2":
+        NotHere("tests/lightning/test_hsdp_multinode.py runs it as two torchrun nodes on "
+                "127.0.0.1"),
     "sbatch examples/slurm_llama.sbatch":
         NotHere("needs a SLURM cluster; test_examples.test_slurm_script_is_valid_bash checks it"),
     "python examples/memory_profile.py --strategy vescale_fsdp --devices 2": Runs(
