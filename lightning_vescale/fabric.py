@@ -79,6 +79,11 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
             ``replicas`` groups; ``(num_nodes, devices)`` shards inside each node. Or a 1-D/2-D
             ``DeviceMesh`` (dim 0 replicates, dim 1 shards), used as it is. The product must be
             the world size (``num_nodes * devices``). See design note [strategy-mesh].
+        flat_optimizer: wrap ``torch.optim.Adam``/``AdamW``/``SGD`` in
+            :class:`~lightning_vescale.optim.FlatParamOptimizer` (default ``True``): the step runs
+            on a few flat views of each group's shard instead of one tensor per parameter
+            (bitwise the same result, per-parameter state dicts); other optimizers are left as
+            they are. ``False`` steps them per tensor.
     """
 
     _registry_entries = (RegistryEntry(
@@ -96,6 +101,7 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         device_mesh: DeviceMeshArg = None,
+        flat_optimizer: bool = True,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -110,7 +116,7 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
                         reshard_after_forward=reshard_after_forward,
                         state_dict_type=state_dict_type,
                         process_group_backend=process_group_backend, timeout=timeout,
-                        device_mesh=device_mesh)
+                        device_mesh=device_mesh, flat_optimizer=flat_optimizer)
         self._backward_sync_control = _VeScaleBackwardSyncControl()
         self._set_up_modules: list[weakref.ref[Module]] = []
 
@@ -158,7 +164,7 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
         self._inherit_block_size(optimizer)
         self._bind_param_names(optimizer, [m for m in (r() for r in self._set_up_modules)
                                            if m is not None])
-        return super().setup_optimizer(optimizer)
+        return super().setup_optimizer(self._flatten_optimizer(optimizer))
 
     @override
     def setup_module(self, module: Module) -> Module:

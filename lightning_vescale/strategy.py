@@ -144,6 +144,11 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
             ``replicas`` groups; ``(num_nodes, devices)`` shards inside each node. Or a 1-D/2-D
             ``DeviceMesh`` (dim 0 replicates, dim 1 shards), used as it is. The product must be
             the world size (``num_nodes * devices``). See design note [strategy-mesh].
+        flat_optimizer: wrap ``torch.optim.Adam``/``AdamW``/``SGD`` in
+            :class:`~lightning_vescale.optim.FlatParamOptimizer` (default ``True``): the step runs
+            on a few flat views of each group's shard instead of one tensor per parameter
+            (bitwise the same result, per-parameter state dicts); other optimizers are left as
+            they are. ``False`` steps them per tensor.
     """
 
     strategy_name = "vescale_fsdp"
@@ -166,6 +171,7 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         device_mesh: DeviceMeshArg = None,
+        flat_optimizer: bool = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -182,7 +188,7 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
                         reshard_after_forward=reshard_after_forward,
                         state_dict_type=state_dict_type,
                         process_group_backend=process_group_backend, timeout=timeout,
-                        device_mesh=device_mesh)
+                        device_mesh=device_mesh, flat_optimizer=flat_optimizer)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be one of 'popen', 'spawn', 'fork', "
                              f"'forkserver', got {start_method!r}.")
@@ -291,6 +297,9 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
             check_optimizer_params(optimizer, _OPTIMIZER_HINT)
             self._inherit_block_size(optimizer)
             self._bind_param_names(optimizer, [lm])
+        # Lightning's LR scheduler configs keep the optimizer they were built with: the flat
+        # wrapper shares its param_groups dicts, so their lr changes reach the wrapped step.
+        self.optimizers = [self._flatten_optimizer(o) for o in self.optimizers]
 
     @override
     def model_to_device(self) -> None:

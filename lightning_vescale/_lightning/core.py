@@ -71,7 +71,7 @@ from lightning_vescale._lightning.sharding import (
     validate_timeout,
 )
 from lightning_vescale.checkpoint import check_checkpoint_path
-from lightning_vescale.optim import AdamW8bit, Muon
+from lightning_vescale.optim import AdamW8bit, Muon, flat_param_optimizer
 from lightning_vescale.precision import _VeScalePrecisionMixin
 
 __all__ = ["RegistryEntry", "VeScaleStrategyCore"]
@@ -114,6 +114,7 @@ class VeScaleStrategyCore:
         process_group_backend: Optional[str],
         timeout: Any,
         device_mesh: Any = None,
+        flat_optimizer: bool = True,
     ) -> None:
         """Validate and store the arguments both strategies take (errors name the parameter).
 
@@ -132,6 +133,12 @@ class VeScaleStrategyCore:
         self._timeout: Optional[timedelta] = validate_timeout(timeout)
         self._num_nodes = 1
         self._device_mesh_spec = validate_device_mesh(device_mesh)
+        if not isinstance(flat_optimizer, bool):
+            raise TypeError(
+                f"flat_optimizer must be True or False, got {flat_optimizer!r}: True steps "
+                "torch.optim.Adam/AdamW/SGD on flat views of the shards (FlatParamOptimizer, "
+                "bitwise the same result), False steps them per tensor.")
+        self._flat_optimizer = flat_optimizer
         self._device_mesh: Optional[DeviceMesh] = None
         self._exception_agreement = ExceptionAgreement()
 
@@ -281,6 +288,16 @@ class VeScaleStrategyCore:
             optimizer.bind_names(named)
         except ValueError as err:
             rank_zero_warn(f"{err} Until then Muon routes these parameters by shape only.")
+
+    def _flatten_optimizer(self, optimizer: Any) -> Any:
+        """``optimizer`` wrapped in ``FlatParamOptimizer`` when ``flat_optimizer`` is on and it
+        is a torch Adam/AdamW/SGD on sharded parameters; otherwise unchanged (design note
+        [flat-params] in ``lightning_vescale.optim``)."""
+        if not self._flat_optimizer:
+            return optimizer
+        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        flat = flat_param_optimizer(inner, strict=False)
+        return optimizer if flat is inner else flat
 
     def _inherit_block_size(self, optimizer: Any) -> None:
         """An ``AdamW8bit`` that stated no ``block_size`` quantizes in the blocks the shards were

@@ -103,7 +103,9 @@ class FlatParamOptimizer(Optimizer):
 
     def __init__(self, optimizer: Optimizer) -> None:  # noqa: D107 - documented on the class
         _check_optimizer(optimizer)
-        self.optimizer = optimizer
+        # not `self.optimizer`: Lightning's LightningOptimizer and _FabricOptimizer subclass the
+        # wrapped class and own an `optimizer` property that would shadow it
+        self._wrapped = optimizer
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
         self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
@@ -120,19 +122,19 @@ class FlatParamOptimizer(Optimizer):
     # -- what torch.optim.Optimizer's users read -------------------------------------------------
     @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
+        return self._wrapped.param_groups
 
     @param_groups.setter
     def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
+        self._wrapped.param_groups = value
 
     @property  # type: ignore[override]
     def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
+        return self._wrapped.defaults
 
     @defaults.setter
     def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
+        self._wrapped.defaults = value
 
     @property  # type: ignore[override]
     def state(self) -> defaultdict:
@@ -156,18 +158,18 @@ class FlatParamOptimizer(Optimizer):
     def __repr__(self) -> str:
         runs = sum(len(p.runs) for p in self._plans)
         params = sum(len(p.params) for p in self._plans)
-        return f"FlatParamOptimizer({params} parameters in {runs} runs, {self.optimizer!r})"
+        return f"FlatParamOptimizer({params} parameters in {runs} runs, {self._wrapped!r})"
 
     # -- building -------------------------------------------------------------------------------
     def _build(self) -> None:
-        cls = type(self.optimizer)
+        cls = type(self._wrapped)
         self._plans = [GroupPlan(g, gi, cls) for gi, g in enumerate(self.param_groups)]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer (its defaults apply) and plan its runs."""
-        self.optimizer.add_param_group(param_group)
+        self._wrapped.add_param_group(param_group)
         g = self.param_groups[-1]
-        self._plans.append(GroupPlan(g, len(self.param_groups) - 1, type(self.optimizer)))
+        self._plans.append(GroupPlan(g, len(self.param_groups) - 1, type(self._wrapped)))
 
     def num_flat_tensors(self) -> int:
         """How many tensors the wrapped optimizer steps when every parameter has a gradient."""
@@ -181,7 +183,7 @@ class FlatParamOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        inner = self.optimizer
+        inner = self._wrapped
         groups = inner.param_groups
         if len(groups) != len(self._plans) or any(
                 len(g["params"]) != len(p.params) for g, p in zip(groups, self._plans)):
@@ -203,7 +205,7 @@ class FlatParamOptimizer(Optimizer):
     def _param_state(self, p: Tensor, run: Run, i: int) -> dict[str, Any]:
         a, b = run.where(i)
         t = run.segs.get((a, b))
-        st = self.optimizer.state.get(t) if t is not None else None
+        st = self._wrapped.state.get(t) if t is not None else None
         if not st:
             return {}
         offs = run.offs
@@ -278,7 +280,7 @@ class FlatParamOptimizer(Optimizer):
             for k, v in s.items():
                 if k != "params":
                     g[k] = v
-        self.optimizer.state.clear()
+        self._wrapped.state.clear()
         self._build()
         self._import_states(per_param)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -318,10 +320,10 @@ class FlatParamOptimizer(Optimizer):
         try:
             for g, (_, items) in zip(groups, inner_groups):
                 g["params"] = items
-            self.optimizer.load_state_dict(
+            self._wrapped.load_state_dict(
                 {"state": inner_state, "param_groups": [sg for sg, _ in inner_groups]})
         finally:
-            self.optimizer.param_groups = groups
+            self._wrapped.param_groups = groups
             for g, ps in zip(groups, saved):
                 g["params"] = ps
 
