@@ -51,10 +51,15 @@ class GroupSummary:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ShardingSummary:
-    """Every group of a sharded module, in the order ``named_modules()`` visits them."""
+    """Every group of a sharded module, in the order ``named_modules()`` visits them.
+
+    ``world_size`` is the size of a shard group (the ranks a group is split over). Under HSDP
+    ``replicas`` shard groups hold the same layout (design note [hsdp] in ``mesh.py``).
+    """
 
     world_size: int
     groups: tuple[GroupSummary, ...]
+    replicas: int = 1
 
     @property
     def elements(self) -> int:
@@ -84,6 +89,9 @@ class ShardingSummary:
 
         rank_head = ("per rank (" + " | ".join(f"r{r}" for r in range(self.world_size)) + ")"
                      if self.world_size <= max_ranks else "per rank")
+        if self.replicas > 1:  # HSDP: the columns are the ranks of one shard group
+            rank_head = rank_head.replace("per rank", f"per shard-group rank, x{self.replicas} "
+                                          "replicas", 1)
         rows = [(g.name, f"{g.tensors}", f"{g.elements:,}", ranks(g.rank_elements),
                  f"{100 * g.padding_ratio:.2f} %", grans(g.granularities)) for g in self.groups]
         total_grans: Counter[int] = Counter()
@@ -115,12 +123,13 @@ def sharding_summary(module: nn.Module) -> ShardingSummary:
         ValueError: ``module`` has no ``fully_shard`` group (nothing was sharded).
     """
     groups: list[GroupSummary] = []
-    world = 0
+    world, replicas = 0, 1
     for name, group in iter_param_groups(module):
         plans = [buf.plan for buf in group.buffers.values()]
         if not plans:
             continue
         world = plans[0].world_size
+        replicas = group.mesh_info.replicate_size
         grans = Counter(spec.granularity for plan in plans for spec in plan.entries)
         loads = [plan.rank_loads() for plan in plans]
         groups.append(GroupSummary(
@@ -134,4 +143,4 @@ def sharding_summary(module: nn.Module) -> ShardingSummary:
     if not groups:
         raise ValueError(f"sharding_summary: {type(module).__name__} has no fully_shard group; "
                          "call it after fully_shard (or after the strategy's setup).")
-    return ShardingSummary(world_size=world, groups=tuple(groups))
+    return ShardingSummary(world_size=world, groups=tuple(groups), replicas=replicas)

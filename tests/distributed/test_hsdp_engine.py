@@ -331,3 +331,55 @@ def test_hsdp_meta_device_init_is_exact_on_every_replica(worlds):
         assert set(got) == set(ref_full)
         for n, want in ref_full.items():
             assert torch.equal(got[n], want), (replica, n)
+
+
+# -- FSDP2 options on HSDP: CPU offload, divide factor, no reshard, compiled blocks ---------------
+def _options_body(variant: str):
+    from lightning_vescale.fsdp import CPUOffloadPolicy, fully_shard
+    from lightning_vescale.summary import sharding_summary
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = _mesh(2)
+    model = build("gpt")
+    ref = copy.deepcopy(model)
+    kw = {"offload_policy": CPUOffloadPolicy()} if variant == "offload" else {}
+    if variant == "no_reshard":
+        kw["reshard_after_forward"] = False
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, **kw)
+        if variant == "compile":
+            b.compile()
+    fully_shard(model, mesh=mesh, **kw)
+    if variant == "divide":  # a sum over all 4 data-parallel ranks, divided by 4: the mean
+        model.set_gradient_divide_factor(float(world))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    losses, ref_losses = [], []
+    for x, y in batches("gpt", 2, 2 * world):
+        loss = model(micro(x, rank, world), micro(y, rank, world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+        rl = ref(x, y)
+        rl.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(rl.item())
+    ref_full = {n: p.detach().reshape(-1).clone() for n, p in ref.named_parameters()}
+    return losses, ref_losses, _locals(model), ref_full, str(sharding_summary(model))
+
+
+@pytest.mark.parametrize("variant", ["offload", "divide", "no_reshard",
+                                     pytest.param("compile", marks=pytest.mark.slow)])
+def test_hsdp_with_fsdp2_options(worlds, variant):
+    results = worlds(4).run(_options_body, variant)
+    losses, ref_losses, _, ref_full, summary = results[0]
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) <= 1e-5 * abs(b), (variant, losses, ref_losses)
+    got = _full_from_shard_group([r[2] for r in results], 2, 0)
+    for n, want in ref_full.items():
+        torch.testing.assert_close(got[n], want, rtol=1e-4, atol=1e-4, msg=n)
+    assert "per shard-group rank, x2 replicas (r0 | r1)" in summary, summary
