@@ -350,19 +350,12 @@ class FlatParamOptimizer(Optimizer):
 
 
 def _state_dtensor(p: DTensor, flat_state: Tensor, lo: int, hi: int) -> DTensor:
-    """Elements ``[lo, hi)`` of a flat state as a DTensor laid out like ``p`` (a view, no copy).
-
-    The DTensor is created on an empty local tensor that is then pointed at the state's memory:
-    a DTensor created directly on a view at a non-zero storage offset cannot be pickled or
-    deep-copied in torch 2.13 (its wrapper inherits the offset, so ``Tensor.__reduce_ex__``
-    takes it for a tensor with real storage). No autograd history: states are data.
-    """
-    local = flat_state.new_empty(0)
-    out = ragged_from_local(local, p.device_mesh, tuple(p.placements), p.shape, p.stride(),
-                            autograd=False, check=False)
-    out._local_tensor.set_(flat_state.untyped_storage(), flat_state.storage_offset() + lo,
-                           (hi - lo,), (1,))
-    return out
+    """Elements ``[lo, hi)`` of a flat state as a DTensor laid out like ``p`` (a view, no copy;
+    no autograd history: states are data). Pickling and deep-copying such views at a storage
+    offset work through the placement package's DTensor hooks (design note
+    [dtensor-views-pickle])."""
+    return ragged_from_local(flat_state[lo:hi], p.device_mesh, tuple(p.placements), p.shape,
+                             p.stride(), autograd=False, check=False)
 
 
 def _check_optimizer(optimizer: Any) -> None:
