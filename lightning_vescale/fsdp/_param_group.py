@@ -116,6 +116,10 @@ class ManagedParam:
     #: weak reference to the user's parameter before sharding (tie detection by later groups)
     original_weakref: weakref.ref | None = None
     hooks: list[Any] = field(default_factory=list)
+    #: the DTensor placements of ``sharded`` and its gradient: ``(RaggedShard,)`` on a 1-D
+    #: mesh, ``(Replicate(), RaggedShard)`` on an HSDP mesh. Set with the buffer at each build;
+    #: one tuple per parameter, so ``ragged_from_local``'s per-step spec cache hits.
+    placements: Any = None
 
 
 class BackwardRoot(Protocol):
@@ -167,7 +171,6 @@ class ParamGroup:
         self.applying: tuple[Any, set[int]] | None = None
         # One DBuffer per (dtype, trainable at build time); see design note [fsdp-grads].
         self.buffers: dict[tuple[torch.dtype, bool], DBuffer] = {}
-        self._placement_cache: dict[tuple[int, str], tuple[Any, tuple]] = {}
         self.modules_hold_unsharded = False
         self._gather: list[CommHandle] | None = None  # in-flight all-gathers
         self._reduce: list[CommHandle] | None = None  # in-flight reduce-scatters
@@ -238,27 +241,14 @@ class ParamGroup:
             mark_replaced(mp.sharded, f"{self.fqn}.{mp.name}" if self.fqn else mp.name,
                           original=False)
         local = buf.local_view(mp.name)
-        dt = ragged_from_local(local, self.mesh_info.mesh, self._placements(mp), mp.shape,
+        mp.placements = self.mesh_info.placements(buf.placement(mp.name))
+        dt = ragged_from_local(local, self.mesh_info.mesh, mp.placements, mp.shape,
                                autograd=False, check=False)
         mp.sharded = nn.Parameter(dt, requires_grad=mp.requires_grad)
         mp.unsharded = nn.Parameter(buf.param_view(mp.name), requires_grad=mp.requires_grad)
         mp.got_grad = False
         if not buf.is_meta and mp.requires_grad:
             self._register_grad_hooks(mp)
-
-    def _placements(self, mp: ManagedParam) -> Any:
-        """The parameter's DTensor placements: its buffer's ``RaggedShard`` on a 1-D mesh, or
-        ``(Replicate(), RaggedShard)`` on an HSDP mesh (one tuple per parameter and buffer, kept,
-        so ``ragged_from_local``'s per-step spec cache hits)."""
-        ragged = mp.buffer.placement(mp.name)
-        if self.mesh_info.replicate_mesh_dim is None:
-            return ragged
-        key = (id(mp.buffer), mp.name)
-        hit = self._placement_cache.get(key)
-        if hit is None or hit[0] is not ragged:
-            hit = (ragged, self.mesh_info.placements(ragged))
-            self._placement_cache[key] = hit
-        return hit[1]
 
     def sync_requires_grad(self) -> None:
         """Follow ``requires_grad_`` calls users made on the sharded parameters."""
@@ -631,7 +621,7 @@ class ParamGroup:
             if g is None or not self._is_our_grad(mp, g):
                 view = mp.buffer.grad_local_view(mp.name)
                 mp.sharded.grad = ragged_from_local(
-                    view, self.mesh_info.mesh, self._placements(mp), mp.shape,
+                    view, self.mesh_info.mesh, mp.placements, mp.shape,
                     autograd=False, check=False)
 
     def release_unused_grad_shards(self) -> None:
