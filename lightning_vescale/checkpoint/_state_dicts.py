@@ -21,7 +21,12 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_vescale.checkpoint._files import rank
-from lightning_vescale.placement import RaggedShard, local_slice, ragged_from_local, ragged_mesh_dim
+from lightning_vescale.placement import (
+    RaggedShard,
+    local_slice,
+    ragged_from_local,
+    ragged_shard_and_rank,
+)
 
 __all__ = [
     "model_state",
@@ -43,16 +48,11 @@ def _full(t: Any) -> Any:
     return t
 
 
-def _ragged_dim(t: DTensor) -> int | None:
-    """The mesh dim of a DTensor's ``RaggedShard`` (this package's parameters and states:
-    ``(RaggedShard,)`` or HSDP's ``(Replicate(), RaggedShard)``), else ``None``.
-
-    Its local tensor depends only on the rank's coordinate on that dim (design note
-    [ragged-nd]), so slicing a full tensor needs no communication on any mesh.
-    """
-    if not any(isinstance(p, RaggedShard) for p in t.placements):
-        return None
-    return ragged_mesh_dim(t.placements, "loading a full checkpoint into a RaggedShard DTensor")
+def _is_ragged(t: DTensor) -> bool:
+    """This package's parameters and states: ``(RaggedShard,)`` or HSDP's ``(Replicate(),
+    RaggedShard)``. Their local tensor depends only on the rank's coordinate on the ragged dim
+    (design note [ragged-nd]), so slicing a full tensor needs no communication on any mesh."""
+    return any(isinstance(p, RaggedShard) for p in t.placements)
 
 
 @torch.no_grad()
@@ -68,9 +68,10 @@ def _copy_full_into(target: Tensor, full: Tensor, name: str) -> None:
         return
     local = target.to_local()
     mesh, placements = target.device_mesh, target.placements
-    dim = _ragged_dim(target)
-    if dim is not None:
-        local.view(-1).copy_(local_slice(full, placements[dim], mesh.get_local_rank(dim)))
+    if _is_ragged(target):
+        ragged, r = ragged_shard_and_rank(
+            mesh, placements, "loading a full checkpoint into a RaggedShard DTensor")
+        local.view(-1).copy_(local_slice(full, ragged, r))
         return
     src = DTensor.from_local(full.to(device=local.device, dtype=local.dtype), mesh,
                              [Replicate()] * mesh.ndim, run_check=False)
@@ -82,7 +83,7 @@ def _zero_grad_for(param: Tensor) -> Tensor:
     if not isinstance(param, DTensor):
         return torch.zeros_like(param)
     zeros = torch.zeros_like(param.to_local())
-    if _ragged_dim(param) is not None:
+    if _is_ragged(param):
         return ragged_from_local(zeros, param.device_mesh, tuple(param.placements), param.shape,
                                  param.stride(), autograd=False, check=False)
     return DTensor.from_local(zeros, param.device_mesh, param.placements, run_check=False,

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_vescale.fsdp._common import in_backward
 from lightning_vescale.fsdp._param_group import ParamGroup
-from lightning_vescale.placement import local_slice, ragged_from_local, ragged_mesh_dim
+from lightning_vescale.placement import local_slice, ragged_from_local, ragged_shard_and_rank
 
 __all__ = ["register_state_dict_hooks", "to_param_layout"]
 
@@ -46,8 +46,9 @@ def to_param_layout(value: Any, sharded: DTensor) -> Any:
         return value.redistribute(sharded.device_mesh, sharded.placements)
     if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(sharded.shape):
         mesh, placements = sharded.device_mesh, tuple(sharded.placements)
-        dim = ragged_mesh_dim(placements, "loading a full state dict into a sharded module")
-        local = local_slice(value.detach(), placements[dim], mesh.get_local_rank(dim))
+        ragged, r = ragged_shard_and_rank(mesh, placements,
+                                          "loading a full state dict into a sharded module")
+        local = local_slice(value.detach(), ragged, r)
         local = local.to(device=sharded.device, dtype=sharded.dtype).clone()
         return ragged_from_local(local, mesh, placements, tuple(sharded.shape),
                                  autograd=False, check=False)

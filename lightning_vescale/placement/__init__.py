@@ -44,6 +44,7 @@ from lightning_vescale.placement._ragged_shard import (
     ragged_from_local,
     ragged_mesh_dim,
     ragged_ranges,
+    ragged_shard_and_rank,
     slab_pieces,
 )
 
@@ -67,6 +68,7 @@ __all__ = [
     "ragged_from_local",
     "ragged_mesh_dim",
     "ragged_ranges",
+    "ragged_shard_and_rank",
     "run_view",
     "set_flat_step_enabled",
     "slab_pieces",

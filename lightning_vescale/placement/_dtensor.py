@@ -93,7 +93,7 @@ from lightning_vescale.placement._ragged_shard import (
     chunk_bounds,
     flat_range_to_boxes,
     overlap_splits,
-    ragged_mesh_dim,
+    ragged_shard_and_rank,
     ragged_ranges,
     slab_pieces,
 )
@@ -467,11 +467,11 @@ def make_to_torch_tensor(base: type) -> type:
 # ------------------------------------------------------------------------------------------------
 def _ragged_local_boxes(dt: DTensor) -> list[_BoxView]:
     """A :class:`_BoxView` for each box of this rank's range of a RaggedShard DTensor."""
-    dim = ragged_mesh_dim(dt.placements, "checkpointing RaggedShard DTensors")
-    placement = dt.placements[dim]
+    placement, r = ragged_shard_and_rank(dt.device_mesh, dt.placements,
+                                         "checkpointing RaggedShard DTensors")
     shape = tuple(dt.shape)
     # Replicas (other mesh dims) report the same boxes; DCP's planner saves each once.
-    start, end = placement.local_range(shape, dt.device_mesh.get_local_rank(dim))
+    start, end = placement.local_range(shape, r)
     return _range_box_views(dt._local_tensor.reshape(-1), shape, start, end)
 
 

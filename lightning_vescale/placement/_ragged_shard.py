@@ -48,6 +48,7 @@ __all__ = [
     "ragged_from_local",
     "ragged_mesh_dim",
     "ragged_ranges",
+    "ragged_shard_and_rank",
     "slab_pieces",
 ]
 
@@ -335,6 +336,19 @@ def ragged_mesh_dim(placements: Sequence[Placement], what: str = "RaggedShard") 
             f"other mesh dim (e.g. (RaggedShard,) or (Replicate(), RaggedShard)); got "
             f"{placements}.")
     return dims[0]
+
+
+def ragged_shard_and_rank(mesh: DeviceMesh, placements: Sequence[Placement],
+                          what: str = "RaggedShard") -> tuple[RaggedShard, int]:
+    """The one ``RaggedShard`` of ``placements`` and this rank's coordinate on its mesh dim: the
+    ``(placement, rank)`` that :meth:`RaggedShard.local_range` and :func:`local_slice` take
+    (design note [ragged-nd]: replicas along the other dims get the same range).
+
+    Raises:
+        NotImplementedError: as :func:`ragged_mesh_dim` (``what`` names the operation).
+    """
+    dim = ragged_mesh_dim(placements, what)
+    return placements[dim], mesh.get_local_rank(dim)
 
 
 def _as_placements(placement: RaggedShard | Sequence[Placement], mesh: DeviceMesh

@@ -44,7 +44,7 @@ from lightning_vescale.placement._ragged_shard import (
     RaggedShard,
     local_slice,
     ragged_from_local,
-    ragged_mesh_dim,
+    ragged_shard_and_rank,
 )
 
 __all__ = ["RANDOM_HANDLERS"]
@@ -57,10 +57,10 @@ def _ragged_self(op: Any, args: tuple) -> tuple[DTensor, RaggedShard, int]:
     if not (isinstance(x, DTensor) and has_ragged(x._spec)):
         raise unsupported(op, [getattr(x, "_spec", x)])
     try:
-        dim = ragged_mesh_dim(x.placements, str(op))
+        placement, r = ragged_shard_and_rank(x.device_mesh, x.placements, str(op))
     except NotImplementedError as e:
         raise unsupported(op, [x._spec], f": {e}") from None
-    return x, x.placements[dim], x.device_mesh.get_local_rank(dim)
+    return x, placement, r
 
 
 def _check_plain(op: Any, x: DTensor, rest: tuple, kwargs: dict) -> None:
