@@ -64,6 +64,7 @@ from lightning_vescale._lightning.sharding import (
     ShardGranularity,
     remap_optimizer_params,
     shard_model,
+    validate_flat_optimizer,
     validate_process_group_backend,
     validate_reshard_after_forward,
     validate_sharding_args,
@@ -133,12 +134,7 @@ class VeScaleStrategyCore:
         self._timeout: Optional[timedelta] = validate_timeout(timeout)
         self._num_nodes = 1
         self._device_mesh_spec = validate_device_mesh(device_mesh)
-        if not isinstance(flat_optimizer, bool):
-            raise TypeError(
-                f"flat_optimizer must be True or False, got {flat_optimizer!r}: True steps "
-                "torch.optim.Adam/AdamW/SGD on flat views of the shards (FlatParamOptimizer, "
-                "bitwise the same result), False steps them per tensor.")
-        self._flat_optimizer = flat_optimizer
+        self._flat_optimizer = validate_flat_optimizer(flat_optimizer)
         self._device_mesh: Optional[DeviceMesh] = None
         self._exception_agreement = ExceptionAgreement()
 

@@ -58,6 +58,7 @@ __all__ = [
     "NoGradSync",
     "validate_sharding_args",
     "validate_reshard_after_forward",
+    "validate_flat_optimizer",
     "validate_process_group_backend",
     "validate_timeout",
     "validate_state_dict_type",
@@ -181,6 +182,16 @@ def validate_reshard_after_forward(reshard_after_forward: Any) -> bool:
             "False keeps them until backward (one all-gather less per group and step)."
         )
     return reshard_after_forward
+
+
+def validate_flat_optimizer(flat_optimizer: Any) -> bool:
+    """The ``flat_optimizer`` argument: a ``bool`` (not a truthy string from a config)."""
+    if not isinstance(flat_optimizer, bool):
+        raise TypeError(
+            f"flat_optimizer must be True or False, got {flat_optimizer!r}: True steps "
+            "torch.optim.Adam/AdamW/SGD on flat views of the shards (FlatParamOptimizer, "
+            "bitwise the same result), False steps them per tensor.")
+    return flat_optimizer
 
 
 def validate_process_group_backend(backend: Any) -> Optional[str]:
