@@ -355,12 +355,14 @@ class RootContext:
                 # whole data-parallel mesh: one all-reduce over its flattened group (or, for a
                 # mesh torch cannot flatten, the shard group and then the replicate group).
                 dp_group = mesh_info.data_parallel_group
-                stages = ([(dp_group, 2)] if dp_group is not None else
-                          [(mesh_info.shard_group, mesh_info.shard_size),
-                           (mesh_info.replicate_group, mesh_info.replicate_size)])
-                for pg, n in stages:
-                    if n > 1:
-                        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+                if dp_group is not None:
+                    pgs = [dp_group]
+                else:
+                    pgs = [pg for pg, n in ((mesh_info.shard_group, mesh_info.shard_size),
+                                            (mesh_info.replicate_group, mesh_info.replicate_size))
+                           if n > 1]
+                for pg in pgs:
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
                 flags = t.tolist()
         i = 0
         for g, mps in zip(groups, per_group):
