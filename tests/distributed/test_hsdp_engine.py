@@ -55,19 +55,18 @@ def _full_from_shard_group(per_rank: list[dict], shard_size: int, replica: int) 
 
 
 # -- parity with single-process training ---------------------------------------------------------
-def _parity_body(kind: str, opt_kind: str, replicas: int, steps: int = 3, clip: float = 0.5):
+def _train_against_reference(model, ref, opt, ref_opt, kind: str, steps: int,
+                             clip: float | None = None):
+    """``steps`` steps of the sharded ``model`` (each rank its micro-batch) and of the plain
+    ``ref`` (the global batch); optionally clipping both. Returns the global-mean losses, the
+    reference losses and (with ``clip``) both sides' gradient norms."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = _mesh(replicas)
-    model = build(kind)
-    ref = copy.deepcopy(model)
-    _shard(model, mesh)
-    cls, kw = OPTS[opt_kind]
-    opt, ref_opt = cls(model.parameters(), **kw), cls(ref.parameters(), **kw)
     losses, ref_losses, norms, ref_norms = [], [], [], []
     for x, y in batches(kind, steps, 2 * world):
         loss = model(micro(x, rank, world), micro(y, rank, world))
         loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         opt.zero_grad()
         g = loss.detach().clone()
@@ -75,10 +74,23 @@ def _parity_body(kind: str, opt_kind: str, replicas: int, steps: int = 3, clip: 
         losses.append(g.item() / world)
         rl = ref(x, y)
         rl.backward()
-        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
+        if clip is not None:
+            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(rl.item())
+    return losses, ref_losses, norms, ref_norms
+
+
+def _parity_body(kind: str, opt_kind: str, replicas: int, steps: int = 3, clip: float = 0.5):
+    mesh = _mesh(replicas)
+    model = build(kind)
+    ref = copy.deepcopy(model)
+    _shard(model, mesh)
+    cls, kw = OPTS[opt_kind]
+    opt, ref_opt = cls(model.parameters(), **kw), cls(ref.parameters(), **kw)
+    losses, ref_losses, norms, ref_norms = _train_against_reference(
+        model, ref, opt, ref_opt, kind, steps, clip=clip)
     placements = {n: tuple(p.placements) for n, p in model.named_parameters()}
     ref_full = {n: p.detach().reshape(-1).clone() for n, p in ref.named_parameters()}
     return (losses, ref_losses, norms, ref_norms, _locals(model), ref_full, placements,
@@ -338,7 +350,7 @@ def _options_body(variant: str):
     from lightning_vescale.fsdp import CPUOffloadPolicy, fully_shard
     from lightning_vescale.summary import sharding_summary
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     mesh = _mesh(2)
     model = build("gpt")
     ref = copy.deepcopy(model)
@@ -354,20 +366,7 @@ def _options_body(variant: str):
         model.set_gradient_divide_factor(float(world))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    losses, ref_losses = [], []
-    for x, y in batches("gpt", 2, 2 * world):
-        loss = model(micro(x, rank, world), micro(y, rank, world))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
-        rl = ref(x, y)
-        rl.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(rl.item())
+    losses, ref_losses, _, _ = _train_against_reference(model, ref, opt, ref_opt, "gpt", 2)
     ref_full = {n: p.detach().reshape(-1).clone() for n, p in ref.named_parameters()}
     return losses, ref_losses, _locals(model), ref_full, str(sharding_summary(model))
 
