@@ -30,6 +30,8 @@ set-up, checkpoint layout (``optimizer_states``) and hooks; Fabric's ``setup_mod
 
 from __future__ import annotations
 
+import atexit
+import sys
 from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
@@ -76,6 +78,44 @@ from lightning_vescale.optim import AdamW8bit, Muon, flat_param_optimizer
 from lightning_vescale.precision import _VeScalePrecisionMixin
 
 __all__ = ["RegistryEntry", "VeScaleStrategyCore"]
+
+
+_EXIT_HOOK_REGISTERED = False
+_EXIT_BARRIER_TIMEOUT = timedelta(seconds=10)
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Leave together and destroy the default process group when the interpreter exits.
+
+    A process group the strategy created lives until the end of the script (later Trainers,
+    Fabric calls and user code may use it). Left to the interpreter's finalisation, a rank that
+    exits while its peer's gloo transport threads still hold the connection makes that peer
+    abort with "terminate called without an active exception" (2 of 8 and 2 of 12 runs of
+    ``examples/train_gpt.py``; one CI run). So at a normal exit every rank first meets the
+    others in a ``monitored_barrier`` (gloo; bounded by :data:`_EXIT_BARRIER_TIMEOUT`, its error
+    ignored: the process is leaving anyway), then destroys the group. A process dying of an
+    uncaught exception (``sys.last_value`` is set) skips the barrier: its peers are failing too
+    (design note [failures]) and must not wait for it. Registered once per process, and only for a group this package created
+    (a launcher or user that created it owns its teardown).
+    """
+    global _EXIT_HOOK_REGISTERED
+    if _EXIT_HOOK_REGISTERED:
+        return
+    _EXIT_HOOK_REGISTERED = True
+
+    def leave() -> None:
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        failing = getattr(sys, "last_value", None) is not None
+        if not failing and dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+            try:
+                dist.monitored_barrier(timeout=_EXIT_BARRIER_TIMEOUT)
+            except RuntimeError:
+                pass  # a peer is gone: nothing left to wait for
+        dist.destroy_process_group()
+
+    atexit.register(leave)
 
 
 class RegistryEntry(NamedTuple):
@@ -225,7 +265,10 @@ class VeScaleStrategyCore:
         kwargs: dict[str, Any] = {"timeout": self._timeout}  # bounds every collective of the run
         if device.type != "cpu":
             kwargs["device_id"] = device  # eager NCCL communicator bound to this rank's device
+        created = not torch.distributed.is_initialized()
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        if created:
+            _destroy_process_group_at_exit()
         self._process_group_backend = backend
         # reuses the default group (a 2-D mesh makes one subgroup per row and column)
         self._device_mesh = build_device_mesh(
