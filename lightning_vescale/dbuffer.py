@@ -63,6 +63,17 @@ gradients and the optimizer states built from them are CPU tensors, as with FSDP
 device tensor that its epilogue copies (or adds) into the host ``grad_shard``. Both copies are
 made even when ``device`` is the CPU, so the offload path is the same code everywhere.
 
+Design note [dbuffer-published-grads]
+-------------------------------------
+Whoever hands the rank's gradients out as tensors (``fully_shard`` gives each parameter a
+DTensor over :meth:`grad_local_view`) records those objects with :meth:`record_published_grads`,
+keyed by an opaque int of its choosing (``fully_shard``: ``id(parameter)``). A reader that
+needs one flat view of many gradients (``FlatParamOptimizer``, design note [flat-params]) then
+checks *identity*, ``parameter.grad is published[key]``, one pointer compare per parameter,
+instead of reading every gradient's pointer, size and strides, and slices ``grad_shard``
+itself. :meth:`published_grads` answers only while ``grad_shard`` is the storage the recorded
+tensors view; :meth:`release_grad_shard` forgets them (they would keep the old storage alive).
+
 Async ops return a :class:`CommHandle`; ``wait()`` finishes the collective and the buffer-level
 epilogue (cast back, accumulate, free temporaries). Synchronous ops return an already-waited
 handle, so callers can treat both alike.
@@ -233,6 +244,8 @@ class DBuffer:
             self._grad_views[name_] = _storage_view(self.grad_full, off, shape)
             self._local_views[name_] = self.shard[start:end]
         self._grad_local_views: dict[str, torch.Tensor] = {}
+        # (grad_shard, {key: tensor}) of record_published_grads; see [dbuffer-published-grads]
+        self._published: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
         self._comm_bytes = 0  # bytes of live temporaries (casts) owned by in-flight ops
         self._gloo: bool | None = None  # the group's backend is gloo (see _avg_as_sum)
         self.free()
@@ -308,6 +321,26 @@ class DBuffer:
         """
         self.grad_shard = None
         self._grad_local_views.clear()
+        self._published = None
+
+    def local_range(self, name: str) -> tuple[int, int]:
+        """``[start, end)`` of ``name``'s owned part in :attr:`shard` (and in ``grad_shard``)."""
+        return self._local[name]
+
+    def record_published_grads(self, grads: dict[int, torch.Tensor]) -> None:
+        """Remember the gradient tensors handed out for this buffer (design note
+        [dbuffer-published-grads]); each must be (a DTensor over) its tensor's
+        :meth:`grad_local_view` of the current ``grad_shard``."""
+        assert self.grad_shard is not None or not grads
+        self._published = (self.grad_shard, grads) if self.grad_shard is not None else None
+
+    def published_grads(self) -> dict[int, torch.Tensor] | None:
+        """The tensors of the last :meth:`record_published_grads`, by key, while ``grad_shard``
+        is still the storage they view; otherwise ``None``."""
+        pub = self._published
+        if pub is None or pub[0] is not self.grad_shard:
+            return None
+        return pub[1]
 
     # -- memory ----------------------------------------------------------------------------------
     @staticmethod

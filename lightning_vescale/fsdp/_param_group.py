@@ -612,17 +612,28 @@ class ParamGroup:
         done once per backward by the root). A parameter no rank computed a gradient for keeps
         ``grad=None`` (or the gradient kept from before), as in single-process training.
         """
+        published: dict[DBuffer, dict[int, torch.Tensor]] = {
+            buf: {} for buf in self.buffers.values()}
         for mp, got in zip(self.trainable(), received):
             mp.got_grad = False
-            if not got:
-                continue
             assert mp.sharded is not None and mp.buffer is not None
             g = mp.sharded.grad
+            if not got:  # keeps a gradient from an earlier backward, if any
+                if (g is not None and mp.buffer.grad_shard is not None
+                        and self._is_our_grad(mp, g)):
+                    published[mp.buffer][id(mp.sharded)] = g
+                continue
             if g is None or not self._is_our_grad(mp, g):
                 view = mp.buffer.grad_local_view(mp.name)
-                mp.sharded.grad = ragged_from_local(
+                g = mp.sharded.grad = ragged_from_local(
                     view, self.mesh_info.mesh, mp.placements, mp.shape,
                     autograd=False, check=False)
+            published[mp.buffer][id(mp.sharded)] = g
+        # Readers of many gradients at once check identity against this record instead of
+        # every gradient's memory (design note [dbuffer-published-grads]).
+        for buf, grads in published.items():
+            if buf.grad_shard is not None:
+                buf.record_published_grads(grads)
 
     def release_unused_grad_shards(self) -> None:
         """Free sharded-gradient storage of buffers whose parameters all have ``grad=None``.

@@ -9,6 +9,7 @@ optimizer wrapper and its state-dict conversion.
 from __future__ import annotations
 
 import inspect
+import operator
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_vescale.dbuffer import DBuffer, live_dbuffers
 from lightning_vescale.placement import RaggedShard
 
 _PROBE_SIZES = (1, 2, 3, 5, 8, 13, 16, 17, 31, 33, 64, 65, 100, 129, 255, 300)
@@ -121,9 +123,10 @@ def is_elementwise_state(v: Any, numel: int) -> bool:
 class Run:
     """Consecutive parameters of one group, back to back in one storage (see [flat-params])."""
 
-    __slots__ = ("params", "numels", "offs", "flat", "bounds", "segs", "itemsize", "dtype")
+    __slots__ = ("params", "numels", "offs", "flat", "bounds", "segs", "itemsize", "dtype",
+                 "source")
 
-    def __init__(self, params: list[Tensor]) -> None:
+    def __init__(self, params: list[Tensor], buffers: dict[int, DBuffer] | None = None) -> None:
         self.params = params
         locs = [local_of(p) for p in params]
         self.numels = [t.numel() for t in locs]
@@ -138,6 +141,23 @@ class Run:
         self.flat = first.detach().as_strided((self.offs[-1],), (1,), first.storage_offset())
         self.bounds = [0, len(params)]  # the state partition (parameter indices)
         self.segs: dict[tuple[int, int], Tensor] = {}
+        #: How :func:`_published_grad` reads the run's gradient: ``(DBuffer, first element in
+        #: its shard, the parameters with elements here, their ids, those without)``. The
+        #: buffer is ``None`` for a run without elements; ``source`` is ``None`` for a run
+        #: outside fully_shard's DBuffers. (Parameters whose local part is empty join any run,
+        #: whichever buffer they belong to: they have no memory to line up.)
+        self.source: tuple[DBuffer | None, int, list[Tensor], list[int], list[Tensor]] | None
+        self.source = None
+        full = [p for p, n in zip(params, self.numels) if n]
+        empty = [p for p, n in zip(params, self.numels) if not n]
+        if not full:
+            self.source = (None, 0, [], [], empty)
+        else:
+            buf = (buffers or {}).get(first.untyped_storage().data_ptr())
+            if buf is not None:
+                lo, rem = divmod(self.flat.data_ptr() - buf.shard.data_ptr(), self.itemsize)
+                if rem == 0 and 0 <= lo and lo + self.offs[-1] <= buf.shard_size:
+                    self.source = (buf, lo, full, [id(p) for p in full], empty)
 
     def seg(self, a: int, b: int) -> Tensor:
         t = self.segs.get((a, b))
@@ -152,6 +172,33 @@ class Run:
             if a <= i < b:
                 return a, b
         raise AssertionError(i)
+
+
+def _published_grad(run: Run) -> Tensor | None:
+    """The whole run's flat gradient when every parameter holds the gradient ``fully_shard``
+    published for it (design note [dbuffer-published-grads]): one identity check per
+    parameter, then a slice of the DBuffer's grad shard. ``None``: use :func:`_grad_pieces`."""
+    src = run.source
+    if src is None:
+        return None
+    buf, lo, full, ids, empty = src
+    for p in empty:  # no memory to check; a missing gradient still breaks the run
+        if p.grad is None:
+            return None
+    if buf is None:  # no elements here
+        return run.flat.new_empty(0)
+    published = buf.published_grads()
+    if published is None:
+        return None
+    try:
+        expected = [published[i] for i in ids]
+    except KeyError:  # a parameter without a published gradient (grad None, or frozen)
+        return None
+    if not all(map(operator.is_, [p.grad for p in full], expected)):
+        return None  # a gradient was replaced (p.grad = ...): check memory instead
+    gs = buf.grad_shard
+    assert gs is not None  # published_grads() answers only for the live grad shard
+    return gs[lo:lo + run.offs[-1]]
 
 
 def _grad_pieces(run: Run) -> list[tuple[int, int, Tensor]]:
@@ -276,6 +323,10 @@ class GroupPlan:
                                                                     loc.device)
         # Element-wise maths does not care about order within a group: runs follow memory
         # (nested fully_shard interleaves the groups' parameters in module order).
+        # the live fully_shard DBuffers by shard storage: a run inside one reads its published
+        # gradients as one slice (design note [dbuffer-published-grads])
+        buffers = {buf.shard.untyped_storage().data_ptr(): buf for buf in live_dbuffers()
+                   if buf.shard.device.type != "meta" and buf.shard.numel()}
         order = sorted(range(len(params)), key=lambda j: (locs[j].numel() > 0,
                                                           locs[j].data_ptr()))
         cur: list[int] = []
@@ -295,18 +346,19 @@ class GroupPlan:
                 if joins and align > 1 and prev.numel() % align:
                     joins = False  # vector lanes would not line up (see exactness)
                 if not joins:
-                    self._add_run(params, cur)
+                    self._add_run(params, cur, buffers)
                     cur, end_ptr = [], -1
             cur.append(j)
             if n:
                 cur_storage = loc.untyped_storage().data_ptr()
                 end_ptr = loc.data_ptr() + n * loc.element_size()
         if cur:
-            self._add_run(params, cur)
+            self._add_run(params, cur, buffers)
         self.items: list[Tensor] = []
 
-    def _add_run(self, params: list[Tensor], indices: list[int]) -> None:
-        run = Run([params[j] for j in indices])
+    def _add_run(self, params: list[Tensor], indices: list[int],
+                 buffers: dict[int, DBuffer]) -> None:
+        run = Run([params[j] for j in indices], buffers)
         self.runs.append(run)
         for i, j in enumerate(indices):
             self.where[j] = (run, i)
@@ -316,6 +368,19 @@ class GroupPlan:
         items = []
         for run in self.runs:
             bounds = run.bounds
+            grad = _published_grad(run)
+            if grad is not None:  # every parameter has its published gradient: the usual case
+                if len(bounds) == 2:
+                    t = run.seg(0, bounds[1])
+                    t.grad = grad
+                    items.append(t)
+                else:
+                    offs = run.offs
+                    for x, y in zip(bounds, bounds[1:]):
+                        t = run.seg(x, y)
+                        t.grad = grad[offs[x]:offs[y]]
+                        items.append(t)
+                continue
             for a, b, grad in _grad_pieces(run):
                 if bounds == [0, len(run.params)] and a == 0 and b == bounds[1]:
                     t = run.seg(a, b)

@@ -7,7 +7,9 @@ model with the same data (today's per-tensor step), compared with ``torch.equal`
 from __future__ import annotations
 
 import copy
+import gc
 import io
+import weakref
 
 import pytest
 import torch
@@ -121,6 +123,60 @@ def test_hsdp_bitwise_equal(worlds):
     for r in worlds(4).run(_parity_body, "adamw", True, 2):
         assert all(r["same"]), r
         assert r["flat"] < r["params"], r
+
+
+def _published_body(replicas: int) -> dict:
+    """Which runs take their gradient from fully_shard's published record (one identity check
+    per parameter), and that a gradient replaced by hand is still read from its own memory."""
+    from lightning_vescale.optim._flat_param_runs import _published_grad
+
+    mesh = init_mesh("cpu", replicas=replicas) if replicas > 1 else None
+    a, b = _model(mesh), _model(mesh)
+    # SGD: linear in the gradient, so reading the wrong one cannot go unnoticed
+    oa = FlatParamOptimizer(_make("sgd", _groups(a, True)))
+    ob = _make("sgd", _groups(b, True))
+    hits, complete, same = [], [], []
+    for s, idx in enumerate(_data(4)):
+        for m in (a, b):
+            m(idx, use=s in (1, 2)).backward()
+        runs = [run for plan in oa._plans for run in plan.runs]
+        hits.append(sum(_published_grad(run) is not None for run in runs))
+        complete.append(sum(all(p.grad is not None for p in run.params) for run in runs))
+        if s == 2:  # new gradient objects with other values: the record must not be trusted
+            for m in (a, b):
+                m.out.weight.grad = m.out.weight.grad * 3.0
+                m.fc.bias.grad = m.fc.bias.grad.clone()
+            hits[-1] = sum(_published_grad(run) is not None for run in runs)
+        oa.step()
+        ob.step()
+        oa.zero_grad()
+        ob.zero_grad()
+        same.append(_same(a, b))
+    # After zero_grad the next forward frees the grad shards: the record must not keep them.
+    bufs = {id(r.source[0]): r.source[0] for r in runs if r.source and r.source[0] is not None}
+    for m in (a, b):
+        m(_data(1)[0]).backward()
+    oa.step()
+    old = [weakref.ref(buf.grad_shard) for buf in bufs.values()]
+    oa.zero_grad()
+    with torch.no_grad():
+        a(_data(1)[0])
+    gc.collect()
+    return {"hits": hits, "complete": complete, "runs": len(runs), "same": same,
+            "freed": [r() is None for r in old]}
+
+
+@pytest.mark.parametrize("world_size,replicas", [(3, 1), (4, 2)])
+def test_published_gradients_fast_path(worlds, world_size, replicas):
+    res = worlds(world_size).run(_published_body, replicas)
+    for r in res:
+        assert all(r["same"]), r  # step 2 reads the replaced gradients' values
+        assert r["freed"] and all(r["freed"]), r
+        # every run whose parameters all have gradients reads them as one slice ...
+        for s in (0, 1, 3):
+            assert r["hits"][s] == r["complete"][s] > 0, r
+    # ... except runs holding a replaced gradient (where the rank holds some of its elements)
+    assert sum(r["complete"][2] - r["hits"][2] for r in res) >= 2, res
 
 
 def _one_flat_tensor_per_buffer_body() -> dict:

@@ -260,8 +260,10 @@ def _live_storage_bytes() -> int:
     return sum(seen.values())
 
 
-def _leak_body(kind: str) -> dict:
+def _leak_body(kind: str, flat_params: bool = False) -> dict:
     from examples.gpt import GPT, GPTConfig, make_batches
+
+    from lightning_vescale.optim import FlatParamOptimizer
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cls, kw = OPTIMIZERS[kind]
@@ -271,6 +273,8 @@ def _leak_body(kind: str) -> dict:
         fully_shard(block)
     fully_shard(model)
     opt = cls(model.parameters(), **kw)
+    if flat_params:  # its runs read the published gradients (design note [flat-params])
+        opt = FlatParamOptimizer(opt)
     sizes = []
     for i, (x, y) in enumerate(make_batches(6, 2 * world, 32)):
         model(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]).backward()
@@ -283,12 +287,14 @@ def _leak_body(kind: str) -> dict:
     return {"sizes": sizes}
 
 
-@pytest.mark.parametrize("kind", ["adamw_foreach", "adamw_fused"])
-def test_flat_step_keeps_no_memory_alive(worlds, kind):
-    """Cached run views never keep released gradients or temporaries alive: the live tensor
-    bytes between steps stay constant (a leak grows them every step)."""
+@pytest.mark.parametrize("kind,flat_params", [("adamw_foreach", False), ("adamw_fused", False),
+                                              ("adamw_foreach", True)])
+def test_flat_step_keeps_no_memory_alive(worlds, kind, flat_params):
+    """Cached run views (and FlatParamOptimizer's reads of the DBuffers' published gradients)
+    never keep released gradients or temporaries alive: the live tensor bytes between steps
+    stay constant (a leak grows them every step)."""
     for world_size in (2, 3):
-        for r in worlds(world_size).run(_leak_body, kind):
+        for r in worlds(world_size).run(_leak_body, kind, flat_params):
             assert len(set(r["sizes"])) == 1, r["sizes"]
 
 
