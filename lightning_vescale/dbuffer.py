@@ -46,6 +46,14 @@ Design note [dbuffer-collectives]
   gradient (autograd accumulated into the views): no copy-in. One whole-buffer cast when the
   reduce dtype differs, one whole-shard add when accumulating onto existing sharded gradients.
 * Group operations (zero, scale, cast) are one kernel per buffer, never per tensor.
+* gloo (CPU): a SUM reduce-scatter is an ``all_to_all_single`` of ``grad_full`` into an
+  input-sized temporary (each rank receives every rank's copy of its own slice) and one local
+  ``sum`` over ranks. gloo's ``reduce_scatter_tensor`` moves the same bytes but ran 2-3x slower
+  here (3.4 vs 1.2 ms for 640k fp32 elements at 2 ranks, 3.2 vs 1.4 ms at 3) and allocates
+  an input-sized temporary too. The local sum adds the ranks' parts in gloo's ring order, so
+  the result is bitwise gloo's (checked at 2, 3 and 4 ranks, fp32 and bf16:
+  ``tests/distributed/test_dbuffer_gloo_reduce_scatter.py``). NCCL keeps its native
+  reduce-scatter.
 * Gradient accumulation without sync (``set_requires_gradient_sync(False)``) in mixed
   precision: each backward's ``grad_full`` holds one micro-batch's gradient in ``param_dtype``;
   :meth:`accumulate_grad` adds it into ``grad_acc`` (``reduce_dtype``, e.g. fp32) and frees it,
@@ -102,6 +110,20 @@ _LIVE: "weakref.WeakSet[DBuffer]" = weakref.WeakSet()
 def live_dbuffers() -> list["DBuffer"]:
     """Every ``DBuffer`` that is still alive in this process (for memory accounting)."""
     return list(_LIVE)
+
+
+class _Finished:
+    """A work-like object whose ``wait()`` runs ``finish`` once (a collective plus its local
+    completion, e.g. the sum after gloo's all-to-all reduce-scatter)."""
+
+    def __init__(self, finish: Callable[[], None]) -> None:
+        self._finish: Callable[[], None] | None = finish
+
+    def wait(self) -> bool:
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+        return True
 
 
 class CommHandle:
@@ -519,6 +541,35 @@ class DBuffer:
                           and "gloo" in str(dist.get_backend(self.group)))
         return self._gloo
 
+    def _gloo_reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor,
+                                 async_op: bool) -> Any:
+        """``out = sum over ranks of inp[rank slice]`` as an all-to-all plus one local sum (the
+        fast form on gloo, design note [dbuffer-collectives]). Returns a work whose ``wait()``
+        also sums; ``inp`` must stay unchanged until then."""
+        W, S = self.world_size, self.shard_size
+        received = torch.empty(W * S, dtype=inp.dtype, device=inp.device)
+        nbytes = received.numel() * received.element_size()
+        self._comm_bytes += nbytes
+        work = dist.all_to_all_single(received, inp, group=self.group, async_op=True)
+
+        # gloo's ring order for this rank's slice: x[r-1] + x[r-2] + ... + x[r] (measured;
+        # any order is a correct sum, this one keeps the bits of gloo's own reduce-scatter)
+        rank = self.rank
+        order = [(rank - k) % W for k in range(1, W)] + [rank]
+
+        def finish() -> None:
+            work.wait()
+            parts = received.view(W, S)
+            torch.add(parts[order[0]], parts[order[1]], out=out)
+            for k in order[2:]:
+                out.add_(parts[k])
+            self._comm_bytes -= nbytes
+
+        if not async_op:
+            finish()
+            return None
+        return _Finished(finish)
+
     def _reduce_scatter(self, async_op: bool, rop: dist.ReduceOp,
                         accumulate: bool, scale: float | None = None) -> CommHandle:
         ranks = self.world_size * self.replicate_size  # data-parallel ranks that are averaged
@@ -559,6 +610,8 @@ class DBuffer:
         if self.world_size == 1:
             out.copy_(inp[: self.shard_size])
             work = None
+        elif rop == dist.ReduceOp.SUM and self._avg_as_sum():  # gloo: see [dbuffer-collectives]
+            work = self._gloo_reduce_scatter_sum(out, inp, async_op)
         else:
             work = _reduce_scatter_flat(out, inp, op=rop, group=self.group, async_op=async_op)
         if self.replicate_group is not None:

@@ -56,7 +56,9 @@ def _accum_body(micro_steps):
             else:
                 with CopyCommCounter() as c:
                     loss.backward()
-                no_sync_comms.append(c.by_op.get("c10d._reduce_scatter_base_", 0))
+                # no reduce-scatter (gloo-native, or on gloo an all-to-all: [dbuffer-collectives])
+                no_sync_comms.append(c.by_op.get("c10d._reduce_scatter_base_", 0)
+                                     + c.by_op.get("c10d.alltoall_base_", 0))
             (ref(x, y) / micro_steps).backward()
         opt.step()
         opt.zero_grad()
