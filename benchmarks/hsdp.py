@@ -67,7 +67,9 @@ ROLES = ("shard", "replicate", "other")
 def _kind(op_name: str) -> str:
     if "allgather" in op_name or "all_gather" in op_name:
         return "all_gather"
-    if "reduce_scatter" in op_name:
+    # on gloo lightning_vescale's reduce-scatter is an all-to-all plus a local sum (design note
+    # [dbuffer-collectives]): same bytes sent per rank, (n - 1) / n of the buffer
+    if "reduce_scatter" in op_name or "alltoall" in op_name:
         return "reduce_scatter"
     if "allreduce" in op_name or "all_reduce" in op_name:
         return "all_reduce"
