@@ -16,8 +16,10 @@ NCCL) and, when there are several GPUs, all of them (one process per GPU, spawne
    ``MemoryProfiler(snapshot_dir=..., snapshot_at_step=1)`` on one GPU must write a loadable
    allocator snapshot.
 6. **throughput**: a ~1.2B-parameter GPT (24 layers, width 2048, sequence 1024, bf16 compute,
-   fused AdamW) per engine (vescale, FSDP2): tokens/s, step time, MFU (model FLOPs: 6 N +
-   12 L d T per token, over the GPU's dense bf16 peak) and peak allocated/reserved memory.
+   fused AdamW) per engine (vescale, vescale with its AdamW wrapped in ``FlatParamOptimizer``
+   as the Lightning strategies do by default, FSDP2): tokens/s, step time, the optimizer step
+   alone, MFU (model FLOPs: 6 N + 12 L d T per token, over the GPU's dense bf16 peak) and peak
+   allocated/reserved memory.
 
 Everything is written to ``benchmarks/RESULTS_gpu.md`` (with the command, versions and GPU).
 ``--quick`` shrinks the throughput model for a smoke run. The rank-side functions take a
@@ -55,6 +57,11 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, 
                     "L4": 121.0, "A10G": 70.0, "A10": 125.0, "B200": 2250.0, "V100": 125.0}
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+
+#: Throughput engines: ``fully_shard`` with torch's AdamW, the same wrapped in
+#: ``FlatParamOptimizer`` (the strategies' default), and PyTorch FSDP2.
+ENGINES = ("vescale", "vescale-flat", "fsdp2")
+ENGINES_OURS = ("vescale", "vescale-flat")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,7 +132,7 @@ def _micro(t: torch.Tensor) -> torch.Tensor:
 
 
 def _shard(model: torch.nn.Module, engine: str, device: torch.device, **kw) -> torch.nn.Module:
-    if engine == "vescale":
+    if engine in ENGINES_OURS:
         from lightning_vescale.fsdp import fully_shard
     else:
         from torch.distributed.device_mesh import init_device_mesh
@@ -246,11 +253,15 @@ def throughput(engine: str, cfg: ThroughputConfig, device: torch.device) -> dict
     torch.manual_seed(0)
     with torch.device(device):  # built on the device: no 5 GB of host init for ~1B
         model = GPT(gcfg)
-    policy = (MixedPrecisionPolicy if engine == "vescale" else FSDP2Policy)(
+    policy = (MixedPrecisionPolicy if engine in ENGINES_OURS else FSDP2Policy)(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = _shard(model, engine, device, mp_policy=policy)
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused, foreach=not fused)
+    if engine == "vescale-flat":
+        from lightning_vescale.optim import FlatParamOptimizer
+
+        opt = FlatParamOptimizer(opt)
     data = _batches(cfg.warmup + cfg.steps, cfg.batch, cfg.seq, 65, seed=dist.get_rank())
     cuda = device.type == "cuda"
 
@@ -265,23 +276,29 @@ def throughput(engine: str, cfg: ThroughputConfig, device: torch.device) -> dict
     sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
+    times, opt_times = [], []
     for x, y in data[cfg.warmup:]:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         dist.barrier()
         sync()
         t0 = time.perf_counter()
         model(x, y).backward()
+        sync()
+        t1 = time.perf_counter()
         opt.step()
+        sync()
+        opt_times.append(time.perf_counter() - t1)
         opt.zero_grad()
         sync()
         times.append(time.perf_counter() - t0)
     step_s = sorted(times)[len(times) // 2]
+    opt_s = sorted(opt_times)[len(opt_times) // 2]
     tokens_s = cfg.batch * cfg.seq * world / step_s
     flops_tok = flops_per_token(n_params - n_emb, cfg.n_layer, cfg.n_embd, cfg.seq)
     name = torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu"
     util = mfu(tokens_s, flops_tok, peak_tflops(name) if cuda else None, world)
     return {"engine": engine, "params": n_params, "median_step_s": step_s,
+            "median_optimizer_s": opt_s,
             "tokens_per_s": tokens_s, "mfu": util, "device_name": name,
             "peak_allocated": torch.cuda.max_memory_allocated(device) if cuda else None,
             "peak_reserved": torch.cuda.max_memory_reserved(device) if cuda else None}
@@ -297,7 +314,7 @@ def run_checks(device: torch.device, cfg: ThroughputConfig | None) -> dict[str, 
             rows.append(_row(fn.__name__, FAIL, traceback.format_exc(limit=3)[-800:]))
     perf = []
     if cfg is not None:
-        for engine in ("vescale", "fsdp2"):
+        for engine in ENGINES:
             try:
                 perf.append(throughput(engine, cfg, device))
             except Exception:  # noqa: BLE001
@@ -431,28 +448,32 @@ def render(results: dict[int, dict[str, Any]], snapshot_row: dict[str, Any],
                   f"{cfg.seq}, {cfg.batch} sequences per GPU, bf16 compute / fp32 reduce, "
                   f"fused AdamW; median of {cfg.steps} steps after {cfg.warmup} warm-up. MFU: "
                   "model FLOPs (6 N + 12 L d T per token) over the dense bf16 peak.", "",
-                  "| world | engine | params | step | tokens/s | MFU | peak allocated | "
-                  "peak reserved |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "| world | engine | params | step | optimizer step | tokens/s | MFU | "
+                  "peak allocated | peak reserved |",
+                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for world, res in results.items():
             for p in res["perf"]:
                 if "error" in p:
                     lines.append(f"| {world} | {p['engine']} | error: "
-                                 f"{p['error'].splitlines()[-1]} | | | | | |")
+                                 f"{p['error'].splitlines()[-1]} | | | | | | |")
                     continue
                 util = "n/a" if p["mfu"] is None else f"{100 * p['mfu']:.1f}%"
                 lines.append(f"| {world} | {p['engine']} | {p['params'] / 1e9:.2f}B | "
-                             f"{p['median_step_s'] * 1e3:.1f} ms | {p['tokens_per_s']:,.0f} | "
+                             f"{p['median_step_s'] * 1e3:.1f} ms | "
+                             f"{p['median_optimizer_s'] * 1e3:.2f} ms | {p['tokens_per_s']:,.0f} | "
                              f"{util} | {_gib(p['peak_allocated'])} | "
                              f"{_gib(p['peak_reserved'])} |")
             perf = {p["engine"]: p for p in res["perf"] if "error" not in p}
-            if {"vescale", "fsdp2"} <= perf.keys():
-                v, f = perf["vescale"], perf["fsdp2"]
-                lines.append(f"| {world} | vescale / fsdp2 | | "
-                             f"{v['median_step_s'] / f['median_step_s']:.3f} | "
-                             f"{v['tokens_per_s'] / f['tokens_per_s']:.3f} | | "
-                             f"{(v['peak_allocated'] or 0) / max(f['peak_allocated'] or 1, 1):.3f}"
-                             f" | {(v['peak_reserved'] or 0) / max(f['peak_reserved'] or 1, 1):.3f}"
-                             " |")
+            for ours in ENGINES_OURS:
+                if {ours, "fsdp2"} <= perf.keys():
+                    v, f = perf[ours], perf["fsdp2"]
+                    lines.append(
+                        f"| {world} | {ours} / fsdp2 | | "
+                        f"{v['median_step_s'] / f['median_step_s']:.3f} | "
+                        f"{v['median_optimizer_s'] / f['median_optimizer_s']:.3f} | "
+                        f"{v['tokens_per_s'] / f['tokens_per_s']:.3f} | | "
+                        f"{(v['peak_allocated'] or 0) / max(f['peak_allocated'] or 1, 1):.3f} | "
+                        f"{(v['peak_reserved'] or 0) / max(f['peak_reserved'] or 1, 1):.3f} |")
     return "\n".join(lines) + "\n"
 
 

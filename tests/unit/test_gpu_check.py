@@ -48,8 +48,9 @@ def test_checks_run_on_cpu(world_size):
     assert status["async path (prefetch on vs off)"] == "PASS", res["rows"]
     assert status["CPU offload"] == "SKIP", res["rows"]
     engines = [p["engine"] for p in res["perf"]]
-    assert engines == ["vescale", "fsdp2"], res["perf"]
+    assert engines == ["vescale", "vescale-flat", "fsdp2"], res["perf"]
     assert all("error" not in p and p["tokens_per_s"] > 0 for p in res["perf"]), res["perf"]
     text = gpu_check.render({world_size: res}, gpu_check.check_snapshot("/nonexistent"), TINY,
                             "python -m benchmarks.gpu_check")
-    assert "| vescale / fsdp2 |" in text and "MemoryProfiler allocator snapshot | SKIP" in text
+    assert "| vescale / fsdp2 |" in text and "| vescale-flat / fsdp2 |" in text
+    assert "MemoryProfiler allocator snapshot | SKIP" in text
