@@ -125,13 +125,22 @@ def test_hsdp_bitwise_equal(worlds):
         assert r["flat"] < r["params"], r
 
 
-def _published_body(replicas: int) -> dict:
+def _published_body(replicas: int, offload: bool = False) -> dict:
     """Which runs take their gradient from fully_shard's published record (one identity check
     per parameter), and that a gradient replaced by hand is still read from its own memory."""
+    from lightning_vescale.fsdp import CPUOffloadPolicy
     from lightning_vescale.optim._flat_param_runs import _published_grad
 
     mesh = init_mesh("cpu", replicas=replicas) if replicas > 1 else None
-    a, b = _model(mesh), _model(mesh)
+    if offload:  # the shards and sharded gradients live in (host) offload storage
+        def build():
+            torch.manual_seed(0)
+            m = Net()
+            fully_shard(m.fc, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+            return fully_shard(m, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        a, b = build(), build()
+    else:
+        a, b = _model(mesh), _model(mesh)
     # SGD: linear in the gradient, so reading the wrong one cannot go unnoticed
     oa = FlatParamOptimizer(_make("sgd", _groups(a, True)))
     ob = _make("sgd", _groups(b, True))
@@ -166,9 +175,10 @@ def _published_body(replicas: int) -> dict:
             "freed": [r() is None for r in old]}
 
 
-@pytest.mark.parametrize("world_size,replicas", [(3, 1), (4, 2)])
-def test_published_gradients_fast_path(worlds, world_size, replicas):
-    res = worlds(world_size).run(_published_body, replicas)
+@pytest.mark.parametrize("world_size,replicas,offload", [(3, 1, False), (4, 2, False),
+                                                         (2, 1, True)])
+def test_published_gradients_fast_path(worlds, world_size, replicas, offload):
+    res = worlds(world_size).run(_published_body, replicas, offload)
     for r in res:
         assert all(r["same"]), r  # step 2 reads the replaced gradients' values
         assert r["freed"] and all(r["freed"]), r
