@@ -269,7 +269,7 @@ class DBuffer:
         # (grad_shard, {key: tensor}) of record_published_grads; see [dbuffer-published-grads]
         self._published: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
         self._comm_bytes = 0  # bytes of live temporaries (casts) owned by in-flight ops
-        self._gloo: bool | None = None  # the group's backend is gloo (see _avg_as_sum)
+        self._gloo: bool | None = None  # the group's backend is gloo (see _on_gloo)
         self.free()
         self.free_grad()
         _LIVE.add(self)
@@ -344,10 +344,6 @@ class DBuffer:
         self.grad_shard = None
         self._grad_local_views.clear()
         self._published = None
-
-    def local_range(self, name: str) -> tuple[int, int]:
-        """``[start, end)`` of ``name``'s owned part in :attr:`shard` (and in ``grad_shard``)."""
-        return self._local[name]
 
     def record_published_grads(self, grads: dict[int, torch.Tensor]) -> None:
         """Remember the gradient tensors handed out for this buffer (design note
@@ -532,10 +528,13 @@ class DBuffer:
         with record_function("vescale::reduce_scatter"):
             return self._reduce_scatter(async_op, rop, accumulate, scale)
 
-    def _avg_as_sum(self) -> bool:
-        """gloo has no native AVG: it sums, then divides the output by the group size, and
-        its AVG path is slower than SUM (4.3 vs 3.1 ms for 3.2 MB at 2 ranks here). Summing
-        and dividing here gives the same bits (checked at 2 and 3 ranks, fp32 and bf16)."""
+    def _on_gloo(self) -> bool:
+        """Whether the shard group runs on gloo (CPU), where two collectives take another form:
+
+        * AVG: gloo has no native AVG: it sums, then divides the output by the group size, and
+          its AVG path is slower than SUM (4.3 vs 3.1 ms for 3.2 MB at 2 ranks here). Summing
+          and dividing here gives the same bits (checked at 2 and 3 ranks, fp32 and bf16).
+        * SUM reduce-scatter: an all-to-all plus a local sum ([dbuffer-collectives])."""
         if self._gloo is None:
             self._gloo = (self.device.type == "cpu" and dist.is_initialized()
                           and "gloo" in str(dist.get_backend(self.group)))
@@ -573,7 +572,7 @@ class DBuffer:
     def _reduce_scatter(self, async_op: bool, rop: dist.ReduceOp,
                         accumulate: bool, scale: float | None = None) -> CommHandle:
         ranks = self.world_size * self.replicate_size  # data-parallel ranks that are averaged
-        divide = rop == dist.ReduceOp.AVG and ranks > 1 and self._avg_as_sum()
+        divide = rop == dist.ReduceOp.AVG and ranks > 1 and self._on_gloo()
         if divide:
             rop = dist.ReduceOp.SUM
         # offload: the collective writes on device; the epilogue copies the shard to the host
@@ -610,7 +609,7 @@ class DBuffer:
         if self.world_size == 1:
             out.copy_(inp[: self.shard_size])
             work = None
-        elif rop == dist.ReduceOp.SUM and self._avg_as_sum():  # gloo: see [dbuffer-collectives]
+        elif rop == dist.ReduceOp.SUM and self._on_gloo():  # gloo: see [dbuffer-collectives]
             work = self._gloo_reduce_scatter_sum(out, inp, async_op)
         else:
             work = _reduce_scatter_flat(out, inp, op=rop, group=self.group, async_op=async_op)

@@ -632,8 +632,7 @@ class ParamGroup:
         # Readers of many gradients at once check identity against this record instead of
         # every gradient's memory (design note [dbuffer-published-grads]).
         for buf, grads in published.items():
-            if buf.grad_shard is not None:
-                buf.record_published_grads(grads)
+            buf.record_published_grads(grads)
 
     def release_unused_grad_shards(self) -> None:
         """Free sharded-gradient storage of buffers whose parameters all have ``grad=None``.

@@ -321,12 +321,12 @@ class GroupPlan:
             if (loc.dtype, loc.device) not in align_of:
                 align_of[(loc.dtype, loc.device)] = exact_alignment(opt_cls, group, loc.dtype,
                                                                     loc.device)
-        # Element-wise maths does not care about order within a group: runs follow memory
-        # (nested fully_shard interleaves the groups' parameters in module order).
-        # the live fully_shard DBuffers by shard storage: a run inside one reads its published
-        # gradients as one slice (design note [dbuffer-published-grads])
+        # The live fully_shard DBuffers by shard storage: a run inside one reads its published
+        # gradients as one slice (design note [dbuffer-published-grads]).
         buffers = {buf.shard.untyped_storage().data_ptr(): buf for buf in live_dbuffers()
                    if buf.shard.device.type != "meta" and buf.shard.numel()}
+        # Element-wise maths does not care about order within a group: runs follow memory
+        # (nested fully_shard interleaves the groups' parameters in module order).
         order = sorted(range(len(params)), key=lambda j: (locs[j].numel() > 0,
                                                           locs[j].data_ptr()))
         cur: list[int] = []
