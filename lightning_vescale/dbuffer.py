@@ -48,9 +48,10 @@ Design note [dbuffer-collectives]
 * Group operations (zero, scale, cast) are one kernel per buffer, never per tensor.
 * gloo (CPU): a SUM reduce-scatter is an ``all_to_all_single`` of ``grad_full`` into an
   input-sized temporary (each rank receives every rank's copy of its own slice) and one local
-  ``sum`` over ranks. gloo's ``reduce_scatter_tensor`` moves the same bytes but ran 2-3x slower
-  here (3.4 vs 1.2 ms for 640k fp32 elements at 2 ranks, 3.2 vs 1.4 ms at 3) and allocates
-  an input-sized temporary too. The local sum adds the ranks' parts in gloo's ring order, so
+  ``sum`` over ranks. gloo's ``reduce_scatter_tensor`` moves the same bytes but was 1.7-2.4x
+  slower than this whole path here (``python -m benchmarks.gloo_reduce_scatter``: 2.78 vs
+  1.41 ms for 640k fp32 elements at 2 ranks, 4.18 vs 2.43 ms at 3) and allocates an
+  input-sized temporary too. The local sum adds the ranks' parts in gloo's ring order, so
   the result is bitwise gloo's (checked at 2, 3 and 4 ranks, fp32 and bf16:
   ``tests/distributed/test_dbuffer_gloo_reduce_scatter.py``). NCCL keeps its native
   reduce-scatter.
