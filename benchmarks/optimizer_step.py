@@ -17,6 +17,9 @@ step (so machine load hits every variant alike), median over ``--steps`` steps:
   removed (``fsdp2 + handlers``: installed, i.e. what importing this package costs FSDP2);
 * ``local per-tensor``: the same optimizer on plain tensors of the same local shapes (no
   DTensor at all): what per-tensor kernels cost without any dispatch overhead;
+* ``layout limit``: the same optimizer on plain tensors with the sizes of the flat tensors
+  ``vescale flat-params`` steps (one per run of a DBuffer shard, so one per sharded group):
+  the wrapper's layout without the wrapper, the most that layout can give;
 * ``flat limit``: the same optimizer on ONE plain tensor with the rank's element count, and
   with ``fused=True`` (torch's single fused kernel): the limit for element-wise work.
 
@@ -46,7 +49,7 @@ from torch.distributed.tensor import DTensor
 from examples.gpt import GPT, GPTConfig, make_batches
 
 VARIANTS = ("vescale flat-params", "vescale", "vescale per-tensor", "fsdp2", "fsdp2 + handlers", "local per-tensor",
-            "flat limit", "flat limit fused")
+            "layout limit", "flat limit", "flat limit fused")
 #: Variants timed with lightning_vescale's flat-step handlers installed (the default); all
 #: others run with them removed (``set_flat_step_enabled(False)``, switched outside the timed
 #: region), so FSDP2 pays nothing for them. "fsdp2 + handlers" is FSDP2 with them installed:
@@ -114,6 +117,19 @@ def _flat_like(model: torch.nn.Module, groups: int) -> torch.nn.Module:
     return holder
 
 
+def _layout_like(numels: list[list[int]], groups: int) -> list[dict[str, Any]]:
+    """Plain tensors of the given sizes, one param group per list (the second without decay)."""
+    out: list[dict[str, Any]] = []
+    for k, sizes in enumerate(numels):
+        ps = []
+        for n in sizes:
+            q = torch.nn.Parameter(torch.randn(n) * 0.02)
+            q.grad = torch.randn(n) * 1e-3
+            ps.append(q)
+        out.append({"params": ps} if k == 0 or groups == 1 else {"params": ps, "weight_decay": 0.0})
+    return out
+
+
 def _flat_groups(holder: torch.nn.Module, groups: int) -> list[dict[str, Any]]:
     ps = list(holder.parameters())
     if groups == 1:
@@ -137,15 +153,17 @@ def _body(cfg_kw: dict, opt_name: str, fused: bool, groups: int, steps: int,
     theirs_h = _sharded("fsdp2", cfg, x, y)
     plain = _plain_like(theirs)
     flat = _flat_like(theirs, groups)
+    wrapped = FlatParamOptimizer(make_optimizer(opt_name, param_groups(ours_fp, groups), fused=fused))
     opts: dict[str, torch.optim.Optimizer] = {
-        "vescale flat-params": FlatParamOptimizer(
-            make_optimizer(opt_name, param_groups(ours_fp, groups), fused=fused)),
+        "vescale flat-params": wrapped,
         "vescale": make_optimizer(opt_name, param_groups(ours, groups), fused=fused),
         "vescale per-tensor": make_optimizer(opt_name, param_groups(ours_pt, groups), fused=fused),
         "fsdp2": make_optimizer(opt_name, param_groups(theirs, groups), fused=fused),
         "fsdp2 + handlers": make_optimizer(opt_name, param_groups(theirs_h, groups),
                                            fused=fused),
         "local per-tensor": make_optimizer(opt_name, param_groups(plain, groups), fused=fused),
+        "layout limit": make_optimizer(opt_name, _layout_like(wrapped.flat_tensor_numels(), groups),
+                                       fused=fused),
         "flat limit": make_optimizer(opt_name, _flat_groups(flat, groups), fused=fused),
         "flat limit fused": make_optimizer(opt_name, _flat_groups(flat, groups),
                                            fused=opt_name != "sgd" or fused),
@@ -166,7 +184,7 @@ def _body(cfg_kw: dict, opt_name: str, fused: bool, groups: int, steps: int,
                for a, b in zip(ours.parameters(), ours_pt.parameters()))
     same_fp = all(torch.equal(_local(a), _local(b))
                   for a, b in zip(ours_fp.parameters(), ours_pt.parameters()))
-    flat_tensors = opts["vescale flat-params"].num_flat_tensors()  # type: ignore[attr-defined]
+    flat_tensors = wrapped.num_flat_tensors()
     tensors = sum(len(g["params"]) for g in opts["vescale"].param_groups)
     numel = sum(_local(p).numel() for p in ours.parameters())
     return {"times": times, "bitwise_equal": same, "bitwise_equal_fp": same_fp,
@@ -208,6 +226,8 @@ def report(res: dict[str, Any], label: str) -> str:
     f = res["vescale flat-params"]
     lines.append(f"  flat-params: {res['flat_tensors']} flat tensors per rank")
     lines.append(f"  fsdp2 / vescale flat-params (speed-up)  {res['fsdp2'] / f:6.2f}x")
+    lines.append(f"  vescale flat-params / layout limit     {f / res['layout limit']:6.2f}x  (the wrapper's own cost)")
+    lines.append(f"  fsdp2 / layout limit (the most this layout gives)  {res['fsdp2'] / res['layout limit']:6.2f}x")
     lines.append(f"  vescale flat-params / flat limit       {f / res['flat limit']:6.2f}x")
     lines.append(f"  vescale flat-params / flat limit fused {f / res['flat limit fused']:6.2f}x")
     lines.append(f"  flat-params bitwise equal to per-tensor step: {res['bitwise_equal_fp']}")

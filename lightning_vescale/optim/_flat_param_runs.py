@@ -174,6 +174,9 @@ class Run:
         raise AssertionError(i)
 
 
+_GRAD = operator.attrgetter("grad")
+
+
 def _published_grad(run: Run) -> Tensor | None:
     """The whole run's flat gradient when every parameter holds the gradient ``fully_shard``
     published for it (design note [dbuffer-published-grads]): one identity check per
@@ -191,14 +194,14 @@ def _published_grad(run: Run) -> Tensor | None:
     if published is None:
         return None
     try:
-        expected = [published[i] for i in ids]
+        if not all(map(operator.is_, map(_GRAD, full), map(published.__getitem__, ids))):
+            return None  # a gradient was replaced (p.grad = ...): check memory instead
     except KeyError:  # a parameter without a published gradient (grad None, or frozen)
         return None
-    if not all(map(operator.is_, [p.grad for p in full], expected)):
-        return None  # a gradient was replaced (p.grad = ...): check memory instead
     gs = buf.grad_shard
     assert gs is not None  # published_grads() answers only for the live grad shard
-    return gs[lo:lo + run.offs[-1]]
+    n = run.offs[-1]
+    return gs if lo == 0 and n == gs.shape[0] else gs[lo:lo + n]
 
 
 def _grad_pieces(run: Run) -> list[tuple[int, int, Tensor]]:

@@ -173,7 +173,14 @@ class FlatParamOptimizer(Optimizer):
 
     def num_flat_tensors(self) -> int:
         """How many tensors the wrapped optimizer steps when every parameter has a gradient."""
-        return sum(len(run.bounds) - 1 for plan in self._plans for run in plan.runs)
+        return sum(len(n) for n in self.flat_tensor_numels())
+
+    def flat_tensor_numels(self) -> list[list[int]]:
+        """Per param group, the element count of each tensor the wrapped optimizer steps when
+        every parameter has a gradient (what ``benchmarks/optimizer_step.py`` rebuilds as plain
+        tensors to time this layout without the wrapper)."""
+        return [[run.offs[b] - run.offs[a] for run in plan.runs
+                 for a, b in zip(run.bounds, run.bounds[1:])] for plan in self._plans]
 
     # -- the step -------------------------------------------------------------------------------
     @torch.no_grad()

@@ -192,15 +192,24 @@ def test_published_gradients_fast_path(worlds, world_size, replicas, offload):
 def _one_flat_tensor_per_buffer_body() -> dict:
     m = _model()
     o = FlatParamOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True))
+    numels = o.flat_tensor_numels()
+    m(_data(1)[0], use=True).backward()  # every parameter gets a gradient
+    o.step()
     return {"flat": o.num_flat_tensors(), "params": len(list(m.parameters())),
             "align": exact_alignment(torch.optim.AdamW, o.param_groups[0], torch.float32,
-                                     torch.device("cpu"))}
+                                     torch.device("cpu")),
+            "numels": numels, "local": sum(p.to_local().numel() for p in m.parameters()),
+            "stepped": sorted(t.numel() for t in o._wrapped.state)}
 
 
 def test_few_flat_tensors(worlds):
     for r in worlds(2).run(_one_flat_tensor_per_buffer_body):
         assert r["align"] == 1, r  # foreach AdamW fp32 is exact on any run
         assert r["flat"] <= 2, r  # one run per fully_shard group (fc, root)
+        # flat_tensor_numels says what the wrapped optimizer steps: the tensors it holds state for
+        assert len(r["numels"]) == 1 and len(r["numels"][0]) == r["flat"], r
+        assert sum(r["numels"][0]) == r["local"], r
+        assert sorted(r["numels"][0]) == r["stepped"], r
 
 
 def _checkpoint_body(kind: str, save_flat: bool) -> dict:
