@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -120,6 +120,24 @@ def is_elementwise_state(v: Any, numel: int) -> bool:
     return isinstance(v, Tensor) and v.dim() == 1 and v.numel() == numel
 
 
+class GradSource(NamedTuple):
+    """Where :func:`_published_grad` reads a run's gradient (design note
+    [dbuffer-published-grads]). ``buffer`` is ``None`` for a run without elements here."""
+
+    buffer: DBuffer | None
+    #: the run's elements in the buffer's (gradient) shard: ``[start, stop)``
+    start: int
+    stop: int
+    #: the run is the whole shard: its gradient is ``grad_shard`` itself, no slice
+    whole: bool
+    #: the parameters with elements here, and their ids (the keys ``fully_shard`` records)
+    params: list[Tensor]
+    ids: list[int]
+    #: parameters whose local part is empty: no memory to check, but a missing gradient still
+    #: breaks the run (they join any run, whichever buffer they belong to)
+    empty: list[Tensor]
+
+
 class Run:
     """Consecutive parameters of one group, back to back in one storage (see [flat-params])."""
 
@@ -141,23 +159,23 @@ class Run:
         self.flat = first.detach().as_strided((self.offs[-1],), (1,), first.storage_offset())
         self.bounds = [0, len(params)]  # the state partition (parameter indices)
         self.segs: dict[tuple[int, int], Tensor] = {}
-        #: How :func:`_published_grad` reads the run's gradient: ``(DBuffer, first element in
-        #: its shard, the parameters with elements here, their ids, those without)``. The
-        #: buffer is ``None`` for a run without elements; ``source`` is ``None`` for a run
-        #: outside fully_shard's DBuffers. (Parameters whose local part is empty join any run,
-        #: whichever buffer they belong to: they have no memory to line up.)
-        self.source: tuple[DBuffer | None, int, list[Tensor], list[int], list[Tensor]] | None
-        self.source = None
+        #: ``None`` for a run outside fully_shard's DBuffers (gradients read by
+        #: :func:`_grad_pieces` only).
+        self.source: GradSource | None = None
         full = [p for p, n in zip(params, self.numels) if n]
         empty = [p for p, n in zip(params, self.numels) if not n]
+        n = self.offs[-1]
         if not full:
-            self.source = (None, 0, [], [], empty)
+            self.source = GradSource(buffer=None, start=0, stop=0, whole=False, params=[], ids=[],
+                                     empty=empty)
         else:
             buf = (buffers or {}).get(first.untyped_storage().data_ptr())
             if buf is not None:
                 lo, rem = divmod(self.flat.data_ptr() - buf.shard.data_ptr(), self.itemsize)
-                if rem == 0 and 0 <= lo and lo + self.offs[-1] <= buf.shard_size:
-                    self.source = (buf, lo, full, [id(p) for p in full], empty)
+                if rem == 0 and 0 <= lo and lo + n <= buf.shard_size:
+                    self.source = GradSource(buffer=buf, start=lo, stop=lo + n,
+                                             whole=lo == 0 and n == buf.shard_size, params=full,
+                                             ids=[id(p) for p in full], empty=empty)
 
     def seg(self, a: int, b: int) -> Tensor:
         t = self.segs.get((a, b))
@@ -184,7 +202,7 @@ def _published_grad(run: Run) -> Tensor | None:
     src = run.source
     if src is None:
         return None
-    buf, lo, full, ids, empty = src
+    buf, start, stop, whole, full, ids, empty = src
     for p in empty:  # no memory to check; a missing gradient still breaks the run
         if p.grad is None:
             return None
@@ -200,8 +218,7 @@ def _published_grad(run: Run) -> Tensor | None:
         return None
     gs = buf.grad_shard
     assert gs is not None  # published_grads() answers only for the live grad shard
-    n = run.offs[-1]
-    return gs if lo == 0 and n == gs.shape[0] else gs[lo:lo + n]
+    return gs if whole else gs[start:stop]
 
 
 def _grad_pieces(run: Run) -> list[tuple[int, int, Tensor]]:

@@ -162,7 +162,8 @@ def _published_body(replicas: int, offload: bool = False) -> dict:
         ob.zero_grad()
         same.append(_same(a, b))
     # After zero_grad the next forward frees the grad shards: the record must not keep them.
-    bufs = {id(r.source[0]): r.source[0] for r in runs if r.source and r.source[0] is not None}
+    bufs = {id(r.source.buffer): r.source.buffer for r in runs
+            if r.source and r.source.buffer is not None}
     for m in (a, b):
         m(_data(1)[0]).backward()
     oa.step()
