@@ -106,19 +106,9 @@ def _plain_like(model: torch.nn.Module) -> torch.nn.Module:
     return holder
 
 
-def _flat_like(model: torch.nn.Module, groups: int) -> torch.nn.Module:
-    """One flat tensor per group with the rank's element count of that group."""
-    holder = torch.nn.Module()
-    for i, g in enumerate(param_groups(model, groups)):
-        n = sum(_local(p).numel() for p in g["params"])
-        q = torch.nn.Parameter(torch.randn(n) * 0.02)
-        q.grad = torch.randn(n) * 1e-3
-        holder.register_parameter(f"flat{i}", q)
-    return holder
-
-
-def _layout_like(numels: list[list[int]], groups: int) -> list[dict[str, Any]]:
-    """Plain tensors of the given sizes, one param group per list (the second without decay)."""
+def _layout_like(numels: list[list[int]]) -> list[dict[str, Any]]:
+    """Plain tensors of the given sizes with gradients set, one param group per list (a second
+    group without weight decay, as in :func:`param_groups`)."""
     out: list[dict[str, Any]] = []
     for k, sizes in enumerate(numels):
         ps = []
@@ -126,15 +116,8 @@ def _layout_like(numels: list[list[int]], groups: int) -> list[dict[str, Any]]:
             q = torch.nn.Parameter(torch.randn(n) * 0.02)
             q.grad = torch.randn(n) * 1e-3
             ps.append(q)
-        out.append({"params": ps} if k == 0 or groups == 1 else {"params": ps, "weight_decay": 0.0})
+        out.append({"params": ps} if k == 0 else {"params": ps, "weight_decay": 0.0})
     return out
-
-
-def _flat_groups(holder: torch.nn.Module, groups: int) -> list[dict[str, Any]]:
-    ps = list(holder.parameters())
-    if groups == 1:
-        return [{"params": ps}]
-    return [{"params": [ps[0]]}, {"params": [ps[1]], "weight_decay": 0.0}]
 
 
 def _body(cfg_kw: dict, opt_name: str, fused: bool, groups: int, steps: int,
@@ -152,7 +135,9 @@ def _body(cfg_kw: dict, opt_name: str, fused: bool, groups: int, steps: int,
     theirs = _sharded("fsdp2", cfg, x, y)
     theirs_h = _sharded("fsdp2", cfg, x, y)
     plain = _plain_like(theirs)
-    flat = _flat_like(theirs, groups)
+    # the flat limits: one tensor per param group with the rank's element count of that group
+    flat = _layout_like([[sum(_local(p).numel() for p in g["params"])]
+                         for g in param_groups(theirs, groups)])
     wrapped = FlatParamOptimizer(make_optimizer(opt_name, param_groups(ours_fp, groups), fused=fused))
     opts: dict[str, torch.optim.Optimizer] = {
         "vescale flat-params": wrapped,
@@ -162,10 +147,11 @@ def _body(cfg_kw: dict, opt_name: str, fused: bool, groups: int, steps: int,
         "fsdp2 + handlers": make_optimizer(opt_name, param_groups(theirs_h, groups),
                                            fused=fused),
         "local per-tensor": make_optimizer(opt_name, param_groups(plain, groups), fused=fused),
-        "layout limit": make_optimizer(opt_name, _layout_like(wrapped.flat_tensor_numels(), groups),
+        "layout limit": make_optimizer(opt_name, _layout_like(wrapped.flat_tensor_numels()),
                                        fused=fused),
-        "flat limit": make_optimizer(opt_name, _flat_groups(flat, groups), fused=fused),
-        "flat limit fused": make_optimizer(opt_name, _flat_groups(flat, groups),
+        # the same tensors for both (an optimizer writes its defaults into the group dicts)
+        "flat limit": make_optimizer(opt_name, [dict(g) for g in flat], fused=fused),
+        "flat limit fused": make_optimizer(opt_name, [dict(g) for g in flat],
                                            fused=opt_name != "sgd" or fused),
     }
     steppers: dict[str, Callable[[], None]] = {k: o.step for k, o in opts.items()}
