@@ -22,6 +22,7 @@ from lightning_vescale.fsdp._common import TrainingState
 from lightning_vescale.fsdp._materialize import materialize
 from lightning_vescale.fsdp._param_group import ManagedParam, ParamGroup
 from lightning_vescale.fsdp._replaced import check_optimizer, find_replaced
+from lightning_vescale.fsdp._reshard import ReshardPolicy, reshard_policy
 from lightning_vescale.fsdp._state import FSDPState, get_state
 from lightning_vescale.fsdp.api import (
     CPUOffloadPolicy,
@@ -41,6 +42,7 @@ __all__ = [
     "ManagedParam",
     "MixedPrecisionPolicy",
     "ParamGroup",
+    "ReshardPolicy",
     "TrainingState",
     "VeScaleFSDPModule",
     "check_optimizer",
@@ -53,4 +55,5 @@ __all__ = [
     "memory_bytes",
     "param_fqn_map",
     "register_fsdp_forward_method",
+    "reshard_policy",
 ]

@@ -34,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
 from lightning_vescale.fsdp._materialize import apply_to_group
 from lightning_vescale.fsdp._param_group import ParamGroup
+from lightning_vescale.fsdp._reshard import reshard_policy
 from lightning_vescale.fsdp._state import FSDPState, get_state, states_in
 
 __all__ = ["VeScaleFSDPModule", "register_fsdp_forward_method"]
@@ -174,10 +175,9 @@ class VeScaleFSDPModule(FSDPModule):
         """Change whether groups free their unsharded parameters after forward (the root
         too: an explicit value replaces FSDP2's "root keeps them" default)."""
         _check_bool("reshard_after_forward", reshard_after_forward)
-        for st in self._states(recurse):
-            st.auto_reshard_after_forward = False
-            if st.group is not None:
-                st.group.reshard_after_forward = reshard_after_forward
+        policy = reshard_policy(reshard_after_forward)
+        for group in self._groups(recurse):
+            group.reshard_policy = policy
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:

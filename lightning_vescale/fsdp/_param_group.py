@@ -76,6 +76,7 @@ from lightning_vescale.dbuffer import CommHandle, DBuffer
 from lightning_vescale.fsdp._common import TrainingState
 from lightning_vescale.fsdp._policy import CPUOffloadPolicy, MixedPrecisionPolicy
 from lightning_vescale.fsdp._replaced import mark_replaced
+from lightning_vescale.fsdp._reshard import ReshardPolicy
 from lightning_vescale.fsdp._subgroups import partial_group
 from lightning_vescale.mesh import MeshInfo
 from lightning_vescale.placement import ragged_from_local
@@ -143,22 +144,22 @@ class ParamGroup:
         mesh_info: the shard group (every DBuffer and DTensor of the group uses it).
         mp_policy: the user's policy, kept whole: DBuffer dtypes come from it.
         granularity: block size in elements per parameter name (resolved by ``fully_shard``).
-        reshard_after_forward: free the unsharded parameters after forward (an ``int`` ``k``:
-            keep them sharded over groups of ``k`` ranks until backward, FSDP2's meaning).
+        reshard_policy: what the group does with its gathered parameters after forward
+            (design note [fsdp-reshard-policy]); ``set_reshard_after_forward`` replaces it.
         fqn: a label for buffer names and error messages.
         offload: ``CPUOffloadPolicy``: shards and sharded gradients in CPU memory.
     """
 
     def __init__(self, *, params: list[ManagedParam], mesh_info: MeshInfo,
                  mp_policy: MixedPrecisionPolicy, granularity: dict[str, int],
-                 reshard_after_forward: bool | int, fqn: str = "",
+                 reshard_policy: ReshardPolicy, fqn: str = "",
                  offload: CPUOffloadPolicy | None = None) -> None:
         self.fqn = fqn
         self.params = params
         self.mesh_info = mesh_info
         self.mp_policy = mp_policy
         self.granularity = granularity
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_policy = reshard_policy
         self.offload = offload
         self.reduce_grads = True  # set_requires_gradient_sync
         # FSDPModule setters (design note [fsdp-module] in _module.py)
@@ -310,20 +311,18 @@ class ParamGroup:
         if self.modules_hold_unsharded:
             self.swap(sharded=True)
 
-    def reshard_after_forward_now(self) -> None:
-        """The post-forward reshard ``reshard_after_forward`` asks for: all (``True``), none
-        (``False``, or ``1``), or to groups of ``k`` ranks (an ``int``; design note
-        [dbuffer-memory]'s ``partial``)."""
-        raf = self.reshard_after_forward
-        if raf is True or raf == self.mesh_info.shard_size:
+    def reshard_after_forward_now(self, ranks: int) -> None:
+        """The post-forward reshard: stay sharded over ``ranks`` ranks, i.e. all of them
+        (reshard), ``1`` (keep everything gathered), or groups of ``k`` (design note
+        [dbuffer-memory]'s ``partial``). ``ranks`` comes from
+        :meth:`ReshardPolicy.ranks_after_forward` (design note [fsdp-reshard-policy])."""
+        if ranks >= self.mesh_info.shard_size:
             self.reshard()
-        elif raf is False or raf == 1:
-            return
-        else:
-            group, rank = partial_group(self.mesh_info, int(raf))
+        elif ranks > 1:
+            group, rank = partial_group(self.mesh_info, ranks)
             self._wait_for_gather()
             for buf in self.buffers.values():
-                buf.reshard_to(group, int(raf), rank)
+                buf.reshard_to(group, ranks, rank)
             if self.modules_hold_unsharded:
                 self.swap(sharded=True)
 

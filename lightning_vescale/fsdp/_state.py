@@ -203,10 +203,6 @@ class RootContext:
             for group in self.groups:
                 group.root = self
                 group.sync_requires_grad()
-            if root.group is not None and root.auto_reshard_after_forward:
-                # FSDP2's default (reshard_after_forward=None): the root keeps its parameters
-                # after forward (backward needs them first); an explicit value is honoured.
-                root.group.reshard_after_forward = False
 
     def root_pre_forward(self) -> None:
         """Start an iteration from the sharded state, whatever the last one left behind."""
@@ -379,18 +375,14 @@ class FSDPState:
             run forward and resharded after the last one ran (FSDP2's rule).
         group: its parameter group, or ``None`` when the modules own no parameters.
         mp_policy: the user's mixed-precision policy, kept whole (input/output casts).
-        auto_reshard_after_forward: ``reshard_after_forward=None`` was given: the root keeps
-            its parameters after forward, other groups reshard (FSDP2's default).
     """
 
     def __init__(self, modules: nn.Module | list[nn.Module], group: ParamGroup | None, *,
-                 mp_policy: MixedPrecisionPolicy,
-                 auto_reshard_after_forward: bool = False) -> None:
+                 mp_policy: MixedPrecisionPolicy) -> None:
         modules = [modules] if isinstance(modules, nn.Module) else list(modules)
         self.module_weakrefs = [weakref.ref(m) for m in modules]
         self.group = group
         self.mp_policy = mp_policy
-        self.auto_reshard_after_forward = auto_reshard_after_forward
         self.ctx = RootContext()  # replaced by the root's at lazy init
         self.training_state = TrainingState.IDLE
         # How many calls of this module's forward are running (design note [fsdp-reentrant]).
@@ -528,13 +520,10 @@ class FSDPState:
             if self.mp_policy.output_dtype is not None:
                 output = _cast_floating(output, self.mp_policy.output_dtype)
             tensors = [t for t in tensors_in(output) if t.requires_grad]
-            # Under reshard_after_forward=None (the engine decides), the last group of the
-            # recorded forward keeps its parameters: its backward comes first (one all-gather
-            # less per step). An explicit True always reshards, as in FSDP2.
-            keep = (grad and tensors and self.auto_reshard_after_forward
-                    and self._is_last_in_forward())
-            if last and group is not None and not keep:
-                group.reshard_after_forward_now()
+            if last and group is not None:  # design note [fsdp-reshard-policy]
+                group.reshard_after_forward_now(group.reshard_policy.ranks_after_forward(
+                    shard_size=group.mesh_info.shard_size, is_root=self.is_root,
+                    is_last_in_forward=bool(grad and tensors) and self._is_last_in_forward()))
             if grad and tensors:
                 for t in tensors:
                     t.register_hook(self._pre_backward)
@@ -547,10 +536,8 @@ class FSDPState:
             return output
 
     def _is_last_in_forward(self) -> bool:
-        """The last group of the recorded forward order: its backward comes first, so under
-        ``reshard_after_forward=None`` it keeps its parameters instead of freeing and
-        re-gathering them at once (one all-gather less per step; torchtitan sets
-        ``reshard_after_forward=False`` on the last block by hand)."""
+        """The last group of the recorded forward order: its backward comes first (design note
+        [fsdp-reshard-policy])."""
         order = self.ctx.forward_order
         return self.ctx.forward_recorded and bool(order) and order[-1] is self
 

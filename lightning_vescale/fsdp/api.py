@@ -52,6 +52,7 @@ from lightning_vescale.fsdp._policy import (
     as_policy,
 )
 from lightning_vescale.fsdp._replaced import install_optimizer_check
+from lightning_vescale.fsdp._reshard import ReshardPolicy, reshard_policy
 from lightning_vescale.fsdp._state import FSDPState, get_state
 from lightning_vescale.fsdp._subgroups import make_partial_group
 from lightning_vescale.fsdp._state_dict import register_state_dict_hooks
@@ -130,24 +131,8 @@ def _compute_device(mesh_info: MeshInfo) -> torch.device:
     return torch.device(kind)
 
 
-def _check_reshard_after_forward(value: Any, mesh_info: MeshInfo) -> None:
-    """FSDP2's ``reshard_after_forward``: ``None``, a bool, or a non-trivial divisor of the
-    shard-group size (reshard to that many ranks after forward)."""
-    if value is None or isinstance(value, bool):
-        return
-    if not isinstance(value, int):
-        raise TypeError(f"reshard_after_forward must be a bool, an int or None, got {value!r}")
-    size = mesh_info.shard_size
-    if value == 1:
-        return  # FSDP2 warns: one rank keeps everything, i.e. like False
-    if value < 1 or value > size or size % value:
-        raise ValueError(
-            f"reshard_after_forward={value} must be a bool or an int that divides the shard "
-            f"group size {size} (1 < value < {size}); use True to reshard to all {size} ranks.")
-
-
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
-                reshard_after_forward: bool | int | None = None,
+                reshard_after_forward: bool | int | ReshardPolicy | None = None,
                 shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
                 mp_policy: MixedPrecisionPolicy | None = None,
                 offload_policy: Any = None,
@@ -171,7 +156,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             first); ``True``/``False``: free (or keep) the unsharded parameters after forward,
             the root included; an ``int`` ``k`` dividing the shard-group size: after forward
             keep the parameters sharded over groups of ``k`` ranks, so that backward
-            all-gathers among ``k`` ranks only (memory between the two).
+            all-gathers among ``k`` ranks only (memory between the two). ``None`` also keeps
+            the last group of the recorded forward order gathered into backward (design note
+            [fsdp-reshard-policy]); a :class:`ReshardPolicy` is taken as it is.
         shard_placement_fn: FSDP2's per-parameter ``Shard(dim)`` choice; not supported (the
             planner chooses RaggedShard layouts: use ``granularity``). Must be ``None``.
         mp_policy: mixed precision (:class:`MixedPrecisionPolicy`; FSDP2's is accepted too).
@@ -211,14 +198,13 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
                          f"devices {sorted(map(str, devices))}; move the module to one device.")
     device = next(iter(devices)) if devices else None
     mesh_info = _mesh_info(mesh, device)
-    _check_reshard_after_forward(reshard_after_forward, mesh_info)
+    reshard = reshard_policy(reshard_after_forward, mesh_info.shard_size)
     if mesh_info.is_hsdp:
         mesh_info.data_parallel_group  # collective on first use: create it at this call
     if device is None or (offload is not None and device.type != "meta"):
         device = _compute_device(mesh_info)
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) \
-            and 1 < reshard_after_forward < mesh_info.shard_size:
-        make_partial_group(mesh_info, reshard_after_forward)  # collective: at the call
+    if reshard.ranks is not None:
+        make_partial_group(mesh_info, reshard.ranks)  # collective: at the call
     group: ParamGroup | None = None
     if collected:
         params = [ManagedParam(name=c.name, owners=list(c.owners), shape=tuple(c.param.shape),
@@ -229,15 +215,14 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         group = ParamGroup(
             params=params, mesh_info=mesh_info, mp_policy=policy,
             granularity=resolve_granularities(granularity, [(c.name, c.param) for c in collected]),
-            reshard_after_forward=True if reshard_after_forward is None else reshard_after_forward,
+            reshard_policy=reshard,
             fqn=label, offload=offload)
         group.build({c.name: c.param.detach() for c in collected}, device)
         for k, m in enumerate(modules):
             register_state_dict_hooks(m, group, k)
         remember_taken(collected, label)
         install_optimizer_check()
-    FSDPState(modules, group, mp_policy=policy,
-              auto_reshard_after_forward=reshard_after_forward is None)
+    FSDPState(modules, group, mp_policy=policy)
     for m in modules:
         _wrap_class(m)
     return module
