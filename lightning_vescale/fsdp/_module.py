@@ -140,10 +140,11 @@ class VeScaleFSDPModule(FSDPModule):
         st.ctx.reset_iteration()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Accepted for FSDP2 compatibility. Every backward here already ends as FSDP2's last
-        backward does (waiting for every reduce-scatter), so both values train the same."""
+        """Accepted and validated for FSDP2 compatibility, and a no-op by design: every backward
+        here already ends as FSDP2's last backward does (the final callback waits for every
+        reduce-scatter), so both values train the same and nothing is stored."""
         _check_bool("is_last_backward", is_last_backward)
-        self._own_state().ctx.is_last_backward = is_last_backward
+        self._own_state()  # a module fully_shard did not shard raises, as for every setter
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
                                    recurse: bool = True) -> None:

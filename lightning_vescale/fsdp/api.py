@@ -37,6 +37,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 from lightning_vescale.dbuffer import DBuffer
 from lightning_vescale.fsdp._collect import (
+    CollectedParam,
     GranularityArg,
     check_param,
     collect_params,
@@ -110,6 +111,32 @@ def _as_modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
     return modules
 
 
+def _refuse_shard_placement_fn(shard_placement_fn: Any) -> None:
+    if shard_placement_fn is not None:
+        raise NotImplementedError(
+            "fully_shard(shard_placement_fn=...) is not supported: parameters are laid out as "
+            "RaggedShard by the structure-aware planner, not as Shard(dim). Leave it None and "
+            "use granularity=... to keep rows/blocks whole on one rank.")
+
+
+def _create_process_groups(mesh_info: MeshInfo, reshard: ReshardPolicy) -> None:
+    """Create the process groups the group will use, at this call (creating one is a
+    collective): HSDP's flattened data-parallel group, ``reshard_after_forward=k``'s groups."""
+    if mesh_info.is_hsdp:
+        mesh_info.data_parallel_group  # collective on first use
+    if reshard.ranks is not None:
+        make_partial_group(mesh_info, reshard.ranks)
+
+
+def _params_device(collected: list[CollectedParam], label: str) -> torch.device | None:
+    """The one device of the collected parameters (``None``: no parameters)."""
+    devices = {c.param.device for c in collected}
+    if len(devices) > 1:
+        raise ValueError(f"fully_shard({label}): parameters live on several "
+                         f"devices {sorted(map(str, devices))}; move the module to one device.")
+    return next(iter(devices)) if devices else None
+
+
 def _mesh_info(mesh: DeviceMesh | None, device: torch.device | None) -> MeshInfo:
     """The group's MeshInfo: ``mesh``, or the default data-parallel mesh for ``device``."""
     if mesh is None:
@@ -177,11 +204,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         and torch's ``FSDPModule``.
     """
     modules = _as_modules(module)
-    if shard_placement_fn is not None:
-        raise NotImplementedError(
-            "fully_shard(shard_placement_fn=...) is not supported: parameters are laid out as "
-            "RaggedShard by the structure-aware planner, not as Shard(dim). Leave it None and "
-            "use granularity=... to keep rows/blocks whole on one rank.")
+    _refuse_shard_placement_fn(shard_placement_fn)
     for m in modules:
         _check_not_wrapped(m)
     policy = as_policy(mp_policy)
@@ -190,33 +213,20 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     collected = [c for c in collect_params(modules) if id(c.param) not in ignored]
     for c in collected:
         check_param(c.name, c.param)
-    devices = {c.param.device for c in collected}
     label = type(modules[0]).__name__ if len(modules) == 1 else \
         "[" + ", ".join(type(m).__name__ for m in modules) + "]"
-    if len(devices) > 1:
-        raise ValueError(f"fully_shard({label}): parameters live on several "
-                         f"devices {sorted(map(str, devices))}; move the module to one device.")
-    device = next(iter(devices)) if devices else None
+    device = _params_device(collected, label)
     mesh_info = _mesh_info(mesh, device)
     reshard = reshard_policy(reshard_after_forward, mesh_info.shard_size)
-    if mesh_info.is_hsdp:
-        mesh_info.data_parallel_group  # collective on first use: create it at this call
+    _create_process_groups(mesh_info, reshard)
     if device is None or (offload is not None and device.type != "meta"):
         device = _compute_device(mesh_info)
-    if reshard.ranks is not None:
-        make_partial_group(mesh_info, reshard.ranks)  # collective: at the call
-    group: ParamGroup | None = None
+    group = None
     if collected:
-        params = [ManagedParam(name=c.name, owners=list(c.owners), shape=tuple(c.param.shape),
-                               requires_grad=c.param.requires_grad, aliases=list(c.aliases),
-                               scoped_aliases=list(c.scoped_aliases),
-                               original_weakref=weakref.ref(c.param))
-                  for c in collected]
         group = ParamGroup(
-            params=params, mesh_info=mesh_info, mp_policy=policy,
+            params=[_managed(c) for c in collected], mesh_info=mesh_info, mp_policy=policy,
             granularity=resolve_granularities(granularity, [(c.name, c.param) for c in collected]),
-            reshard_policy=reshard,
-            fqn=label, offload=offload)
+            reshard_policy=reshard, fqn=label, offload=offload)
         group.build({c.name: c.param.detach() for c in collected}, device)
         for k, m in enumerate(modules):
             register_state_dict_hooks(m, group, k)
@@ -226,6 +236,14 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     for m in modules:
         _wrap_class(m)
     return module
+
+
+def _managed(c: CollectedParam) -> ManagedParam:
+    """The group's entry for a collected parameter."""
+    return ManagedParam(name=c.name, owners=list(c.owners), shape=tuple(c.param.shape),
+                        requires_grad=c.param.requires_grad, aliases=list(c.aliases),
+                        scoped_aliases=list(c.scoped_aliases),
+                        original_weakref=weakref.ref(c.param))
 
 
 _CLASSES: dict[type, type] = {}
