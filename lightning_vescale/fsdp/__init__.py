@@ -19,6 +19,7 @@ Design notes of layer 3 (the package's convention and the other layers' notes:
 * ``_state.py``: [fsdp-schedule] (the hooks, prefetch) [fsdp-backward-completion] (when a
   group's backward is over, on every rank) [fsdp-reentrant] [fsdp-profiling] [fsdp-compile]
 * ``_root.py``: [fsdp-final-callback] (the end of a backward, the gradient flags)
+* ``_collective_check.py``: [fsdp-collective-check] (opt-in: every rank runs the same group)
 * ``_common.py``: [fsdp-training-state]
 * ``_materialize.py``: [fsdp-materialize]; ``_state_dict.py``: [fsdp-state-dict];
   ``_module.py``: [fsdp-module]; ``_replaced.py``: [fsdp-replaced]
@@ -26,7 +27,7 @@ Design notes of layer 3 (the package's convention and the other layers' notes:
 Modules import one way: ``api`` -> ``_module`` / ``_collect`` / ``_state_dict`` / ``_subgroups``
 -> ``_materialize`` -> ``_state`` -> ``_root`` -> ``_param_group`` -> ``_param_group_grads`` ->
 ``_managed_param``; below them ``_policy`` / ``_reshard`` / ``_common`` / ``_tree`` /
-``_replaced`` / ``_subgroups``.
+``_replaced`` / ``_subgroups`` / ``_collective_check``.
 """
 
 from lightning_vescale.fsdp._common import TrainingState

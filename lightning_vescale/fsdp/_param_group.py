@@ -30,6 +30,8 @@ import torch
 from torch import nn
 
 from lightning_vescale.dbuffer import CommHandle, DBuffer
+from lightning_vescale.fsdp._collective_check import check_collective
+from lightning_vescale.fsdp._collective_check import enabled as collective_check_on
 from lightning_vescale.fsdp._common import TrainingState
 from lightning_vescale.fsdp._managed_param import ManagedParam, Owner, set_param
 from lightning_vescale.fsdp._param_group_grads import BackwardRoot, GroupGradients
@@ -97,6 +99,10 @@ class ParamGroup(GroupGradients):
         self._grads_ready = False  # grad_full materialised and unsharded .grads point at it
         self._arrived = 0  # trainable parameters that received a gradient in this backward
         self._backward_prefetched = False
+        # -- the opt-in collective check (design note [fsdp-collective-check]) --
+        self.index = -1  # position in the root's tree, set by its lazy init
+        self.module_fqn = fqn  # the module's FQN relative to the root, set by its lazy init
+        self.collectives = 0  # collectives checked so far
 
     # -- construction --------------------------------------------------------------------------
     def build(self, sources: dict[str, torch.Tensor], device: torch.device,
@@ -200,9 +206,21 @@ class ParamGroup(GroupGradients):
             if not async_op:
                 self.wait_for_unshard()
             return
+        self.check_collective("all-gather")
         self._gather = [buf.all_gather(async_op=async_op) for buf in self.buffers.values()]
         if not async_op:
             self.wait_for_unshard()
+
+    def check_collective(self, kind: str) -> None:
+        """With the opt-in check on, make sure every rank runs this collective of this group
+        (design note [fsdp-collective-check]); a no-op before lazy init and when off."""
+        if self.root is None or self.index < 0 or not self.buffers or not collective_check_on():
+            return
+        self.collectives += 1
+        groups = self.root.groups
+        check_collective(kind, self.index, self.collectives, group=self.mesh_info.shard_group,
+                         device=next(iter(self.buffers.values())).device,
+                         name_of=lambda i: groups[i].module_fqn)
 
     def wait_for_unshard(self) -> None:
         """Finish an in-flight all-gather and register the unsharded parameters."""

@@ -47,6 +47,8 @@ __all__ = ["BackwardRoot", "GroupGradients"]
 class BackwardRoot(Protocol):
     """What a group's gradient hooks ask of the root (``_state.RootContext`` implements it)."""
 
+    groups: list[Any]  # every group of the tree, in the order of their ``index``
+
     def queue_final_callback(self) -> None:
         """Make sure the end-of-backward callback runs after this backward."""
 
@@ -77,7 +79,8 @@ class GroupGradients:
     _grads_ready: bool
     _arrived: int
     _num_trainable: int
-    prefetch_backward_once: Callable[[], None]  # ParamGroup's method
+    prefetch_backward_once: Callable[[], None]  # ParamGroup's methods
+    check_collective: Callable[[str], None]
 
     def trainable(self) -> list[ManagedParam]:
         """The parameters that take part in reduce-scatters (a fixed order on every rank)."""
@@ -214,6 +217,7 @@ class GroupGradients:
         :meth:`publish_grads`, once every rank's arrivals are known.
         """
         assert self._reduce is None, "a reduce-scatter is already in flight"
+        self.check_collective("reduce-scatter")
         scale = None
         if op is None:
             if self.gradient_divide_factor is not None:  # set_gradient_divide_factor

@@ -33,6 +33,8 @@ from torch import nn
 from torch.autograd import Variable
 from torch.profiler import record_function
 
+from lightning_vescale.fsdp._collective_check import check_collective
+from lightning_vescale.fsdp._collective_check import enabled as collective_check_on
 from lightning_vescale.fsdp._common import TrainingState
 from lightning_vescale.fsdp._param_group import ParamGroup
 
@@ -99,8 +101,13 @@ class RootContext:
             self.groups = [st.group for st in self.all_states if st.group is not None]
             for st in self.all_states:
                 st.ctx = self  # an inner module that ran forward alone before is demoted
-            for group in self.groups:
+            paths = {id(m): name for name, m in root.module.named_modules()}
+            for st in self.all_states:
+                if st.group is not None:
+                    st.group.module_fqn = paths.get(id(st.module)) or "<root>"
+            for i, group in enumerate(self.groups):
                 group.root = self
+                group.index = i
                 group.sync_requires_grad()
 
     def root_pre_forward(self) -> None:
@@ -238,6 +245,11 @@ class RootContext:
         if not groups:
             return
         per_group = [g.trainable() for g in groups]
+        if collective_check_on():  # design note [fsdp-collective-check]
+            check_collective("gradient-flag all-reduce", -1, 0,
+                             group=groups[0].mesh_info.shard_group,
+                             device=next(iter(groups[0].buffers.values())).device,
+                             name_of=lambda i: self.groups[i].module_fqn)
         local = bytes(int(mp.got_grad) for mps in per_group for mp in mps)
         flags = list(local)
         mesh_info = groups[0].mesh_info

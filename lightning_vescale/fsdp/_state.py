@@ -52,7 +52,8 @@ one is in flight, bounding memory), synchronously on CPU.
 
 Limits: a module whose forward runs on some ranks and not on others in the same iteration (an
 expert *module* that is its own group and gets no tokens on one rank) is still not supported:
-only the ranks that ran it have its completion. Run it on an empty batch instead.
+only the ranks that ran it have its completion. Run it on an empty batch instead. The opt-in
+check of design note [fsdp-collective-check] names such a group instead of hanging.
 
 Design note [fsdp-reentrant]
 ----------------------------
