@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_vescale.dbuffer import CommHandle, DBuffer
 from lightning_vescale.fsdp._collective_check import check_collective
@@ -180,6 +181,70 @@ class ParamGroup(GroupGradients):
                 if rg:
                     self._register_grad_hooks(mp)
         self._count_trainable()
+
+    def adopt_replaced_params(self) -> None:
+        """Make parameters the user replaced on the modules since ``fully_shard`` the group's
+        again, with their new values: FSDP2's ``reset_sharded_param`` at lazy init (design note
+        [fsdp-materialize]; e.g. ``model.w = nn.Parameter(...)`` computed from materialised
+        layers between a meta-device ``fully_shard`` and the first forward).
+
+        Raises:
+            ValueError: a new parameter's shape (or, in a materialised group, dtype) differs.
+            RuntimeError: a new parameter is on the meta device, or a meta group would keep
+                parameters that were neither replaced nor materialised.
+        """
+        replaced = {mp.name: p for mp in self.params if (p := self._replaced_by(mp)) is not None}
+        if not replaced:
+            return
+        news = {}
+        for mp in self.params:
+            if mp.name in replaced:
+                news[mp.name] = self._replacement_data(mp, replaced[mp.name])
+                mp.requires_grad = replaced[mp.name].requires_grad
+        if any(buf.is_meta for buf in self.buffers.values()):
+            left = [mp.name for mp in self.params if mp.name not in news]
+            if left:
+                raise RuntimeError(
+                    f"fully_shard({self.fqn}): parameters {sorted(replaced)} were replaced but "
+                    f"{left} are still on the meta device; materialise the module "
+                    "(module.to_empty(device=...) or lightning_vescale.fsdp.materialize) or "
+                    "replace them too before the first forward.")
+            self.build(news, next(iter(news.values())).device)  # registers the new objects
+            return
+        for name, data in news.items():
+            mp = next(m for m in self.params if m.name == name)
+            assert mp.buffer is not None and mp.sharded is not None
+            mp.buffer.load_local_(name, data.to(mp.buffer.shard_device))
+            mp.sharded.requires_grad_(mp.requires_grad)
+        self.swap(sharded=True)
+
+    @staticmethod
+    def _replaced_by(mp: ManagedParam) -> nn.Parameter | None:
+        for owner in mp.owners:
+            current = owner.module._parameters.get(owner.attr)
+            if current is not None and current is not mp.sharded and current is not mp.unsharded:
+                return current
+        return None
+
+    def _replacement_data(self, mp: ManagedParam, new: nn.Parameter) -> torch.Tensor:
+        """The full value of ``new`` (a DTensor is gathered: every rank replaced it alike)."""
+        data = new.detach()
+        if isinstance(data, DTensor):
+            data = data.full_tensor()
+        prefix = "" if self.module_fqn in ("", "<root>") else f"{self.module_fqn}."
+        name = prefix + mp.name
+        if tuple(data.shape) != tuple(mp.shape):
+            raise ValueError(f"fully_shard: parameter {name!r} was replaced by one of shape "
+                             f"{tuple(data.shape)}, but its group was planned for {mp.shape}; "
+                             "keep the shape (or replace it before calling fully_shard).")
+        if data.is_meta:
+            raise RuntimeError(f"fully_shard: parameter {name!r} was replaced by a meta tensor; "
+                               "give it values before the first forward.")
+        buf = mp.buffer
+        if buf is not None and not buf.is_meta and data.dtype != buf.dtype:
+            raise ValueError(f"fully_shard: parameter {name!r} was replaced by one of dtype "
+                             f"{data.dtype}, but its group holds {buf.dtype}; keep the dtype.")
+        return data
 
     def _count_trainable(self) -> None:
         self._num_trainable = sum(1 for mp in self.params if mp.requires_grad)

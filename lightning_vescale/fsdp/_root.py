@@ -108,6 +108,7 @@ class RootContext:
             for i, group in enumerate(self.groups):
                 group.root = self
                 group.index = i
+                group.adopt_replaced_params()  # FSDP2's reset_sharded_param
                 group.sync_requires_grad()
 
     def root_pre_forward(self) -> None:
