@@ -68,14 +68,9 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
             bounds of large tensors must align to; ``None`` disables the alignment.
         optimizer_min_block_numel: tensors smaller than this need no alignment (AdamW8bit's
             ``min_8bit_size``).
-        reshard_after_forward: what each group does with its gathered parameters after its
-            forward, ``fully_shard``'s meaning (design note [fsdp-reshard-policy]). ``None``
-            (default, "auto"): reshard every group (ZeRO-3) except the last one of the forward,
-            whose backward comes first, so it keeps its parameters (one all-gather less per
-            step); ``True``: reshard every group; ``False``: keep them until backward (more
-            memory, one all-gather less per group and step); an ``int`` ``k`` dividing the
-            shard-group size: keep them sharded over ``k`` ranks. The root group (the
-            module given to ``setup``) always keeps its parameters into backward.
+        reshard_after_forward: ``None`` (default, "auto": every group reshards after forward
+            but the last one, whose backward comes first), ``True``, ``False`` or an ``int``;
+            as ``VeScaleFSDPStrategy``'s (design note [fsdp-reshard-policy]).
         state_dict_type: ``"sharded"`` (a DCP directory, every rank writes its shard) or
             ``"full"`` (one file from rank 0, loadable without this package).
         process_group_backend: defaults to the accelerator's (``gloo`` on CPU, ``nccl`` on CUDA).

@@ -5,9 +5,9 @@ Design note [fsdp-param-objects]
 Every managed parameter has two long-lived ``nn.Parameter`` objects:
 
 * ``sharded``: a DTensor with placements ``(RaggedShard,)`` (HSDP: ``(Replicate(),
-  RaggedShard)``) whose local tensor is a 1-D view of the DBuffer's owned slice. This is what modules hold *at rest*: optimizers, ``state_dict()``
-  and ``named_parameters()`` see it, and its ``.grad`` is a DTensor view of the sharded
-  gradient slice.
+  RaggedShard)``) whose local tensor is a 1-D view of the DBuffer's owned slice. This is what
+  modules hold *at rest*: optimizers, ``state_dict()`` and ``named_parameters()`` see it, and
+  its ``.grad`` is a DTensor view of the sharded gradient slice.
 * ``unsharded``: a plain tensor over the DBuffer's unsharded storage (design note
   [dbuffer-views]). Modules hold it while the group computes. Its storage is freed between
   uses, but the object lives on, so the autograd graph recorded in forward stays valid.

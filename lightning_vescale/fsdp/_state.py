@@ -7,12 +7,12 @@ Design note [fsdp-schedule]
 ---------------------------
 One :class:`FSDPState` per ``fully_shard``-ed module; it owns at most one
 :class:`~lightning_vescale.fsdp._param_group.ParamGroup` (``None`` when every parameter belongs
-to inner groups). The first state whose forward runs becomes the *root* (lazy init, as in
-FSDP2) and shares its :class:`~lightning_vescale.fsdp._root.RootContext` with every state in its module tree (FSDP2's
-``FSDPStateContext``): the list of states and groups, the recorded forward/backward orders,
-the prefetch setting, the reduce-scatter in flight, whether the final callback is queued. A
-state keeps only what is its own: its group, the mixed-precision policy, its
-:class:`~lightning_vescale.fsdp._common.TrainingState` (design note [fsdp-training-state]),
+to inner groups). The first state whose forward runs becomes the *root* (lazy init, as in FSDP2)
+and shares its :class:`~lightning_vescale.fsdp._root.RootContext` with every state in its module
+tree (FSDP2's ``FSDPStateContext``): the list of states and groups, the recorded
+forward/backward orders, the prefetch setting, the reduce-scatter in flight, whether the final
+callback is queued. A state keeps only what is its own: its group, the mixed-precision policy,
+its :class:`~lightning_vescale.fsdp._common.TrainingState` (design note [fsdp-training-state]),
 its forward depth and its post-backward count. What a group does with its
 parameters after forward is its :class:`~lightning_vescale.fsdp._reshard.ReshardPolicy` (design
 note [fsdp-reshard-policy]). The root drives

@@ -1,12 +1,12 @@
 """Design notes: every ``[note-name]`` the package cites is defined, and every note is indexed.
 
-A note is defined as a block in a docstring: a line ``Design note [name]`` underlined with a line
-of dashes as long as it (the form every note of the package uses). A citation is ``[name]`` in
-a comment or a string (docstrings included) of ``lightning_vescale/``: lowercase words joined by
-hyphens, not right after a word character or a closing bracket (``x[i]``, ``a[r-1]``), not a
-``type: ignore[...]`` code, and a single word only where it names a note or follows "note". The indexes are the docstring
-of ``lightning_vescale/fsdp/__init__.py`` (notes of layer 3) and ``lightning_vescale/NOTES.md``
-(every other note).
+A note is defined as a block in a docstring: a line ``Design note [name]`` underlined with a
+line of dashes as long as it (the form every note of the package uses). A citation is ``[name]``
+in a comment or a string (docstrings included) of ``lightning_vescale/``: lowercase words joined
+by hyphens, not right after a word character or a closing bracket (``x[i]``, ``a[r-1]``), not a
+``type: ignore[...]`` code, and a single word only where it names a note or follows "note". The
+indexes are the docstring of ``lightning_vescale/fsdp/__init__.py`` (notes of layer 3) and
+``lightning_vescale/NOTES.md`` (every other note).
 """
 
 from __future__ import annotations
