@@ -220,9 +220,9 @@ def report(sharding: str, runs: list[RunResult]) -> str:
     lines += ["", "== Memory per rank (MemoryProfiler: largest value over the profiled steps) ==",
               memory_table(runs)]
     if len(runs) == 2:
-        lines += ["(vescale_fsdp's parameters include the root group's gathered copy, kept from "
-                  "forward to backward;", " DDP's gradient buckets, a second copy of the "
-                  "gradients, are not counted.)"]
+        lines += ["(vescale_fsdp's parameters include the gathered copies of the root group and "
+                  "of the last block,", " kept from forward to backward; DDP's gradient buckets, "
+                  "a second copy of the gradients, are not counted.)"]
     return "\n".join(lines)
 
 

@@ -68,7 +68,9 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
             bounds of large tensors must align to; ``None`` disables the alignment.
         optimizer_min_block_numel: tensors smaller than this need no alignment (AdamW8bit's
             ``min_8bit_size``).
-        reshard_after_forward: free unsharded parameters after each group's forward.
+        reshard_after_forward: ``None`` (default, "auto": every group reshards after forward
+            but the last one, whose backward comes first), ``True``, ``False`` or an ``int``;
+            as ``VeScaleFSDPStrategy``'s (design note [fsdp-reshard-policy]).
         state_dict_type: ``"sharded"`` (a DCP directory, every rank writes its shard) or
             ``"full"`` (one file from rank 0, loadable without this package).
         process_group_backend: defaults to the accelerator's (``gloo`` on CPU, ``nccl`` on CUDA).
@@ -96,7 +98,7 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
         granularity: Optional[Union[int, str]] = None,
         optimizer_block_size: Optional[int] = DEFAULT_OPTIMIZER_BLOCK_SIZE,
         optimizer_min_block_numel: int = DEFAULT_MIN_BLOCK_NUMEL,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: Optional[Union[bool, int]] = None,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,

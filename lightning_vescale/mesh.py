@@ -11,7 +11,9 @@ checkpoints and precision, instead of a bare process group or ``dist.group.WORLD
 mesh-dimension convention (FSDP2's: on a 2-D mesh dim 0 replicates and dim 1 shards) lives here
 and nowhere else.
 
-HSDP (design note [hsdp]): on a 2-D ``(replicate, shard)`` mesh a parameter is a DTensor with
+Design note [hsdp]
+------------------
+HSDP: on a 2-D ``(replicate, shard)`` mesh a parameter is a DTensor with
 placements ``(Replicate(), RaggedShard(...))`` (:meth:`MeshInfo.placements`). Every layer plans,
 gathers and reduce-scatters inside the shard group (``shard_size`` ranks, the planner's
 ``world_size``) exactly as on a 1-D mesh of that size; the only extra step is one all-reduce of

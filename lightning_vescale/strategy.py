@@ -128,8 +128,14 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
             communication; ``None`` disables the alignment.
         optimizer_min_block_numel: tensors smaller than this are not aligned (AdamW8bit keeps fp32
             states for them).
-        reshard_after_forward: free each group's unsharded parameters after its forward (ZeRO-3);
-            ``False`` keeps them until backward (more memory, one all-gather less per step).
+        reshard_after_forward: what each group does with its gathered parameters after its
+            forward, ``fully_shard``'s meaning (design note [fsdp-reshard-policy]). ``None``
+            (default, "auto"): reshard every group (ZeRO-3) except the last one of the forward,
+            whose backward comes first, so it keeps its parameters (one all-gather less per
+            step); ``True``: reshard every group; ``False``: keep them until backward (more
+            memory, one all-gather less per group and step); an ``int`` ``k`` dividing the
+            shard-group size: keep them sharded over ``k`` ranks. The root group (the
+            LightningModule) always keeps its parameters into backward.
         state_dict_type: ``"sharded"``: a directory written by all ranks in parallel
             (distributed checkpoint); ``"full"``: one Lightning checkpoint file from rank 0 that a
             plain ``nn.Module``/DDP run can load.
@@ -165,7 +171,7 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
         granularity: Optional[Union[int, str]] = None,
         optimizer_block_size: Optional[int] = DEFAULT_OPTIMIZER_BLOCK_SIZE,
         optimizer_min_block_numel: int = DEFAULT_MIN_BLOCK_NUMEL,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: Optional[Union[bool, int]] = None,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,

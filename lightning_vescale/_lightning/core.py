@@ -150,7 +150,7 @@ class VeScaleStrategyCore:
         granularity: Optional[Union[int, str]],
         optimizer_block_size: Optional[int],
         optimizer_min_block_numel: int,
-        reshard_after_forward: bool,
+        reshard_after_forward: Any,
         state_dict_type: Any,
         process_group_backend: Optional[str],
         timeout: Any,
@@ -168,7 +168,7 @@ class VeScaleStrategyCore:
         self._granularity = ShardGranularity(granularity=granularity,
                                              optimizer_block_size=optimizer_block_size,
                                              min_block_numel=optimizer_min_block_numel)
-        self._reshard_after_forward = validate_reshard_after_forward(reshard_after_forward)
+        self._reshard_policy = validate_reshard_after_forward(reshard_after_forward)
         self._state_dict_type = validate_state_dict_type(state_dict_type)
         self._process_group_backend = validate_process_group_backend(process_group_backend)
         self._timeout: Optional[timedelta] = validate_timeout(timeout)
@@ -300,7 +300,7 @@ class VeScaleStrategyCore:
                     device=self.root_device,
                     mp_policy=self._vescale_precision.mixed_precision_policy,
                     granularity=self._granularity,
-                    reshard_after_forward=self._reshard_after_forward)
+                    reshard_after_forward=self._reshard_policy)
 
     def _adopt_optimizer(self, optimizer: Any, module: Module,
                          names_before_sharding: dict[int, str]) -> None:

@@ -46,7 +46,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_vescale.fsdp import VeScaleFSDPModule, find_replaced, fully_shard, materialize
+from lightning_vescale.fsdp import (
+    ReshardPolicy,
+    VeScaleFSDPModule,
+    find_replaced,
+    fully_shard,
+    materialize,
+    reshard_policy,
+)
 from lightning_vescale.optim import DEFAULT_BLOCK_SIZE, DEFAULT_MIN_8BIT_SIZE
 from lightning_vescale.planner import check_granularity, resolve_granularity
 
@@ -173,15 +180,12 @@ def validate_sharding_args(sharding_units: Any, granularity: Any, optimizer_bloc
     return units
 
 
-def validate_reshard_after_forward(reshard_after_forward: Any) -> bool:
-    """The ``reshard_after_forward`` argument: a ``bool`` (not a truthy string from a config)."""
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(
-            f"reshard_after_forward must be True or False, got {reshard_after_forward!r}: True "
-            "frees each group's gathered parameters after its forward (ZeRO-3, least memory), "
-            "False keeps them until backward (one all-gather less per group and step)."
-        )
-    return reshard_after_forward
+def validate_reshard_after_forward(reshard_after_forward: Any) -> ReshardPolicy:
+    """The ``reshard_after_forward`` argument as a :class:`ReshardPolicy` (``fully_shard``'s
+    rule, design note [fsdp-reshard-policy]): ``None`` (auto), a ``bool``, or an ``int`` >= 1
+    (whether it divides the shard group is checked at ``fully_shard``, once the mesh exists);
+    not a truthy string from a config."""
+    return reshard_policy(reshard_after_forward)
 
 
 def validate_flat_optimizer(flat_optimizer: Any) -> bool:
@@ -340,7 +344,7 @@ def shard_model(
     device: torch.device,
     mp_policy: Any,
     granularity: Optional[Callable[[str, Tensor], Any]],
-    reshard_after_forward: bool,
+    reshard_after_forward: Union[bool, int, ReshardPolicy, None],
 ) -> None:
     """Apply ``fully_shard`` to the units of ``root``, then to ``root`` itself (the root group).
 
@@ -353,9 +357,10 @@ def shard_model(
         kwargs["mp_policy"] = mp_policy
     if granularity is not None:
         kwargs["granularity"] = granularity
-    # The root keeps its parameters after forward (backward needs them first): FSDP2's default
-    # for the root, reshard_after_forward=None; the strategy's flag applies to the units.
-    root_kwargs = {**kwargs, "reshard_after_forward": None}
+    # The root keeps its parameters after forward (backward needs them first): the "auto"
+    # policy (reshard_after_forward=None), whatever the units were given; the strategy's value
+    # applies to the units (design note [fsdp-reshard-policy]).
+    root_kwargs = {**kwargs, "reshard_after_forward": ReshardPolicy(mode="auto")}
     is_meta = has_meta(root)
     if is_sharded(root):
         if not isinstance(root, VeScaleFSDPModule):  # the user sharded units: add the root only

@@ -6,22 +6,35 @@ Public: :func:`fully_shard`, :class:`MixedPrecisionPolicy`, :class:`CPUOffloadPo
 parameters ``fully_shard`` replaced). Introspection for the strategy, optimizers and the memory
 profiler: :func:`get_state`, :func:`iter_param_groups`, :func:`param_fqn_map`, :func:`dbuffers`,
 :func:`memory_bytes`, :class:`ParamGroup`, :class:`ManagedParam`, :class:`FSDPState`,
-:class:`TrainingState`. Design notes: ``api.py`` [fsdp-api], ``_param_group.py``
-[fsdp-param-objects] [fsdp-grads], ``_state.py`` [fsdp-schedule] [fsdp-reentrant] [fsdp-profiling],
-``_common.py`` [fsdp-training-state], ``_materialize.py`` [fsdp-materialize],
-``_state_dict.py`` [fsdp-state-dict], ``_module.py`` [fsdp-module], ``_replaced.py``
-[fsdp-replaced], ``lightning_vescale/dbuffer.py`` [dbuffer-memory] [dbuffer-views]
-[dbuffer-collectives] [dbuffer-offload].
+:class:`TrainingState`, :class:`ReshardPolicy` / :func:`reshard_policy`.
+
+Design notes of layer 3 (the package's convention and the other layers' notes:
+``lightning_vescale/NOTES.md``): each is a block in the docstring of the module it describes.
+
+* ``api.py``: [fsdp-api] (what ``fully_shard`` builds)
+* ``_reshard.py``: [fsdp-reshard-policy] (``reshard_after_forward``, decided once)
+* ``_managed_param.py``: [fsdp-param-objects] (the two parameter objects, swapping)
+* ``_param_group.py``: [fsdp-buffer-order] (matrices first; frozen parameters apart)
+* ``_param_group_grads.py``: [fsdp-grads] (grad buffer, reduce-scatter, publication)
+* ``_state.py``: [fsdp-schedule] (the hooks, prefetch) [fsdp-backward-completion] (when a
+  group's backward is over, on every rank) [fsdp-reentrant] [fsdp-profiling] [fsdp-compile]
+* ``_root.py``: [fsdp-final-callback] (the end of a backward, the gradient flags)
+* ``_collective_check.py``: [fsdp-collective-check] (opt-in: every rank runs the same group)
+* ``_common.py``: [fsdp-training-state]
+* ``_materialize.py``: [fsdp-materialize]; ``_state_dict.py``: [fsdp-state-dict];
+  ``_module.py``: [fsdp-module]; ``_replaced.py``: [fsdp-replaced]
 
 Modules import one way: ``api`` -> ``_module`` / ``_collect`` / ``_state_dict`` / ``_subgroups``
--> ``_materialize`` -> ``_state`` -> ``_param_group`` -> ``_policy`` / ``_common`` / ``_tree`` /
-``_replaced`` / ``_subgroups``.
+-> ``_materialize`` -> ``_state`` -> ``_root`` -> ``_param_group`` -> ``_param_group_grads`` ->
+``_managed_param``; below them ``_policy`` / ``_reshard`` / ``_common`` / ``_tree`` /
+``_replaced`` / ``_subgroups`` / ``_collective_check``.
 """
 
 from lightning_vescale.fsdp._common import TrainingState
 from lightning_vescale.fsdp._materialize import materialize
 from lightning_vescale.fsdp._param_group import ManagedParam, ParamGroup
 from lightning_vescale.fsdp._replaced import check_optimizer, find_replaced
+from lightning_vescale.fsdp._reshard import ReshardPolicy, reshard_policy
 from lightning_vescale.fsdp._state import FSDPState, get_state
 from lightning_vescale.fsdp.api import (
     CPUOffloadPolicy,
@@ -41,6 +54,7 @@ __all__ = [
     "ManagedParam",
     "MixedPrecisionPolicy",
     "ParamGroup",
+    "ReshardPolicy",
     "TrainingState",
     "VeScaleFSDPModule",
     "check_optimizer",
@@ -53,4 +67,5 @@ __all__ = [
     "memory_bytes",
     "param_fqn_map",
     "register_fsdp_forward_method",
+    "reshard_policy",
 ]

@@ -29,6 +29,13 @@ DTensors) and rebuilds the group's DBuffers from the results when device or dtyp
 move to another device type keeps the group's mesh: the same process group and dimension
 names, on the new device type (``DeviceMesh.from_group``), whether the user supplied the mesh
 or it is the default one.
+
+A parameter the user *replaces* on a module after ``fully_shard`` and before the first forward
+(``model.w = nn.Parameter(...)``, e.g. computed from layers materialised with ``to_empty``) is
+taken back at the root's lazy init, with its new value, as FSDP2's ``reset_sharded_param`` does
+(``ParamGroup.adopt_replaced_params``): a materialised group copies the rank's range of it into
+its shard; a group still on the meta device whose parameters were all replaced is built on the
+new parameters' device. The shape must stay; a DTensor value is gathered first.
 """
 
 from __future__ import annotations

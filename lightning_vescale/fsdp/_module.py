@@ -34,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule, UnshardHandle
 
 from lightning_vescale.fsdp._materialize import apply_to_group
 from lightning_vescale.fsdp._param_group import ParamGroup
+from lightning_vescale.fsdp._reshard import reshard_policy
 from lightning_vescale.fsdp._state import FSDPState, get_state, states_in
 
 __all__ = ["VeScaleFSDPModule", "register_fsdp_forward_method"]
@@ -139,10 +140,11 @@ class VeScaleFSDPModule(FSDPModule):
         st.ctx.reset_iteration()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Accepted for FSDP2 compatibility. Every backward here already ends as FSDP2's last
-        backward does (waiting for every reduce-scatter), so both values train the same."""
+        """Accepted and validated for FSDP2 compatibility, and a no-op by design: every backward
+        here already ends as FSDP2's last backward does (the final callback waits for every
+        reduce-scatter), so both values train the same and nothing is stored."""
         _check_bool("is_last_backward", is_last_backward)
-        self._own_state().ctx.is_last_backward = is_last_backward
+        self._own_state()  # a module fully_shard did not shard raises, as for every setter
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
                                    recurse: bool = True) -> None:
@@ -174,10 +176,9 @@ class VeScaleFSDPModule(FSDPModule):
         """Change whether groups free their unsharded parameters after forward (the root
         too: an explicit value replaces FSDP2's "root keeps them" default)."""
         _check_bool("reshard_after_forward", reshard_after_forward)
-        for st in self._states(recurse):
-            st.auto_reshard_after_forward = False
-            if st.group is not None:
-                st.group.reshard_after_forward = reshard_after_forward
+        policy = reshard_policy(reshard_after_forward)
+        for group in self._groups(recurse):
+            group.reshard_policy = policy
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:

@@ -1,47 +1,9 @@
 """One sharding group: the parameters of one ``fully_shard`` call, their DBuffers and swaps.
 
-Design note [fsdp-param-objects]
---------------------------------
-Every managed parameter has two long-lived ``nn.Parameter`` objects:
-
-* ``sharded``: a DTensor with placements ``(RaggedShard,)`` (HSDP: ``(Replicate(),
-  RaggedShard)``) whose local tensor is a 1-D view of the DBuffer's owned slice. This is what modules hold *at rest*: optimizers, ``state_dict()``
-  and ``named_parameters()`` see it, and its ``.grad`` is a DTensor view of the sharded
-  gradient slice.
-* ``unsharded``: a plain tensor over the DBuffer's unsharded storage (design note
-  [dbuffer-views]). Modules hold it while the group computes. Its storage is freed between
-  uses, but the object lives on, so the autograd graph recorded in forward stays valid.
-
-Swapping is a dict assignment in each owner's ``_parameters`` (tied parameters have several
-owners), as in FSDP2. Both objects are rebuilt only when the module moves device/dtype
-(``_apply``, see design note [fsdp-materialize]). :attr:`ParamGroup.modules_hold_unsharded` says
-which of the two the modules hold; :attr:`ParamGroup.is_unsharded` is also true while an
-all-gather that will give them the unsharded ones is in flight (a prefetch).
-
-Design note [fsdp-grads]
-------------------------
-Gradients land directly in the grad buffer: before the first gradient of a backward reaches a
-parameter (a tensor hook on the unsharded leaf, which runs before ``AccumulateGrad``), the group
-materialises ``grad_full`` (one zero kernel) and points every unsharded parameter's ``.grad`` at
-its view. ``AccumulateGrad`` then adds in place (``grad += new``) instead of allocating. A
-post-accumulate-grad hook records the arrival (it times the backward prefetch only). When the
-group's backward is complete (a structural point, the same on every rank: design note
-[fsdp-schedule]) every buffer holding trainable parameters is reduce-scattered as a whole,
-with zeros where this rank received no gradient, so the collectives never depend on local
-data. With gradient sync off, grads stay in ``grad_full`` across backwards and are reduced at
-the first synced one. After the backward, each parameter that received a gradient on *any*
-rank gets ``sharded.grad`` = a DTensor view into the sharded gradient
-(:meth:`ParamGroup.publish_grads`); parameters that received none anywhere keep ``grad=None``,
-as in single-process training.
-
-The group keeps its own backward bookkeeping: ``needs_reduce`` (set by the structural events
-of design note [fsdp-schedule], cleared by a reduce-scatter), the first gradient (materialise
-``grad_full``; make sure the root's final callback is queued), the arrivals that time the
-early backward prefetch (once half of the trainable parameters have a gradient; at most once
-per backward) and its :class:`~lightning_vescale.fsdp._common.TrainingState`. Whether the group
-reduce-scatters now is decided in one place, :meth:`ParamGroup.should_reduce`. What is
-root-wide (which group to prefetch, the final callback) the group asks of the root context
-(:class:`BackwardRoot`), never of a module state.
+The group's gradient half (hooks, reduce-scatter, accumulation, publication) is the
+:class:`~lightning_vescale.fsdp._param_group_grads.GroupGradients` mixin (design note
+[fsdp-grads]); its parameter entries are :class:`~lightning_vescale.fsdp._managed_param.
+ManagedParam` (design note [fsdp-param-objects]).
 
 Design note [fsdp-buffer-order]
 -------------------------------
@@ -62,20 +24,21 @@ later simply makes its buffer carry gradients from then on; no rebuild is needed
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.profiler import record_function
 
 from lightning_vescale.dbuffer import CommHandle, DBuffer
+from lightning_vescale.fsdp._collective_check import check_collective
+from lightning_vescale.fsdp._collective_check import enabled as collective_check_on
 from lightning_vescale.fsdp._common import TrainingState
+from lightning_vescale.fsdp._managed_param import ManagedParam, Owner, set_param
+from lightning_vescale.fsdp._param_group_grads import BackwardRoot, GroupGradients
 from lightning_vescale.fsdp._policy import CPUOffloadPolicy, MixedPrecisionPolicy
 from lightning_vescale.fsdp._replaced import mark_replaced
+from lightning_vescale.fsdp._reshard import ReshardPolicy
 from lightning_vescale.fsdp._subgroups import partial_group
 from lightning_vescale.mesh import MeshInfo
 from lightning_vescale.placement import ragged_from_local
@@ -83,56 +46,8 @@ from lightning_vescale.planner import plan_layout
 
 __all__ = ["BackwardRoot", "ManagedParam", "Owner", "ParamGroup", "set_param"]
 
-class Owner(NamedTuple):
-    """A module that registers a parameter, and the attribute name it uses."""
 
-    module: nn.Module
-    attr: str
-
-
-def set_param(module: nn.Module, attr: str, param: nn.Parameter) -> None:
-    """Register ``param`` as ``module.<attr>`` without nn.Module.__setattr__'s checks."""
-    if getattr(module.__setattr__, "__func__", None) is nn.Module.__setattr__:
-        module._parameters[attr] = param
-    else:  # a module overriding __setattr__: honour it
-        setattr(module, attr, param)
-
-
-@dataclass(eq=False, kw_only=True)
-class ManagedParam:
-    """One parameter of a group (see design note [fsdp-param-objects])."""
-
-    name: str  # name relative to the group's module; key in the plan and DBuffer
-    owners: list[Owner]
-    shape: tuple[int, ...]
-    requires_grad: bool
-    buffer: DBuffer | None = None
-    sharded: nn.Parameter | None = None
-    unsharded: nn.Parameter | None = None
-    got_grad: bool = False  # received a gradient since its last reduce-scatter
-    aliases: list[str] = field(default_factory=list)  # all names (tied params have several)
-    #: all names relative to module ``k`` of a ``fully_shard([...])`` list, as ``(k, name)``
-    scoped_aliases: list[tuple[int, str]] = field(default_factory=list)
-    #: weak reference to the user's parameter before sharding (tie detection by later groups)
-    original_weakref: weakref.ref | None = None
-    hooks: list[Any] = field(default_factory=list)
-    #: the DTensor placements of ``sharded`` and its gradient: ``(RaggedShard,)`` on a 1-D
-    #: mesh, ``(Replicate(), RaggedShard)`` on an HSDP mesh. Set with the buffer at each build;
-    #: one tuple per parameter, so ``ragged_from_local``'s per-step spec cache hits.
-    placements: Any = None
-
-
-class BackwardRoot(Protocol):
-    """What a group's gradient hooks ask of the root (``_state.RootContext`` implements it)."""
-
-    def queue_final_callback(self) -> None:
-        """Make sure the end-of-backward callback runs after this backward."""
-
-    def prefetch_backward(self, group: "ParamGroup") -> None:
-        """All-gather the group that follows ``group`` in the recorded backward order."""
-
-
-class ParamGroup:
+class ParamGroup(GroupGradients):
     """The parameters of one ``fully_shard`` call, bucketed into one DBuffer per dtype.
 
     Not a public constructor: :func:`lightning_vescale.fsdp.fully_shard` builds it. The
@@ -143,22 +58,22 @@ class ParamGroup:
         mesh_info: the shard group (every DBuffer and DTensor of the group uses it).
         mp_policy: the user's policy, kept whole: DBuffer dtypes come from it.
         granularity: block size in elements per parameter name (resolved by ``fully_shard``).
-        reshard_after_forward: free the unsharded parameters after forward (an ``int`` ``k``:
-            keep them sharded over groups of ``k`` ranks until backward, FSDP2's meaning).
+        reshard_policy: what the group does with its gathered parameters after forward
+            (design note [fsdp-reshard-policy]); ``set_reshard_after_forward`` replaces it.
         fqn: a label for buffer names and error messages.
         offload: ``CPUOffloadPolicy``: shards and sharded gradients in CPU memory.
     """
 
     def __init__(self, *, params: list[ManagedParam], mesh_info: MeshInfo,
                  mp_policy: MixedPrecisionPolicy, granularity: dict[str, int],
-                 reshard_after_forward: bool | int, fqn: str = "",
+                 reshard_policy: ReshardPolicy, fqn: str = "",
                  offload: CPUOffloadPolicy | None = None) -> None:
         self.fqn = fqn
         self.params = params
         self.mesh_info = mesh_info
         self.mp_policy = mp_policy
         self.granularity = granularity
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_policy = reshard_policy
         self.offload = offload
         self.reduce_grads = True  # set_requires_gradient_sync
         # FSDPModule setters (design note [fsdp-module] in _module.py)
@@ -185,6 +100,10 @@ class ParamGroup:
         self._grads_ready = False  # grad_full materialised and unsharded .grads point at it
         self._arrived = 0  # trainable parameters that received a gradient in this backward
         self._backward_prefetched = False
+        # -- the opt-in collective check (design note [fsdp-collective-check]) --
+        self.index = -1  # position in the root's tree, set by its lazy init
+        self.module_fqn = fqn  # the module's FQN relative to the root, set by its lazy init
+        self.collectives = 0  # collectives checked so far
 
     # -- construction --------------------------------------------------------------------------
     def build(self, sources: dict[str, torch.Tensor], device: torch.device,
@@ -263,12 +182,72 @@ class ParamGroup:
                     self._register_grad_hooks(mp)
         self._count_trainable()
 
+    def adopt_replaced_params(self) -> None:
+        """Make parameters the user replaced on the modules since ``fully_shard`` the group's
+        again, with their new values: FSDP2's ``reset_sharded_param`` at lazy init (design note
+        [fsdp-materialize]; e.g. ``model.w = nn.Parameter(...)`` computed from materialised
+        layers between a meta-device ``fully_shard`` and the first forward).
+
+        Raises:
+            ValueError: a new parameter's shape (or, in a materialised group, dtype) differs.
+            RuntimeError: a new parameter is on the meta device, or a meta group would keep
+                parameters that were neither replaced nor materialised.
+        """
+        replaced = {mp.name: p for mp in self.params if (p := self._replaced_by(mp)) is not None}
+        if not replaced:
+            return
+        news = {}
+        for mp in self.params:
+            if mp.name in replaced:
+                news[mp.name] = self._replacement_data(mp, replaced[mp.name])
+                mp.requires_grad = replaced[mp.name].requires_grad
+        if any(buf.is_meta for buf in self.buffers.values()):
+            left = [mp.name for mp in self.params if mp.name not in news]
+            if left:
+                raise RuntimeError(
+                    f"fully_shard({self.fqn}): parameters {sorted(replaced)} were replaced but "
+                    f"{left} are still on the meta device; materialise the module "
+                    "(module.to_empty(device=...) or lightning_vescale.fsdp.materialize) or "
+                    "replace them too before the first forward.")
+            self.build(news, next(iter(news.values())).device)  # registers the new objects
+            return
+        for name, data in news.items():
+            mp = next(m for m in self.params if m.name == name)
+            assert mp.buffer is not None and mp.sharded is not None
+            mp.buffer.load_local_(name, data.to(mp.buffer.shard_device))
+            mp.sharded.requires_grad_(mp.requires_grad)
+        self.swap(sharded=True)
+
+    @staticmethod
+    def _replaced_by(mp: ManagedParam) -> nn.Parameter | None:
+        for owner in mp.owners:
+            current = owner.module._parameters.get(owner.attr)
+            if current is not None and current is not mp.sharded and current is not mp.unsharded:
+                return current
+        return None
+
+    def _replacement_data(self, mp: ManagedParam, new: nn.Parameter) -> torch.Tensor:
+        """The full value of ``new`` (a DTensor is gathered: every rank replaced it alike)."""
+        data = new.detach()
+        if isinstance(data, DTensor):
+            data = data.full_tensor()
+        prefix = "" if self.module_fqn in ("", "<root>") else f"{self.module_fqn}."
+        name = prefix + mp.name
+        if tuple(data.shape) != tuple(mp.shape):
+            raise ValueError(f"fully_shard: parameter {name!r} was replaced by one of shape "
+                             f"{tuple(data.shape)}, but its group was planned for {mp.shape}; "
+                             "keep the shape (or replace it before calling fully_shard).")
+        if data.is_meta:
+            raise RuntimeError(f"fully_shard: parameter {name!r} was replaced by a meta tensor; "
+                               "give it values before the first forward.")
+        buf = mp.buffer
+        if buf is not None and not buf.is_meta and data.dtype != buf.dtype:
+            raise ValueError(f"fully_shard: parameter {name!r} was replaced by one of dtype "
+                             f"{data.dtype}, but its group holds {buf.dtype}; keep the dtype.")
+        return data
+
     def _count_trainable(self) -> None:
         self._num_trainable = sum(1 for mp in self.params if mp.requires_grad)
-
-    def trainable(self) -> list[ManagedParam]:
-        """The parameters that take part in reduce-scatters (a fixed order on every rank)."""
-        return [mp for mp in self.params if mp.requires_grad and mp.buffer is not None]
 
     # -- unshard / reshard ----------------------------------------------------------------------
     def swap(self, *, sharded: bool) -> None:
@@ -292,9 +271,21 @@ class ParamGroup:
             if not async_op:
                 self.wait_for_unshard()
             return
+        self.check_collective("all-gather")
         self._gather = [buf.all_gather(async_op=async_op) for buf in self.buffers.values()]
         if not async_op:
             self.wait_for_unshard()
+
+    def check_collective(self, kind: str) -> None:
+        """With the opt-in check on, make sure every rank runs this collective of this group
+        (design note [fsdp-collective-check]); a no-op before lazy init and when off."""
+        if self.root is None or self.index < 0 or not self.buffers or not collective_check_on():
+            return
+        self.collectives += 1
+        groups = self.root.groups
+        check_collective(kind, self.index, self.collectives, group=self.mesh_info.shard_group,
+                         device=next(iter(self.buffers.values())).device,
+                         name_of=lambda i: groups[i].module_fqn)
 
     def wait_for_unshard(self) -> None:
         """Finish an in-flight all-gather and register the unsharded parameters."""
@@ -310,20 +301,18 @@ class ParamGroup:
         if self.modules_hold_unsharded:
             self.swap(sharded=True)
 
-    def reshard_after_forward_now(self) -> None:
-        """The post-forward reshard ``reshard_after_forward`` asks for: all (``True``), none
-        (``False``, or ``1``), or to groups of ``k`` ranks (an ``int``; design note
-        [dbuffer-memory]'s ``partial``)."""
-        raf = self.reshard_after_forward
-        if raf is True or raf == self.mesh_info.shard_size:
+    def reshard_after_forward_now(self, ranks: int) -> None:
+        """The post-forward reshard: stay sharded over ``ranks`` ranks, i.e. all of them
+        (reshard), ``1`` (keep everything gathered), or groups of ``k`` (design note
+        [dbuffer-memory]'s ``partial``). ``ranks`` comes from
+        :meth:`ReshardPolicy.ranks_after_forward` (design note [fsdp-reshard-policy])."""
+        if ranks >= self.mesh_info.shard_size:
             self.reshard()
-        elif raf is False or raf == 1:
-            return
-        else:
-            group, rank = partial_group(self.mesh_info, int(raf))
+        elif ranks > 1:
+            group, rank = partial_group(self.mesh_info, ranks)
             self._wait_for_gather()
             for buf in self.buffers.values():
-                buf.reshard_to(group, int(raf), rank)
+                buf.reshard_to(group, ranks, rank)
             if self.modules_hold_unsharded:
                 self.swap(sharded=True)
 
@@ -337,21 +326,6 @@ class ParamGroup:
             for h in self._gather:
                 h.wait()
             self._gather = None
-
-    # -- backward bookkeeping (design notes [fsdp-grads], [fsdp-training-state]) ----------------
-    def expect_gradients(self) -> None:
-        """Mark that this group's gradients must be reduced (a structural event: a forward with
-        grad, a recompute with grad inside backward, or gradients reaching its outputs)."""
-        if self._num_trainable:
-            self.needs_reduce = True
-
-    def should_reduce(self) -> bool:
-        """Whether the group reduce-scatters its gradients now: the one place that decides.
-
-        Gradient sync must be on and the group must need a reduce (``needs_reduce``, which a
-        reduce-scatter clears: a group reduced once in a backward is not reduced again).
-        """
-        return self.reduce_grads and self.needs_reduce
 
     def pre_backward(self) -> None:
         """A gradient reached the group's outputs: unshard for backward."""
@@ -395,254 +369,3 @@ class ParamGroup:
         self._arrived = 0
         self.reduced = False
         self._backward_prefetched = False
-
-    # -- gradients (design note [fsdp-grads]) ---------------------------------------------------
-    def _register_grad_hooks(self, mp: ManagedParam) -> None:
-        assert mp.unsharded is not None
-        mp.hooks.append(mp.unsharded.register_hook(self._make_grad_pre_hook(mp)))
-        mp.hooks.append(mp.unsharded.register_post_accumulate_grad_hook(
-            self._make_grad_post_hook(mp)))
-
-    @staticmethod
-    def _remove_grad_hooks(mp: ManagedParam) -> None:
-        for h in mp.hooks:
-            h.remove()
-        mp.hooks.clear()
-
-    # Hooks on tensors live in C++ (invisible to Python's cycle collector), so they refer to
-    # the group and the parameter entry weakly: a strong closure would keep the whole model
-    # alive forever through tensor -> hook -> group -> tensor.
-    def _make_grad_pre_hook(self, mp: ManagedParam) -> Callable[[torch.Tensor], None]:
-        group_weakref = weakref.ref(self)
-
-        def hook(grad: torch.Tensor) -> None:
-            group = group_weakref()
-            if group is not None:
-                group._on_gradient(mp)
-        return hook
-
-    def _make_grad_post_hook(self, mp: ManagedParam) -> Callable[[torch.Tensor], None]:
-        group_weakref, mp_weakref = weakref.ref(self), weakref.ref(mp)
-
-        def hook(param: torch.Tensor) -> None:
-            group, entry = group_weakref(), mp_weakref()
-            if group is not None and entry is not None:
-                group._on_gradient_accumulated(entry)
-        return hook
-
-    def _on_gradient(self, mp: ManagedParam) -> None:
-        """A gradient is about to be accumulated into ``mp`` (before ``AccumulateGrad``)."""
-        if self._grads_ready and not self.reduced and not torch.is_grad_enabled():
-            # Every gradient after the group's first: nothing to prepare (runs once per
-            # parameter per backward, so kept free of the profiler label and the checks below).
-            if self.root is not None:
-                self.root.queue_final_callback()
-            return
-        with record_function("vescale::grad_arrival"):
-            if self.reduced:
-                name = f"{self.fqn}.{mp.name}" if self.fqn else mp.name
-                raise RuntimeError(
-                    f"fully_shard: parameter {name!r} received its gradient after its group was "
-                    "reduce-scattered, i.e. after the gradients of its module's inputs were "
-                    "computed. A parameter's gradient must be computed within its module's "
-                    "backward: use the parameter in a computation that involves the module's "
-                    "inputs, or move it to a group (module) of its own.")
-            if torch.is_grad_enabled():
-                # backward(create_graph=True): AccumulateGrad then writes `grad + new` out of
-                # place, so the gradient would leave the grad buffer and be lost.
-                raise NotImplementedError(
-                    "fully_shard does not support backward(create_graph=True) / "
-                    "torch.autograd.grad(..., create_graph=True) through sharded parameters "
-                    "(higher-order gradients): gradients are reduce-scattered from a flat "
-                    "buffer that an out-of-place gradient would bypass. Compute the "
-                    "higher-order term on an unsharded copy of the model instead.")
-            self.prepare_grads()
-            if self.root is not None:
-                self.root.queue_final_callback()
-
-    def _on_gradient_accumulated(self, mp: ManagedParam) -> None:
-        """``mp``'s gradient was accumulated: count it (it times the backward prefetch only)."""
-        mp.got_grad = True
-        self._arrived += 1
-        if self._arrived == max(1, self._num_trainable // 2):
-            # Late enough not to coincide with the activation peak at the start of the group's
-            # backward, early enough to overlap its second half. Timing only, never a reduce.
-            self.prefetch_backward_once()
-
-    def prepare_grads(self) -> None:
-        """Materialise (zeroed) ``grad_full`` and point unsharded ``.grad``s at it."""
-        if self._grads_ready:
-            return
-        self._grads_ready = True
-        trainable = {id(mp.buffer) for mp in self.params if mp.requires_grad}
-        for buf in self.buffers.values():
-            if id(buf) in trainable:
-                buf.materialize_grad()  # a buffer of frozen parameters never gets one
-        for mp in self.params:
-            if mp.requires_grad:
-                assert mp.unsharded is not None and mp.buffer is not None
-                view = mp.buffer.grad_view(mp.name)
-                g = mp.unsharded.grad
-                if g is None or g.data_ptr() != view.data_ptr():
-                    if g is not None:  # a gradient outside the buffer: fold it in
-                        with torch.no_grad():
-                            view.add_(g)
-                    mp.unsharded.grad = view
-
-    def discard_gradients(self) -> None:
-        """Drop unreduced gradients (unsharded, and the unsynced accumulators): the recovery of
-        ``reset_iter_state()``. Sharded gradients already published stay."""
-        self.wait_for_reduce()
-        for buf in self.buffers.values():
-            buf.free_grad()
-            buf.grad_acc = None
-        self._grads_ready = False
-        self.needs_reduce = False
-        for mp in self.params:
-            mp.got_grad = False
-            if mp.unsharded is not None:
-                mp.unsharded.grad = None
-
-    def reduce_scatter(self, async_op: bool = True, op: str | None = None) -> None:
-        """Launch the reduce-scatter of every buffer that holds trainable parameters.
-
-        Every such buffer is reduced, whether or not this rank received gradients for it (a
-        rank without any contributes zeros): which collectives run must not depend on local
-        data (design note [fsdp-grads]). Sharded gradients are published later, by
-        :meth:`publish_grads`, once every rank's arrivals are known.
-        """
-        assert self._reduce is None, "a reduce-scatter is already in flight"
-        scale = None
-        if op is None:
-            if self.gradient_divide_factor is not None:  # set_gradient_divide_factor
-                op, scale = "sum", 1.0 / self.gradient_divide_factor
-            elif self.force_sum_reduction:  # set_force_sum_reduction_for_comms
-                op, scale = "sum", 1.0 / self.mesh_info.data_parallel_size
-            else:
-                op = "avg"
-        handles = []
-        for buf in self.buffers.values():
-            mps = [mp for mp in self.params if mp.buffer is buf and mp.requires_grad]
-            if not mps:
-                continue  # parameters frozen at build time: no gradient buffer
-            buf.materialize_grad()  # no-op if gradients arrived; zeros if none did on this rank
-            # Accumulate onto the grad shard if ANY parameter of the buffer still holds a
-            # gradient (no zero_grad since the last reduce), not only those with a new one: a
-            # plain reduce-scatter overwrites the whole shard, kept gradients included.
-            accumulate = any(mp.sharded is not None and mp.sharded.grad is not None
-                             for mp in mps)
-            if accumulate:
-                self._prepare_accumulate(mps)
-            handles.append(buf.reduce_scatter(async_op=async_op, op=op, accumulate=accumulate,
-                                              scale=scale))
-        self._reduce = handles
-        self.reduced = True
-        self.needs_reduce = False
-        if not async_op:
-            self.wait_for_reduce()
-
-    def accumulate_unsynced(self) -> None:
-        """End of a backward without gradient sync: sum its gradients in ``reduce_dtype``.
-
-        With ``set_requires_gradient_sync(False)`` gradients stay unsharded until the next
-        synced backward. When the policy's ``reduce_dtype`` differs from ``param_dtype`` (bf16
-        compute, fp32 reduction) each buffer folds this backward's ``grad_full`` into its
-        ``reduce_dtype`` accumulator and frees it (``DBuffer.accumulate_grad``), so micro-batches
-        are summed in fp32 as with FSDP2, not in bf16. Idempotent; a no-op for buffers without
-        new gradients or whose dtypes agree (those keep accumulating in ``grad_full``).
-        """
-        if self._reduce is not None:
-            return
-        folded = False
-        for buf in self.buffers.values():
-            if buf.accumulates_in_reduce_dtype and buf.is_grad_materialized:
-                buf.accumulate_grad()
-                folded = True
-        if not folded:
-            return
-        self._grads_ready = False  # the next gradient re-materialises and re-points
-        for mp in self.params:
-            if mp.unsharded is not None and mp.buffer is not None \
-                    and not mp.buffer.is_grad_materialized:
-                mp.unsharded.grad = None  # re-pointed at a fresh grad_full next backward
-
-    def _prepare_accumulate(self, mps: list[ManagedParam]) -> None:
-        # Rare path: the user kept sharded grads from an earlier step (no zero_grad or
-        # zero_grad(set_to_none=False)). Regions without a kept gradient start from zero;
-        # foreign grads are folded into the buffer so the reduce adds onto the right values.
-        for mp in mps:
-            assert mp.sharded is not None and mp.buffer is not None
-            view = mp.buffer.grad_local_view(mp.name)
-            g = mp.sharded.grad
-            with torch.no_grad():
-                if g is None:
-                    view.zero_()
-                elif not self._is_our_grad(mp, g):
-                    local = g.to_local() if isinstance(g, DTensor) else g
-                    view.copy_(local.reshape(-1))
-
-    @staticmethod
-    def _is_our_grad(mp: ManagedParam, g: torch.Tensor) -> bool:
-        assert mp.buffer is not None
-        if not isinstance(g, DTensor):
-            return False
-        view = mp.buffer.grad_local_view(mp.name)
-        local = g._local_tensor
-        return (local.data_ptr() == view.data_ptr() and local.numel() == view.numel()
-                and local.untyped_storage().data_ptr() == view.untyped_storage().data_ptr())
-
-    def wait_for_reduce(self) -> None:
-        """Finish in-flight reduce-scatters and free ``grad_full``."""
-        if self._reduce is None:
-            return
-        handles, self._reduce = self._reduce, None
-        for h in handles:
-            h.wait()
-        for buf in self.buffers.values():
-            buf.free_grad()
-        self._grads_ready = False
-        for mp in self.params:
-            if mp.unsharded is not None:
-                mp.unsharded.grad = None  # its storage is gone; re-pointed next backward
-
-    def publish_grads(self, received: list[bool]) -> None:
-        """Give each parameter that received a gradient on ANY rank its sharded gradient.
-
-        ``received[i]`` is that global fact for ``trainable()[i]`` (an all-reduce over ranks,
-        done once per backward by the root). A parameter no rank computed a gradient for keeps
-        ``grad=None`` (or the gradient kept from before), as in single-process training.
-        """
-        published: dict[DBuffer, dict[int, torch.Tensor]] = {
-            buf: {} for buf in self.buffers.values()}
-        for mp, got in zip(self.trainable(), received):
-            mp.got_grad = False
-            assert mp.sharded is not None and mp.buffer is not None
-            g = mp.sharded.grad
-            if not got:  # keeps a gradient from an earlier backward, if any
-                if (g is not None and mp.buffer.grad_shard is not None
-                        and self._is_our_grad(mp, g)):
-                    published[mp.buffer][id(mp.sharded)] = g
-                continue
-            if g is None or not self._is_our_grad(mp, g):
-                view = mp.buffer.grad_local_view(mp.name)
-                g = mp.sharded.grad = ragged_from_local(
-                    view, self.mesh_info.mesh, mp.placements, mp.shape,
-                    autograd=False, check=False)
-            published[mp.buffer][id(mp.sharded)] = g
-        # Readers of many gradients at once check identity against this record instead of
-        # every gradient's memory (design note [dbuffer-published-grads]).
-        for buf, grads in published.items():
-            buf.record_published_grads(grads)
-
-    def release_unused_grad_shards(self) -> None:
-        """Free sharded-gradient storage of buffers whose parameters all have ``grad=None``.
-
-        Called at the start of each iteration: after ``optimizer.zero_grad()`` (set_to_none)
-        the sharded gradients cost no memory until the next reduce-scatter, as in FSDP2.
-        """
-        for buf in self.buffers.values():
-            if buf.grad_shard is None or self._reduce is not None:
-                continue
-            if all(mp.sharded is None or mp.sharded.grad is None
-                   for mp in self.params if mp.buffer is buf):
-                buf.release_grad_shard()

@@ -37,6 +37,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 from lightning_vescale.dbuffer import DBuffer
 from lightning_vescale.fsdp._collect import (
+    CollectedParam,
     GranularityArg,
     check_param,
     collect_params,
@@ -52,6 +53,7 @@ from lightning_vescale.fsdp._policy import (
     as_policy,
 )
 from lightning_vescale.fsdp._replaced import install_optimizer_check
+from lightning_vescale.fsdp._reshard import ReshardPolicy, reshard_policy
 from lightning_vescale.fsdp._state import FSDPState, get_state
 from lightning_vescale.fsdp._subgroups import make_partial_group
 from lightning_vescale.fsdp._state_dict import register_state_dict_hooks
@@ -109,6 +111,32 @@ def _as_modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
     return modules
 
 
+def _refuse_shard_placement_fn(shard_placement_fn: Any) -> None:
+    if shard_placement_fn is not None:
+        raise NotImplementedError(
+            "fully_shard(shard_placement_fn=...) is not supported: parameters are laid out as "
+            "RaggedShard by the structure-aware planner, not as Shard(dim). Leave it None and "
+            "use granularity=... to keep rows/blocks whole on one rank.")
+
+
+def _create_process_groups(mesh_info: MeshInfo, reshard: ReshardPolicy) -> None:
+    """Create the process groups the group will use, at this call (creating one is a
+    collective): HSDP's flattened data-parallel group, ``reshard_after_forward=k``'s groups."""
+    if mesh_info.is_hsdp:
+        mesh_info.data_parallel_group  # collective on first use
+    if reshard.ranks is not None:
+        make_partial_group(mesh_info, reshard.ranks)
+
+
+def _params_device(collected: list[CollectedParam], label: str) -> torch.device | None:
+    """The one device of the collected parameters (``None``: no parameters)."""
+    devices = {c.param.device for c in collected}
+    if len(devices) > 1:
+        raise ValueError(f"fully_shard({label}): parameters live on several "
+                         f"devices {sorted(map(str, devices))}; move the module to one device.")
+    return next(iter(devices)) if devices else None
+
+
 def _mesh_info(mesh: DeviceMesh | None, device: torch.device | None) -> MeshInfo:
     """The group's MeshInfo: ``mesh``, or the default data-parallel mesh for ``device``."""
     if mesh is None:
@@ -130,24 +158,8 @@ def _compute_device(mesh_info: MeshInfo) -> torch.device:
     return torch.device(kind)
 
 
-def _check_reshard_after_forward(value: Any, mesh_info: MeshInfo) -> None:
-    """FSDP2's ``reshard_after_forward``: ``None``, a bool, or a non-trivial divisor of the
-    shard-group size (reshard to that many ranks after forward)."""
-    if value is None or isinstance(value, bool):
-        return
-    if not isinstance(value, int):
-        raise TypeError(f"reshard_after_forward must be a bool, an int or None, got {value!r}")
-    size = mesh_info.shard_size
-    if value == 1:
-        return  # FSDP2 warns: one rank keeps everything, i.e. like False
-    if value < 1 or value > size or size % value:
-        raise ValueError(
-            f"reshard_after_forward={value} must be a bool or an int that divides the shard "
-            f"group size {size} (1 < value < {size}); use True to reshard to all {size} ranks.")
-
-
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
-                reshard_after_forward: bool | int | None = None,
+                reshard_after_forward: bool | int | ReshardPolicy | None = None,
                 shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
                 mp_policy: MixedPrecisionPolicy | None = None,
                 offload_policy: Any = None,
@@ -171,7 +183,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             first); ``True``/``False``: free (or keep) the unsharded parameters after forward,
             the root included; an ``int`` ``k`` dividing the shard-group size: after forward
             keep the parameters sharded over groups of ``k`` ranks, so that backward
-            all-gathers among ``k`` ranks only (memory between the two).
+            all-gathers among ``k`` ranks only (memory between the two). ``None`` also keeps
+            the last group of the recorded forward order gathered into backward (design note
+            [fsdp-reshard-policy]); a :class:`ReshardPolicy` is taken as it is.
         shard_placement_fn: FSDP2's per-parameter ``Shard(dim)`` choice; not supported (the
             planner chooses RaggedShard layouts: use ``granularity``). Must be ``None``.
         mp_policy: mixed precision (:class:`MixedPrecisionPolicy`; FSDP2's is accepted too).
@@ -190,11 +204,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         and torch's ``FSDPModule``.
     """
     modules = _as_modules(module)
-    if shard_placement_fn is not None:
-        raise NotImplementedError(
-            "fully_shard(shard_placement_fn=...) is not supported: parameters are laid out as "
-            "RaggedShard by the structure-aware planner, not as Shard(dim). Leave it None and "
-            "use granularity=... to keep rows/blocks whole on one rank.")
+    _refuse_shard_placement_fn(shard_placement_fn)
     for m in modules:
         _check_not_wrapped(m)
     policy = as_policy(mp_policy)
@@ -203,44 +213,37 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     collected = [c for c in collect_params(modules) if id(c.param) not in ignored]
     for c in collected:
         check_param(c.name, c.param)
-    devices = {c.param.device for c in collected}
     label = type(modules[0]).__name__ if len(modules) == 1 else \
         "[" + ", ".join(type(m).__name__ for m in modules) + "]"
-    if len(devices) > 1:
-        raise ValueError(f"fully_shard({label}): parameters live on several "
-                         f"devices {sorted(map(str, devices))}; move the module to one device.")
-    device = next(iter(devices)) if devices else None
+    device = _params_device(collected, label)
     mesh_info = _mesh_info(mesh, device)
-    _check_reshard_after_forward(reshard_after_forward, mesh_info)
-    if mesh_info.is_hsdp:
-        mesh_info.data_parallel_group  # collective on first use: create it at this call
+    reshard = reshard_policy(reshard_after_forward, mesh_info.shard_size)
+    _create_process_groups(mesh_info, reshard)
     if device is None or (offload is not None and device.type != "meta"):
         device = _compute_device(mesh_info)
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) \
-            and 1 < reshard_after_forward < mesh_info.shard_size:
-        make_partial_group(mesh_info, reshard_after_forward)  # collective: at the call
-    group: ParamGroup | None = None
+    group = None
     if collected:
-        params = [ManagedParam(name=c.name, owners=list(c.owners), shape=tuple(c.param.shape),
-                               requires_grad=c.param.requires_grad, aliases=list(c.aliases),
-                               scoped_aliases=list(c.scoped_aliases),
-                               original_weakref=weakref.ref(c.param))
-                  for c in collected]
         group = ParamGroup(
-            params=params, mesh_info=mesh_info, mp_policy=policy,
+            params=[_managed(c) for c in collected], mesh_info=mesh_info, mp_policy=policy,
             granularity=resolve_granularities(granularity, [(c.name, c.param) for c in collected]),
-            reshard_after_forward=True if reshard_after_forward is None else reshard_after_forward,
-            fqn=label, offload=offload)
+            reshard_policy=reshard, fqn=label, offload=offload)
         group.build({c.name: c.param.detach() for c in collected}, device)
         for k, m in enumerate(modules):
             register_state_dict_hooks(m, group, k)
         remember_taken(collected, label)
         install_optimizer_check()
-    FSDPState(modules, group, mp_policy=policy,
-              auto_reshard_after_forward=reshard_after_forward is None)
+    FSDPState(modules, group, mp_policy=policy)
     for m in modules:
         _wrap_class(m)
     return module
+
+
+def _managed(c: CollectedParam) -> ManagedParam:
+    """The group's entry for a collected parameter."""
+    return ManagedParam(name=c.name, owners=list(c.owners), shape=tuple(c.param.shape),
+                        requires_grad=c.param.requires_grad, aliases=list(c.aliases),
+                        scoped_aliases=list(c.scoped_aliases),
+                        original_weakref=weakref.ref(c.param))
 
 
 _CLASSES: dict[type, type] = {}

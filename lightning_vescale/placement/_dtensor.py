@@ -148,9 +148,9 @@ def redistribute_ragged_local(
 def _ragged_pair_dim(src: tuple, dst: tuple) -> int:
     """The one mesh dim on which a redistribution involving ``RaggedShard`` acts.
 
-    Design note [ragged-nd]: the two specs may differ only on the ragged dim, and every other
-    mesh dim must be ``Replicate`` in both; the local tensors then depend only on the rank's
-    coordinate on that dim, so the 1-D algorithm runs in that dim's process group.
+    By design note [ragged-nd], the two specs may differ only on the ragged dim and every
+    other mesh dim must be ``Replicate`` in both; the local tensors then depend only on the
+    rank's coordinate on that dim, so the 1-D algorithm runs in that dim's process group.
     """
     src, dst = tuple(src), tuple(dst)
     ragged = sorted({d for pl in (src, dst) for d, p in enumerate(pl)

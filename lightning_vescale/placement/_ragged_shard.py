@@ -315,8 +315,10 @@ def slab_pieces(
 def ragged_mesh_dim(placements: Sequence[Placement], what: str = "RaggedShard") -> int:
     """The mesh dim of the one ``RaggedShard`` in ``placements``; every other dim must replicate.
 
-    Design note [ragged-nd]: a ``RaggedShard`` DTensor lives on a mesh where exactly one dim
-    shards it raggedly and every other dim holds a full copy of that sharding (``Replicate``):
+    Design note [ragged-nd]
+    -----------------------
+    A ``RaggedShard`` DTensor lives on a mesh where exactly one dim shards it raggedly and
+    every other dim holds a full copy of that sharding (``Replicate``):
     ``(RaggedShard,)`` on a 1-D mesh (FSDP), ``(Replicate(), RaggedShard)`` on a 2-D
     ``(replicate, shard)`` mesh (HSDP). The local tensor is then a function of the rank's
     coordinate on the ragged dim only, so all range math, redistribution and checkpoint boxes

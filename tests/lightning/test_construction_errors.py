@@ -30,8 +30,9 @@ CASES = [
     (dict(granularity="300"), ValueError, r"Use granularity=512"),
     (dict(granularity=1000, optimizer_block_size=64), ValueError, r"Use granularity=1024"),
     (dict(reshard_after_forward="yes"), TypeError,
-     r"reshard_after_forward must be True or False, got 'yes'"),
-    (dict(reshard_after_forward=None), TypeError, r"reshard_after_forward must be True or False"),
+     r"reshard_after_forward='yes' \(str\) is not supported; use None \(auto"),
+    (dict(reshard_after_forward=0), ValueError,
+     r"reshard_after_forward=0 does not fit the shard group size: use None \(auto"),
     (dict(process_group_backend="ncl"), ValueError,
      r"process_group_backend must be None .* or one of \[.*'gloo'.*'nccl'.*got 'ncl'"),
     (dict(process_group_backend=5), ValueError, r"process_group_backend must be None"),
@@ -63,6 +64,7 @@ def test_bad_start_method_fails_at_construction():
     dict(granularity=100, optimizer_block_size=None), dict(process_group_backend="NCCL"),
     dict(process_group_backend="cpu:gloo,cuda:nccl"), dict(sharding_units=[]),
     dict(sharding_units="Block"), dict(reshard_after_forward=False),
+    dict(reshard_after_forward=None), dict(reshard_after_forward=2),
 ])
 def test_good_arguments_are_accepted(kwargs):
     for face in FACES:

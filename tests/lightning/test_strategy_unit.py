@@ -141,7 +141,7 @@ def test_cli_yaml_and_command_line_overrides(monkeypatch):
     cli = main(args=["--config", str(ROOT / "examples/configs/gpt_vescale.yaml")], run=False)
     s = cli.trainer.strategy
     assert isinstance(s, VeScaleFSDPStrategy)
-    assert s._sharding_units == ["Block"] and s._reshard_after_forward is True
+    assert s._sharding_units == ["Block"] and s._reshard_policy.mode == "always"
     assert s._optimizer_block_size == 256 and s.state_dict_type == "sharded"
     assert s._timeout == timedelta(minutes=30)
     assert cli.trainer.num_devices == 2
@@ -155,10 +155,18 @@ def test_cli_yaml_and_command_line_overrides(monkeypatch):
         "--trainer.precision=bf16-mixed",
     ], run=False)
     s = cli.trainer.strategy
-    assert s._reshard_after_forward is False and s._sharding_units == ["Block", "MLP"]
+    assert s._reshard_policy.mode == "never" and s._sharding_units == ["Block", "MLP"]
     assert s._granularity.granularity == "row" and s.state_dict_type == "full"
     assert isinstance(s.precision_plugin, VeScalePrecision)
     assert s.precision_plugin.precision == "bf16-mixed"
+
+    # reshard_after_forward: true/false/2/null from the command line (a YAML value the same)
+    for text, mode, ranks in (("true", "always", None), ("false", "never", None),
+                              ("2", "partial", 2), ("null", "auto", None)):
+        cli = main(args=["--config", str(ROOT / "examples/configs/gpt_vescale.yaml"),
+                         f"--trainer.strategy.init_args.reshard_after_forward={text}"], run=False)
+        policy = cli.trainer.strategy._reshard_policy
+        assert (policy.mode, policy.ranks) == (mode, ranks), text
 
 
 def test_cli_strategy_by_name():

@@ -1,0 +1,354 @@
+"""The gradient half of a group: hooks, grad buffer, reduce-scatter, accumulation, publication.
+
+Design note [fsdp-grads]
+------------------------
+Gradients land directly in the grad buffer: before the first gradient of a backward reaches a
+parameter (a tensor hook on the unsharded leaf, which runs before ``AccumulateGrad``), the group
+materialises ``grad_full`` (one zero kernel) and points every unsharded parameter's ``.grad`` at
+its view. ``AccumulateGrad`` then adds in place (``grad += new``) instead of allocating. A
+post-accumulate-grad hook records the arrival (it times the backward prefetch only). When the
+group's backward is complete (a structural point, the same on every rank: design note
+[fsdp-schedule]) every buffer holding trainable parameters is reduce-scattered as a whole,
+with zeros where this rank received no gradient, so the collectives never depend on local
+data. With gradient sync off, grads stay in ``grad_full`` across backwards and are reduced at
+the first synced one. After the backward, each parameter that received a gradient on *any*
+rank gets ``sharded.grad`` = a DTensor view into the sharded gradient
+(:meth:`ParamGroup.publish_grads`); parameters that received none anywhere keep ``grad=None``,
+as in single-process training.
+
+The group keeps its own backward bookkeeping: ``needs_reduce`` (set by the structural events
+of design note [fsdp-schedule], cleared by a reduce-scatter), the first gradient (materialise
+``grad_full``; make sure the root's final callback is queued), the arrivals that time the
+early backward prefetch (once half of the trainable parameters have a gradient; at most once
+per backward) and its :class:`~lightning_vescale.fsdp._common.TrainingState`. Whether the group
+reduce-scatters now is decided in one place, :meth:`ParamGroup.should_reduce`. What is
+root-wide (which group to prefetch, the final callback) the group asks of the root context
+(:class:`BackwardRoot`), never of a module state.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
+
+from lightning_vescale.dbuffer import CommHandle, DBuffer
+from lightning_vescale.fsdp._managed_param import ManagedParam
+from lightning_vescale.mesh import MeshInfo
+from lightning_vescale.placement import ragged_from_local
+
+__all__ = ["BackwardRoot", "GroupGradients"]
+
+
+class BackwardRoot(Protocol):
+    """What a group's gradient hooks ask of the root (``_state.RootContext`` implements it)."""
+
+    groups: list[Any]  # every group of the tree, in the order of their ``index``
+
+    def queue_final_callback(self) -> None:
+        """Make sure the end-of-backward callback runs after this backward."""
+
+    def prefetch_backward(self, group: Any) -> None:
+        """All-gather the group that follows ``group`` in the recorded backward order."""
+
+
+class GroupGradients:
+    """The gradient methods of :class:`~lightning_vescale.fsdp._param_group.ParamGroup` (a
+    mixin: the group initialises every field in its ``__init__``; design note [fsdp-grads]).
+
+    Reads the group's parameters, buffers and mesh; owns ``needs_reduce``, ``reduced``, the
+    in-flight reduce-scatter and the gradient-sync settings.
+    """
+
+    # the group's (set in ParamGroup.__init__)
+    fqn: str
+    params: list[ManagedParam]
+    buffers: dict[Any, DBuffer]
+    mesh_info: MeshInfo
+    root: BackwardRoot | None
+    reduce_grads: bool
+    gradient_divide_factor: float | None
+    force_sum_reduction: bool
+    needs_reduce: bool
+    reduced: bool
+    _reduce: list[CommHandle] | None
+    _grads_ready: bool
+    _arrived: int
+    _num_trainable: int
+    prefetch_backward_once: Callable[[], None]  # ParamGroup's methods
+    check_collective: Callable[[str], None]
+
+    def trainable(self) -> list[ManagedParam]:
+        """The parameters that take part in reduce-scatters (a fixed order on every rank)."""
+        return [mp for mp in self.params if mp.requires_grad and mp.buffer is not None]
+
+
+    def expect_gradients(self) -> None:
+        """Mark that this group's gradients must be reduced (a structural event: a forward with
+        grad, a recompute with grad inside backward, or gradients reaching its outputs)."""
+        if self._num_trainable:
+            self.needs_reduce = True
+
+    def should_reduce(self) -> bool:
+        """Whether the group reduce-scatters its gradients now: the one place that decides.
+
+        Gradient sync must be on and the group must need a reduce (``needs_reduce``, which a
+        reduce-scatter clears: a group reduced once in a backward is not reduced again).
+        """
+        return self.reduce_grads and self.needs_reduce
+
+    # -- gradients (design note [fsdp-grads]) ---------------------------------------------------
+    def _register_grad_hooks(self, mp: ManagedParam) -> None:
+        assert mp.unsharded is not None
+        mp.hooks.append(mp.unsharded.register_hook(self._make_grad_pre_hook(mp)))
+        mp.hooks.append(mp.unsharded.register_post_accumulate_grad_hook(
+            self._make_grad_post_hook(mp)))
+
+    @staticmethod
+    def _remove_grad_hooks(mp: ManagedParam) -> None:
+        for h in mp.hooks:
+            h.remove()
+        mp.hooks.clear()
+
+    # Hooks on tensors live in C++ (invisible to Python's cycle collector), so they refer to
+    # the group and the parameter entry weakly: a strong closure would keep the whole model
+    # alive forever through tensor -> hook -> group -> tensor.
+    def _make_grad_pre_hook(self, mp: ManagedParam) -> Callable[[torch.Tensor], None]:
+        group_weakref = weakref.ref(self)
+
+        def hook(grad: torch.Tensor) -> None:
+            group = group_weakref()
+            if group is not None:
+                group._on_gradient(mp)
+        return hook
+
+    def _make_grad_post_hook(self, mp: ManagedParam) -> Callable[[torch.Tensor], None]:
+        group_weakref, mp_weakref = weakref.ref(self), weakref.ref(mp)
+
+        def hook(param: torch.Tensor) -> None:
+            group, entry = group_weakref(), mp_weakref()
+            if group is not None and entry is not None:
+                group._on_gradient_accumulated(entry)
+        return hook
+
+    def _on_gradient(self, mp: ManagedParam) -> None:
+        """A gradient is about to be accumulated into ``mp`` (before ``AccumulateGrad``)."""
+        if self._grads_ready and not self.reduced and not torch.is_grad_enabled():
+            # Every gradient after the group's first: nothing to prepare (runs once per
+            # parameter per backward, so kept free of the profiler label and the checks below).
+            if self.root is not None:
+                self.root.queue_final_callback()
+            return
+        with record_function("vescale::grad_arrival"):
+            if self.reduced:
+                name = f"{self.fqn}.{mp.name}" if self.fqn else mp.name
+                raise RuntimeError(
+                    f"fully_shard: parameter {name!r} received its gradient after its group was "
+                    "reduce-scattered, i.e. after the gradients of its module's inputs were "
+                    "computed. A parameter's gradient must be computed within its module's "
+                    "backward: use the parameter in a computation that involves the module's "
+                    "inputs, or move it to a group (module) of its own.")
+            if torch.is_grad_enabled():
+                # backward(create_graph=True): AccumulateGrad then writes `grad + new` out of
+                # place, so the gradient would leave the grad buffer and be lost.
+                raise NotImplementedError(
+                    "fully_shard does not support backward(create_graph=True) / "
+                    "torch.autograd.grad(..., create_graph=True) through sharded parameters "
+                    "(higher-order gradients): gradients are reduce-scattered from a flat "
+                    "buffer that an out-of-place gradient would bypass. Compute the "
+                    "higher-order term on an unsharded copy of the model instead.")
+            self.prepare_grads()
+            if self.root is not None:
+                self.root.queue_final_callback()
+
+    def _on_gradient_accumulated(self, mp: ManagedParam) -> None:
+        """``mp``'s gradient was accumulated: count it (it times the backward prefetch only)."""
+        mp.got_grad = True
+        self._arrived += 1
+        if self._arrived == max(1, self._num_trainable // 2):
+            # Late enough not to coincide with the activation peak at the start of the group's
+            # backward, early enough to overlap its second half. Timing only, never a reduce.
+            self.prefetch_backward_once()
+
+    def prepare_grads(self) -> None:
+        """Materialise (zeroed) ``grad_full`` and point unsharded ``.grad``s at it."""
+        if self._grads_ready:
+            return
+        self._grads_ready = True
+        trainable = {id(mp.buffer) for mp in self.params if mp.requires_grad}
+        for buf in self.buffers.values():
+            if id(buf) in trainable:
+                buf.materialize_grad()  # a buffer of frozen parameters never gets one
+        for mp in self.params:
+            if mp.requires_grad:
+                assert mp.unsharded is not None and mp.buffer is not None
+                view = mp.buffer.grad_view(mp.name)
+                g = mp.unsharded.grad
+                if g is None or g.data_ptr() != view.data_ptr():
+                    if g is not None:  # a gradient outside the buffer: fold it in
+                        with torch.no_grad():
+                            view.add_(g)
+                    mp.unsharded.grad = view
+
+    def discard_gradients(self) -> None:
+        """Drop unreduced gradients (unsharded, and the unsynced accumulators): the recovery of
+        ``reset_iter_state()``. Sharded gradients already published stay."""
+        self.wait_for_reduce()
+        for buf in self.buffers.values():
+            buf.free_grad()
+            buf.grad_acc = None
+        self._grads_ready = False
+        self.needs_reduce = False
+        for mp in self.params:
+            mp.got_grad = False
+            if mp.unsharded is not None:
+                mp.unsharded.grad = None
+
+    def reduce_scatter(self, async_op: bool = True, op: str | None = None) -> None:
+        """Launch the reduce-scatter of every buffer that holds trainable parameters.
+
+        Every such buffer is reduced, whether or not this rank received gradients for it (a
+        rank without any contributes zeros): which collectives run must not depend on local
+        data (design note [fsdp-grads]). Sharded gradients are published later, by
+        :meth:`publish_grads`, once every rank's arrivals are known.
+        """
+        assert self._reduce is None, "a reduce-scatter is already in flight"
+        self.check_collective("reduce-scatter")
+        scale = None
+        if op is None:
+            if self.gradient_divide_factor is not None:  # set_gradient_divide_factor
+                op, scale = "sum", 1.0 / self.gradient_divide_factor
+            elif self.force_sum_reduction:  # set_force_sum_reduction_for_comms
+                op, scale = "sum", 1.0 / self.mesh_info.data_parallel_size
+            else:
+                op = "avg"
+        handles = []
+        for buf in self.buffers.values():
+            mps = [mp for mp in self.params if mp.buffer is buf and mp.requires_grad]
+            if not mps:
+                continue  # parameters frozen at build time: no gradient buffer
+            buf.materialize_grad()  # no-op if gradients arrived; zeros if none did on this rank
+            # Accumulate onto the grad shard if ANY parameter of the buffer still holds a
+            # gradient (no zero_grad since the last reduce), not only those with a new one: a
+            # plain reduce-scatter overwrites the whole shard, kept gradients included.
+            accumulate = any(mp.sharded is not None and mp.sharded.grad is not None
+                             for mp in mps)
+            if accumulate:
+                self._prepare_accumulate(mps)
+            handles.append(buf.reduce_scatter(async_op=async_op, op=op, accumulate=accumulate,
+                                              scale=scale))
+        self._reduce = handles
+        self.reduced = True
+        self.needs_reduce = False
+        if not async_op:
+            self.wait_for_reduce()
+
+    def accumulate_unsynced(self) -> None:
+        """End of a backward without gradient sync: sum its gradients in ``reduce_dtype``.
+
+        With ``set_requires_gradient_sync(False)`` gradients stay unsharded until the next
+        synced backward. When the policy's ``reduce_dtype`` differs from ``param_dtype`` (bf16
+        compute, fp32 reduction) each buffer folds this backward's ``grad_full`` into its
+        ``reduce_dtype`` accumulator and frees it (``DBuffer.accumulate_grad``), so micro-batches
+        are summed in fp32 as with FSDP2, not in bf16. Idempotent; a no-op for buffers without
+        new gradients or whose dtypes agree (those keep accumulating in ``grad_full``).
+        """
+        if self._reduce is not None:
+            return
+        folded = False
+        for buf in self.buffers.values():
+            if buf.accumulates_in_reduce_dtype and buf.is_grad_materialized:
+                buf.accumulate_grad()
+                folded = True
+        if not folded:
+            return
+        self._grads_ready = False  # the next gradient re-materialises and re-points
+        for mp in self.params:
+            if mp.unsharded is not None and mp.buffer is not None \
+                    and not mp.buffer.is_grad_materialized:
+                mp.unsharded.grad = None  # re-pointed at a fresh grad_full next backward
+
+    def _prepare_accumulate(self, mps: list[ManagedParam]) -> None:
+        # Rare path: the user kept sharded grads from an earlier step (no zero_grad or
+        # zero_grad(set_to_none=False)). Regions without a kept gradient start from zero;
+        # foreign grads are folded into the buffer so the reduce adds onto the right values.
+        for mp in mps:
+            assert mp.sharded is not None and mp.buffer is not None
+            view = mp.buffer.grad_local_view(mp.name)
+            g = mp.sharded.grad
+            with torch.no_grad():
+                if g is None:
+                    view.zero_()
+                elif not self._is_our_grad(mp, g):
+                    local = g.to_local() if isinstance(g, DTensor) else g
+                    view.copy_(local.reshape(-1))
+
+    @staticmethod
+    def _is_our_grad(mp: ManagedParam, g: torch.Tensor) -> bool:
+        assert mp.buffer is not None
+        if not isinstance(g, DTensor):
+            return False
+        view = mp.buffer.grad_local_view(mp.name)
+        local = g._local_tensor
+        return (local.data_ptr() == view.data_ptr() and local.numel() == view.numel()
+                and local.untyped_storage().data_ptr() == view.untyped_storage().data_ptr())
+
+    def wait_for_reduce(self) -> None:
+        """Finish in-flight reduce-scatters and free ``grad_full``."""
+        if self._reduce is None:
+            return
+        handles, self._reduce = self._reduce, None
+        for h in handles:
+            h.wait()
+        for buf in self.buffers.values():
+            buf.free_grad()
+        self._grads_ready = False
+        for mp in self.params:
+            if mp.unsharded is not None:
+                mp.unsharded.grad = None  # its storage is gone; re-pointed next backward
+
+    def publish_grads(self, received: list[bool]) -> None:
+        """Give each parameter that received a gradient on ANY rank its sharded gradient.
+
+        ``received[i]`` is that global fact for ``trainable()[i]`` (an all-reduce over ranks,
+        done once per backward by the root). A parameter no rank computed a gradient for keeps
+        ``grad=None`` (or the gradient kept from before), as in single-process training.
+        """
+        published: dict[DBuffer, dict[int, torch.Tensor]] = {
+            buf: {} for buf in self.buffers.values()}
+        for mp, got in zip(self.trainable(), received):
+            mp.got_grad = False
+            assert mp.sharded is not None and mp.buffer is not None
+            g = mp.sharded.grad
+            if not got:  # keeps a gradient from an earlier backward, if any
+                if (g is not None and mp.buffer.grad_shard is not None
+                        and self._is_our_grad(mp, g)):
+                    published[mp.buffer][id(mp.sharded)] = g
+                continue
+            if g is None or not self._is_our_grad(mp, g):
+                view = mp.buffer.grad_local_view(mp.name)
+                g = mp.sharded.grad = ragged_from_local(
+                    view, self.mesh_info.mesh, mp.placements, mp.shape,
+                    autograd=False, check=False)
+            published[mp.buffer][id(mp.sharded)] = g
+        # Readers of many gradients at once check identity against this record instead of
+        # every gradient's memory (design note [dbuffer-published-grads]).
+        for buf, grads in published.items():
+            buf.record_published_grads(grads)
+
+    def release_unused_grad_shards(self) -> None:
+        """Free sharded-gradient storage of buffers whose parameters all have ``grad=None``.
+
+        Called at the start of each iteration: after ``optimizer.zero_grad()`` (set_to_none)
+        the sharded gradients cost no memory until the next reduce-scatter, as in FSDP2.
+        """
+        for buf in self.buffers.values():
+            if buf.grad_shard is None or self._reduce is not None:
+                continue
+            if all(mp.sharded is None or mp.sharded.grad is None
+                   for mp in self.params if mp.buffer is buf):
+                buf.release_grad_shard()

@@ -1,0 +1,279 @@
+"""The root context: root-only state of one sharded module tree (FSDP2's ``FSDPStateContext``).
+
+Every :class:`~lightning_vescale.fsdp._state.FSDPState` starts with a :class:`RootContext` of its
+own; the first state whose forward runs becomes the root and makes every state and group of its
+tree use its context (design note [fsdp-schedule]).
+
+Design note [fsdp-final-callback]
+---------------------------------
+A final autograd-engine callback, queued by the root at the first backward hook, handles the
+groups without a structural completion (the root, whose inputs are token ids; a block whose
+input does not require grad; a block under reentrant activation checkpointing), in tree order:
+it reduce-scatters each group that needs it, waits for everything and reshards all. A group
+needs a reduce when, since its last one, its forward ran with grad, its forward was recomputed
+with grad inside backward (reentrant checkpointing), or a gradient reached its outputs (a second
+backward through a retained graph). All three are structural, so every rank reduces the same
+groups; whether a group reduces, at its structural completion or in the final callback, is
+decided by :meth:`ParamGroup.should_reduce` alone. Then one small all-reduce (MAX) of the
+"received a gradient" flags tells every rank which parameters received one on *any* rank:
+exactly those get a sharded gradient, as in single-process training over the global batch
+(:meth:`RootContext._publish_grads`). Forward and backward orders are recorded on the first
+iteration. A forward that runs *inside* backward (activation-checkpointing recompute,
+detected with ``torch._C._current_graph_task_id()``) leaves the group unsharded and registers
+nothing. No-grad/inference forwards reshard every group at the root's post-forward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.profiler import record_function
+
+from lightning_vescale.fsdp._collective_check import check_collective
+from lightning_vescale.fsdp._collective_check import enabled as collective_check_on
+from lightning_vescale.fsdp._common import TrainingState
+from lightning_vescale.fsdp._param_group import ParamGroup
+
+if TYPE_CHECKING:  # annotations only: _state imports this module
+    from lightning_vescale.fsdp._state import FSDPState
+
+__all__ = ["ATTR", "RootContext", "get_state", "states_in"]
+
+# The state lives in the module's __dict__ (not in a weak-keyed registry: the state refers back
+# to the module, so a registry value would keep every sharded model alive forever).
+ATTR = "_lv_fsdp_state"
+
+
+def get_state(module: nn.Module) -> "FSDPState | None":
+    """The :class:`FSDPState` of a ``fully_shard``-ed module, or ``None``."""
+    return module.__dict__.get(ATTR)
+
+
+def states_in(module: nn.Module) -> list["FSDPState"]:
+    """States of ``module`` and its submodules, in ``module.modules()`` order, each once (the
+    modules of one ``fully_shard([a, b])`` call share one state)."""
+    out: list[FSDPState] = []
+    seen: set[int] = set()
+    for m in module.modules():
+        st = m.__dict__.get(ATTR)
+        if st is not None and id(st) not in seen:
+            seen.add(id(st))
+            out.append(st)
+    return out
+
+
+class RootContext:
+    """Root-only state of one sharded module tree, shared by all its states (FSDP2's
+    ``FSDPStateContext``; design note [fsdp-schedule]).
+
+    Every state starts with a context of its own (it may become a root); the root's lazy init
+    (:meth:`adopt`) makes every state of its tree, and every group, use the root's.
+    """
+
+    def __init__(self) -> None:
+        self.root: FSDPState | None = None  # None until a root adopted this context
+        self.all_states: list[FSDPState] = []  # the root's tree, in modules() order
+        self.groups: list[ParamGroup] = []  # their groups, same order
+        # Recorded on the first iteration; prefetching follows them from the second one.
+        self.forward_order: list[FSDPState] = []
+        self.backward_order: list[FSDPState] = []
+        self.forward_recorded = False
+        self.backward_recorded = False
+        self.prefetch = True  # set_prefetch (a root setting)
+        self.final_callback_queued = False
+        self.inflight_reduce: ParamGroup | None = None
+
+    # -- lazy init and the root's forward ------------------------------------------------------
+    def adopt(self, root: FSDPState) -> None:
+        """Make ``root`` the root of its module tree: every state and group there uses us."""
+        with record_function("vescale::lazy_init"):
+            if len(root.modules) > 1:
+                raise RuntimeError(
+                    f"fully_shard needs a single root module, but the first forward ran in a "
+                    f"module of the list group {[type(m).__name__ for m in root.modules]}; call "
+                    "fully_shard on their common ancestor (the model) too, as with FSDP2.")
+            self.root = root
+            self.all_states = states_in(root.module)
+            self.groups = [st.group for st in self.all_states if st.group is not None]
+            for st in self.all_states:
+                st.ctx = self  # an inner module that ran forward alone before is demoted
+            paths = {id(m): name for name, m in root.module.named_modules()}
+            for st in self.all_states:
+                if st.group is not None:
+                    st.group.module_fqn = paths.get(id(st.module)) or "<root>"
+            for i, group in enumerate(self.groups):
+                group.root = self
+                group.index = i
+                group.adopt_replaced_params()  # FSDP2's reset_sharded_param
+                group.sync_requires_grad()
+
+    def root_pre_forward(self) -> None:
+        """Start an iteration from the sharded state, whatever the last one left behind."""
+        with record_function("vescale::root_pre_forward"):
+            # finish anything left from an interrupted iteration (a backward that raised)
+            self.finish_reduce()
+            self.final_callback_queued = False
+            self.forget_iteration()
+            for group in self.groups:
+                # A forward whose output never went through backward (e.g. a loss computed
+                # twice, or an evaluation with grad enabled) leaves the root (and groups with
+                # reshard_after_forward=False) unsharded. Their full parameters would be stale
+                # once the optimizer or load_state_dict changes the shards, so start every
+                # iteration from the sharded state (a no-op after a normal backward).
+                if (group.is_unsharded and group.reshard_after_backward) or group.has_partial:
+                    group.reshard()
+                group.sync_requires_grad()
+                group.release_unused_grad_shards()
+
+    def reset_iteration(self) -> None:
+        """``reset_iter_state()``: after a forward or backward raised, wait for collectives,
+        reshard every group, drop the iteration's (and any unsynced) gradients and forget where
+        every state was (FSDP2's recovery contract)."""
+        self.finish_reduce()
+        self.final_callback_queued = False
+        self.forget_iteration()
+        for st in self.all_states:
+            st._forward_depth = 0
+        for group in self.groups:
+            group.reshard()
+            group.discard_gradients()
+
+    def forget_iteration(self) -> None:
+        """Every state and group back to ``IDLE``, without backward bookkeeping: the end of a
+        backward, the root's pre-forward and ``reset_iter_state()`` (design note
+        [fsdp-training-state])."""
+        for st in self.all_states:
+            st.training_state = TrainingState.IDLE
+            st.reset_post_backward()
+        for group in self.groups:
+            group.reset_backward()
+
+    def record_forward(self, state: FSDPState) -> None:
+        if not self.forward_recorded and state not in self.forward_order:
+            self.forward_order.append(state)
+
+    def record_backward(self, state: FSDPState) -> None:
+        if not self.backward_recorded and state not in self.backward_order:
+            self.backward_order.append(state)
+
+    def reshard_all(self) -> None:
+        """Inference (no backward follows): leave nothing unsharded."""
+        for group in self.groups:
+            group.reshard()
+
+    # -- prefetch -------------------------------------------------------------------------------
+    def prefetch_forward(self, state: FSDPState) -> None:
+        """All-gather (async) the group that follows ``state`` in the recorded forward order."""
+        if self.forward_recorded and self.prefetch:
+            self._unshard_next(self.forward_order, state, skip_started=False)
+
+    def prefetch_backward(self, unit: FSDPState | ParamGroup) -> None:
+        """All-gather (async) the first group after ``unit`` (a state, or a state's group) in
+        the recorded backward order that has not begun its backward."""
+        if self.backward_recorded and self.prefetch:
+            self._unshard_next(self.backward_order, unit, skip_started=True)
+
+    @staticmethod
+    def _unshard_next(order: list[FSDPState], unit: FSDPState | ParamGroup,
+                      skip_started: bool) -> None:
+        pos = next((i for i, st in enumerate(order) if st is unit or st.group is unit), None)
+        if pos is None:
+            return
+        for nxt in order[pos + 1:]:
+            group = nxt.group
+            if group is None:
+                continue
+            if skip_started and (group.training_state is not TrainingState.IDLE
+                                 or not group.unshard_in_backward):
+                continue  # already through its backward, or never gathered in backward
+            group.unshard(async_op=True)
+            return
+
+    # -- backward -------------------------------------------------------------------------------
+    def queue_final_callback(self) -> None:
+        """Queue :meth:`_final_callback` at the end of the current backward (once)."""
+        if not self.final_callback_queued:
+            self.final_callback_queued = True
+            Variable._execution_engine.queue_callback(self._final_callback)
+
+    def reduce_scatter(self, group: ParamGroup) -> None:
+        """Reduce-scatter ``group``: asynchronously on accelerators, at most one in flight.
+
+        Asynchronous where an accelerator's streams make that real overlap (the previous one is
+        waited first, bounding memory); synchronous on CPU, where the in-flight gradient buffer
+        would only add to peak memory (FSDP2 is synchronous there).
+        """
+        self.finish_reduce()
+        async_op = group.mesh_info.device_type != "cpu"
+        group.reduce_scatter(async_op=async_op)
+        if async_op:
+            self.inflight_reduce = group
+
+    def finish_reduce(self) -> None:
+        group, self.inflight_reduce = self.inflight_reduce, None
+        if group is not None:
+            group.wait_for_reduce()
+
+    def _final_callback(self) -> None:
+        with record_function("vescale::post_backward_final_callback"):
+            self.final_callback_queued = False
+            self.finish_reduce()
+            for group in self.groups:  # groups without a structural completion, in tree order
+                if group.should_reduce():
+                    group.reduce_scatter(async_op=False)
+                else:
+                    group.accumulate_unsynced()  # no sync: sum in reduce_dtype (if it differs)
+                if group.reshard_after_backward:  # set_reshard_after_backward(False): keep
+                    group.reshard()
+            self._publish_grads()
+            self.forget_iteration()
+            if self.backward_order:
+                self.backward_recorded = True
+
+    def _publish_grads(self) -> None:
+        """Publish the sharded gradients of the groups reduced in this backward.
+
+        Whether a parameter has a gradient must not depend on the rank (rank 1 may compute none
+        for an expert rank 0 routed tokens to): one all-reduce (MAX) of the "received a
+        gradient" flags of every reduced group's trainable parameters gives the global answer.
+        Which groups were reduced is the same on every rank, so is the message.
+        """
+        groups = [g for g in self.groups if g.reduced]
+        if not groups:
+            return
+        per_group = [g.trainable() for g in groups]
+        if collective_check_on():  # design note [fsdp-collective-check]
+            check_collective("gradient-flag all-reduce", -1, 0,
+                             group=groups[0].mesh_info.shard_group,
+                             device=next(iter(groups[0].buffers.values())).device,
+                             name_of=lambda i: self.groups[i].module_fqn)
+        local = bytes(int(mp.got_grad) for mps in per_group for mp in mps)
+        flags = list(local)
+        mesh_info = groups[0].mesh_info
+        if mesh_info.data_parallel_size > 1 and local:
+            with record_function("vescale::grad_flags_all_reduce"):
+                # frombuffer: no ATen op (the zero-copy tests count copy operators)
+                t = torch.frombuffer(bytearray(local), dtype=torch.uint8)
+                device = next(iter(groups[0].buffers.values())).device
+                t = t.to(device) if device.type != "cpu" else t
+                # HSDP: replicas must publish the same gradients too, so the flags span the
+                # whole data-parallel mesh: one all-reduce over its flattened group (or, for a
+                # mesh torch cannot flatten, the shard group and then the replicate group).
+                dp_group = mesh_info.data_parallel_group
+                if dp_group is not None:
+                    pgs = [dp_group]
+                else:
+                    pgs = [pg for pg, n in ((mesh_info.shard_group, mesh_info.shard_size),
+                                            (mesh_info.replicate_group, mesh_info.replicate_size))
+                           if n > 1]
+                for pg in pgs:
+                    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+                flags = t.tolist()
+        i = 0
+        for g, mps in zip(groups, per_group):
+            g.publish_grads([bool(f) for f in flags[i:i + len(mps)]])
+            i += len(mps)
