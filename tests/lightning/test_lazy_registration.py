@@ -38,9 +38,10 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("first", ["import lightning_vescale\nassert 'lightning' not in sys.modules",
-                                   "import lightning\nimport lightning_vescale"],
-                         ids=["vescale-first", "lightning-first"])
+@pytest.mark.parametrize(
+    "first", ["import lightning_vescale\nassert 'lightning' not in sys.modules",
+              "import lightning\nimport lightning_vescale"],
+    ids=["vescale-first", "lightning-first"])
 def test_names_resolve_whatever_the_import_order(first):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
