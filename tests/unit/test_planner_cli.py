@@ -126,7 +126,7 @@ def test_import_path_model_on_meta_device(capsys):
 
 
 def test_lightning_module_with_configure_model(capsys):
-    args = ["--model", "tests.unit._plan_cli_models:TinyLit", "--world-size", "2"]
+    args = ["--model", "tests.unit._planner_cli_models:TinyLit", "--world-size", "2"]
     assert plan_cli.main(args) == 0
     out = capsys.readouterr().out
     assert "2 group(s) (block)" in out  # two blocks built in configure_model, no root params
