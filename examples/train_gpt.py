@@ -42,7 +42,7 @@ except ImportError:  # a checkout without `pip install -e .`: use the repository
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import lightning_vescale  # noqa: F401
 from lightning_vescale import MemoryProfiler
-from lightning_vescale.summary import sharding_summary
+from lightning_vescale.sharding_summary import sharding_summary
 
 try:  # run from the repository root as `python examples/train_gpt.py` or imported as a module
     from examples.gpt import GPT, CharDataset, GPTConfig

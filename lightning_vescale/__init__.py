@@ -6,12 +6,20 @@ strategy (``strategy="vescale_fsdp"``, registered on import) and a memory-profil
 Each layer imports only the ones below it (0 placement, 1 planner, 2 dbuffer, 3 fsdp, 4 optim,
 5 the Lightning and Fabric face); this file re-exports the public names and registers the
 strategy names.
+
+Importing the package does not import Lightning (it takes seconds): the layer-5 names
+(``VeScaleFSDPStrategy``, ``VeScaleFabricStrategy``, the precision plugins, ``MemoryProfiler``)
+are imported on first access, and the strategy names are registered with Lightning's registries
+without importing them, whichever of ``lightning`` and ``lightning_vescale`` is imported first
+(design note [lazy-registration] in ``lightning_vescale/_lightning/registry.py``).
 """
 
-__version__ = "0.1.0.dev0"
+from __future__ import annotations
 
-from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES
-from lightning.pytorch.strategies import StrategyRegistry as _TRAINER_STRATEGIES
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0.dev0"
 
 # Layer 0-1: placement and planner (pure; importing placement installs the DTensor extensions).
 from lightning_vescale.placement import RaggedShard, ragged_from_local
@@ -26,17 +34,41 @@ from lightning_vescale.fsdp import (
     register_fsdp_forward_method,
 )
 
-# Layer 5: Lightning and Fabric.
-from lightning_vescale.callbacks import MemoryProfiler
-from lightning_vescale.fabric import VeScaleFabricStrategy
-from lightning_vescale.precision import VeScaleFabricPrecision, VeScalePrecision
-from lightning_vescale.strategy import VeScaleFSDPStrategy
+# Layer 5: Lightning and Fabric, imported on first access (PEP 562 ``__getattr__`` below).
+from lightning_vescale._lightning.registry import register_lazily as _register_lazily
 
-# Lightning has no entry point for third-party strategies: the names resolve only once registered
-# (Trainer: "vescale_fsdp", "vescale_fsdp_spawn", "vescale_fsdp_fork"; Fabric: "vescale_fsdp").
+if TYPE_CHECKING:
+    from lightning_vescale.callbacks import MemoryProfiler
+    from lightning_vescale.fabric import VeScaleFabricStrategy
+    from lightning_vescale.precision import VeScaleFabricPrecision, VeScalePrecision
+    from lightning_vescale.strategy import VeScaleFSDPStrategy
+
+#: layer-5 name -> the module that defines it
+_LAZY = {
+    "MemoryProfiler": "lightning_vescale.callbacks",
+    "VeScaleFabricStrategy": "lightning_vescale.fabric",
+    "VeScaleFabricPrecision": "lightning_vescale.precision",
+    "VeScalePrecision": "lightning_vescale.precision",
+    "VeScaleFSDPStrategy": "lightning_vescale.strategy",
+}
+
+# Trainer: "vescale_fsdp", "vescale_fsdp_spawn", "vescale_fsdp_fork"; Fabric: "vescale_fsdp".
 # Registering again (e.g. after a reload) changes nothing.
-VeScaleFSDPStrategy.register_strategies(_TRAINER_STRATEGIES)
-VeScaleFabricStrategy.register_strategies(_FABRIC_STRATEGIES)
+_register_lazily()
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later accesses skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "CPUOffloadPolicy",

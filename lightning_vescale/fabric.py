@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_vescale._lightning.core import RegistryEntry, VeScaleStrategyCore
-from lightning_vescale._lightning.hsdp import DeviceMeshArg
+from lightning_vescale._lightning.device_mesh import DeviceMeshArg
 from lightning_vescale._lightning.sharding import (
     DEFAULT_MIN_BLOCK_NUMEL,
     DEFAULT_OPTIMIZER_BLOCK_SIZE,

@@ -46,8 +46,10 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import precision as _fabric_plugins
 from lightning.fabric.plugins.precision.precision import Precision as FabricPrecision
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.pytorch.plugins import precision as _trainer_plugins
 from lightning.pytorch.plugins.precision.precision import Precision
 from lightning_utilities import apply_to_collection
 from torch import Tensor
@@ -276,7 +278,8 @@ class _VeScalePrecisionMixin:
         self._mixed_precision_policy = _policy_for(precision)
         if precision == "16-mixed" and scaler is None:
             scaler = ShardedGradScaler(device or _default_device_type())
-        self.scaler = as_sharded_scaler(scaler, device or getattr(scaler, "_device", "cuda"))
+        self.scaler = (as_sharded_scaler(scaler, device or scaler._device)
+                       if scaler is not None else None)
 
     def _set_device_type(self, device_type: str) -> None:
         """Called by the strategy once the root device is known (autocast + scaler device)."""
@@ -355,7 +358,30 @@ def _policy_for(precision: str) -> Optional[MixedPrecisionPolicy]:
 
 
 def _default_device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """The device type until the strategy sets its own (``_set_device_type``): the current
+    accelerator's (``torch.accelerator``), or the CPU on a machine without one."""
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return acc.type if acc is not None else "cpu"
+
+
+def _device_type(device: Any) -> Optional[str]:
+    """The device type of a plugin's ``device`` (``"cuda"``, ``"cuda:1"``, a ``torch.device``,
+    ...); ``None`` when it names none (the strategy sets the type from its root device)."""
+    if isinstance(device, (str, torch.device)):
+        try:
+            return torch.device(device).type
+        except (RuntimeError, ValueError):
+            return None
+    return None
+
+
+#: Lightning's plugins built from a ``precision=`` flag, Trainer's and Fabric's: the base class
+#: (``"32-true"``; exact type, as its subclasses are other precisions) and the ones that carry a
+#: supported flag.
+_PLAIN_PLUGINS = (_trainer_plugins.Precision, _fabric_plugins.Precision)
+_FLAG_PLUGINS = (_trainer_plugins.MixedPrecision, _trainer_plugins.HalfPrecision,
+                 _trainer_plugins.FSDPPrecision, _fabric_plugins.MixedPrecision,
+                 _fabric_plugins.HalfPrecision, _fabric_plugins.FSDPPrecision)
 
 
 class VeScalePrecision(_VeScalePrecisionMixin, Precision):
@@ -442,12 +468,12 @@ def to_vescale_precision(plugin: Any, *, fabric: bool = False) -> Any:
         return target(plugin.precision, scaler=plugin.scaler, device=plugin._device_type)
     flag = getattr(plugin, "precision", None)
     flag = _ALIASES.get(flag, flag)
-    if type(plugin).__name__ in ("Precision",) and flag in (None, "32-true"):
+    if type(plugin) in _PLAIN_PLUGINS and flag in (None, "32-true"):
         return target("32-true")
-    if type(plugin).__name__ in ("MixedPrecision", "HalfPrecision", "FSDPPrecision") and \
-            flag in _SUPPORTED:
-        device = getattr(plugin, "device", None)
-        device = device if device in ("cpu", "cuda") else None
+    if isinstance(plugin, _FLAG_PLUGINS) and flag in _SUPPORTED:
+        # MixedPrecision's device is the accelerator's (Lightning's connector sets it); the
+        # strategy sets its root device's type at setup either way
+        device = _device_type(getattr(plugin, "device", None))
         # Lightning's MixedPrecision holds the user's GradScaler: carry its settings over
         scaler = getattr(plugin, "scaler", None) if flag == "16-mixed" else None
         return target(flag, scaler=scaler, device=device)

@@ -48,7 +48,7 @@ A rank that fails must not leave the others hanging forever. Three mechanisms:
   error even appears. So while the trainer is ``INTERRUPTED``, the strategy's collective entry
   points first agree *out of band* (the process group's TCP store, which cannot mismatch with
   an in-flight collective) that every rank is handling an exception; they wait at most
-  ``min(timeout, EXCEPTION_AGREEMENT_WINDOW)`` (``_lightning/peers.py``). If all ranks arrive
+  ``min(timeout, EXCEPTION_AGREEMENT_WINDOW)`` (``_lightning/exception_agreement.py``). If all ranks arrive
   (Ctrl+C, the same error everywhere), the checkpoint is written collectively as usual; if not,
   the failing rank raises an error naming the original one and exits, which releases its peers.
   (The Fabric strategy shares the mechanism, but Fabric never reports an exception to it.)
@@ -81,7 +81,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_vescale._lightning.core import RegistryEntry, VeScaleStrategyCore
-from lightning_vescale._lightning.hsdp import DeviceMeshArg
+from lightning_vescale._lightning.device_mesh import DeviceMeshArg
 from lightning_vescale._lightning.launcher import VeScaleMultiProcessingLauncher
 from lightning_vescale._lightning.sharding import (
     DEFAULT_MIN_BLOCK_NUMEL,

@@ -1,11 +1,9 @@
-"""Public test utilities: an operator-level copy/collective counter and the engine's pure checks.
+"""Public test utilities: an operator-level copy/collective counter.
 
-Nothing in the package imports this module: it is for tests and benchmarks, which use it
-instead of reaching into private modules.
+Nothing in the package imports this module: it is for tests and benchmarks (and users who want
+to count what a step copies and communicates).
 
 * :class:`CopyCommCounter`: copies and collectives of a step, counted per operator.
-* :func:`as_policy`, :func:`check_param`, :func:`resolve_granularities`: the argument checks
-  of ``fully_shard`` (pure; testable without a process group).
 
 Design note [copy-comm-counting]
 --------------------------------
@@ -35,10 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lightning_vescale.fsdp._collect import check_param, resolve_granularities
-from lightning_vescale.fsdp._policy import as_policy
-
-__all__ = ["CopyCommCounter", "as_policy", "check_param", "resolve_granularities"]
+__all__ = ["CopyCommCounter"]
 
 _CONCAT = {"cat", "_chunk_cat", "chunk_cat", "stack", "clone"}
 

@@ -16,7 +16,7 @@ hooks take precedence over Lightning's defaults:
 * environment set-up: world ranks (Lightning's Trainer connector calls ``set_world_ranks``,
   Fabric's ``_set_world_ranks``: the same method), the default process group with the strategy's
   ``timeout``, the data-parallel mesh of the ``device_mesh`` argument (design note
-  [strategy-mesh] in ``_lightning/hsdp.py``: 1-D from :func:`lightning_vescale.mesh.init_mesh`
+  [strategy-mesh] in ``_lightning/device_mesh.py``: 1-D from ``lightning_vescale.mesh.init_mesh``
   by default, 2-D for HSDP);
 * sharding through ``_lightning/sharding.py`` with the precision plugin's mixed-precision policy;
 * collectives: ``broadcast`` and the barrier behind the peer-exception guard of design note
@@ -56,12 +56,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_vescale._lightning.hsdp import (
+from lightning_vescale._lightning.device_mesh import (
     build_device_mesh,
     check_world_size,
     validate_device_mesh,
 )
-from lightning_vescale._lightning.peers import ExceptionAgreement
+from lightning_vescale._lightning.exception_agreement import ExceptionAgreement
 from lightning_vescale._lightning.sharding import (
     ShardGranularity,
     remap_optimizer_params,

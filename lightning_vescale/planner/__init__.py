@@ -14,7 +14,7 @@ Modules (each imports only the ones above it in this list, and layer 0):
 * ``_layout``: :class:`LayoutPlan` and :func:`plan_layout` (design note [planner]);
 * ``presets``: transformer shapes of public models (no allocation);
 * ``baselines``: FSDP2- and FSDP1-style padding figures for comparison;
-* ``cli``: ``python -m lightning_vescale.planner`` (also ``python -m lightning_vescale.plan``).
+* ``cli``: ``python -m lightning_vescale.planner``.
 """
 
 from lightning_vescale.planner._granularity import (

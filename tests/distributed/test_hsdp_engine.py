@@ -348,7 +348,7 @@ def test_hsdp_meta_device_init_is_exact_on_every_replica(worlds):
 # -- FSDP2 options on HSDP: CPU offload, divide factor, no reshard, compiled blocks ---------------
 def _options_body(variant: str):
     from lightning_vescale.fsdp import CPUOffloadPolicy, fully_shard
-    from lightning_vescale.summary import sharding_summary
+    from lightning_vescale.sharding_summary import sharding_summary
 
     world = dist.get_world_size()
     mesh = _mesh(2)

@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_vescale import VeScaleFabricStrategy, VeScaleFSDPStrategy
 from lightning_vescale import checkpoint as ckpt
-from lightning_vescale._lightning.peers import all_ranks_arrive
+from lightning_vescale._lightning.exception_agreement import all_ranks_arrive
 from tests.lightning._lit import TinyGPT, dataloader, trainer
 
 ROOT = Path(__file__).resolve().parents[2]

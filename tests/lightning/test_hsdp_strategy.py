@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_vescale import VeScaleFabricStrategy, VeScaleFSDPStrategy
-from lightning_vescale._lightning.hsdp import build_device_mesh, validate_device_mesh
+from lightning_vescale._lightning.device_mesh import build_device_mesh, validate_device_mesh
 
 ROOT = Path(__file__).resolve().parents[2]
 FACES = [VeScaleFSDPStrategy, VeScaleFabricStrategy]

@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from lightning_vescale.fsdp import MixedPrecisionPolicy
-from lightning_vescale.testing import CopyCommCounter, as_policy, check_param, resolve_granularities
+from lightning_vescale.fsdp._collect import check_param, resolve_granularities
+from lightning_vescale.fsdp._policy import as_policy
+from lightning_vescale.testing import CopyCommCounter
 
 
 def test_policy_is_frozen_keyword_only_and_validated():

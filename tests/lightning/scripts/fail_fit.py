@@ -24,11 +24,11 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import OnExceptionCheckpoint  # noqa: E402
 
 from lightning_vescale import VeScaleFSDPStrategy  # noqa: E402
-from lightning_vescale._lightning import peers  # noqa: E402
+from lightning_vescale._lightning import exception_agreement  # noqa: E402
 from tests.lightning._lit import TinyGPT, dataloader, trainer  # noqa: E402
 
 TIMEOUT = timedelta(seconds=float(os.environ.get("FAIL_FIT_TIMEOUT", "60")))
-peers.EXCEPTION_AGREEMENT_WINDOW = timedelta(
+exception_agreement.EXCEPTION_AGREEMENT_WINDOW = timedelta(
     seconds=float(os.environ.get("FAIL_FIT_WINDOW", "3")))
 RAISED_AT = [0.0]
 

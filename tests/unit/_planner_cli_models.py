@@ -1,4 +1,4 @@
-"""A tiny LightningModule for the plan CLI test (kept apart so lightning imports only there)."""
+"""A tiny LightningModule for the planner CLI test (kept apart so lightning imports only there)."""
 
 from __future__ import annotations
 

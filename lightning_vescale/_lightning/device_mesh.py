@@ -1,4 +1,4 @@
-"""The strategies' ``device_mesh`` argument: full sharding (default) or HSDP.
+"""The strategies' ``device_mesh`` argument: full sharding (default) or HSDP (layer 5, private).
 
 Design note [strategy-mesh]
 ---------------------------

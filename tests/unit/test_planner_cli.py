@@ -1,4 +1,5 @@
-"""``python -m lightning_vescale.planner`` (and ``.plan``) on presets and tiny import-path models."""
+"""``python -m lightning_vescale.planner`` on presets and tiny import-path models (in-process
+through ``main(argv)``, plus one process-start smoke test)."""
 
 from __future__ import annotations
 
@@ -125,7 +126,7 @@ def test_import_path_model_on_meta_device(capsys):
 
 
 def test_lightning_module_with_configure_model(capsys):
-    args = ["--model", "tests.unit._plan_cli_models:TinyLit", "--world-size", "2"]
+    args = ["--model", "tests.unit._planner_cli_models:TinyLit", "--world-size", "2"]
     assert plan_cli.main(args) == 0
     out = capsys.readouterr().out
     assert "2 group(s) (block)" in out  # two blocks built in configure_model, no root params
@@ -162,8 +163,7 @@ def _imports(path: Path) -> set[str]:
 
 def test_cli_module_imports_only_layers_0_1_and_torch():
     planner_dir = Path(plan_cli.__file__).parent
-    entry = planner_dir.parent / "plan.py"
-    for path in [*sorted(planner_dir.glob("*.py")), entry]:
+    for path in sorted(planner_dir.glob("*.py")):
         imported = _imports(path)
         ours = {m for m in imported if m.startswith("lightning_vescale")}
         assert all(m == "lightning_vescale.placement" or m.startswith("lightning_vescale.planner")
@@ -174,30 +174,33 @@ def test_cli_module_imports_only_layers_0_1_and_torch():
     assert torch.__name__ in {m.split(".")[0] for m in imported} or "torch.nn" in imported
 
 
-def _run_module(module: str, args: list[str]) -> subprocess.CompletedProcess:
+_CONFIG_ARGS = ["--config", '{"hidden": 64, "layers": 2, "heads": 4, "vocab": 100, "ffn": 256}',
+                "--world-size", "3", "--describe"]
+
+
+def test_describe_prints_the_largest_group(capsys):
+    assert plan_cli.main(_CONFIG_ARGS) == 0
+    out = capsys.readouterr().out
+    assert "3 group(s) (block)" in out and "largest group" in out
+
+
+def test_granularity_error_names_the_valid_forms(capsys):
+    with pytest.raises(SystemExit) as exc:
+        plan_cli.main(["--preset", "llama3-70b", "--granularity", "tiles"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    # the error names the valid forms, not the parser's function
+    assert "granularity='tiles' is not understood" in err
+    assert "'row'" in err and "'<k>rows'" in err
+    assert "_granularity" not in err
+
+
+def test_python_dash_m_planner_smoke():
+    """The one process start: ``python -m lightning_vescale.planner`` is ``main`` (stdout, exit
+    code) as a program; everything else above runs ``main(argv)`` in this process."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-
-
-@pytest.mark.parametrize("args", [
-    ["--config", '{"hidden": 64, "layers": 2, "heads": 4, "vocab": 100, "ffn": 256}',
-     "--world-size", "3", "--describe"],
-    ["--preset", "llama3-70b", "--granularity", "tiles"],
-])
-def test_both_module_paths_are_the_same_program(args):
-    """``python -m lightning_vescale.planner`` and ``python -m lightning_vescale.plan``."""
-    new, old = (_run_module(m, args) for m in ("lightning_vescale.planner", "lightning_vescale.plan"))
-    assert new.returncode == old.returncode
-    plan_time = re.compile(r"\d+\.\d ms")  # the only figure that varies between runs
-    assert plan_time.sub("", new.stdout) == plan_time.sub("", old.stdout)
-    assert new.stderr == old.stderr
-    if new.returncode == 0:
-        assert "3 group(s) (block)" in new.stdout and "largest group" in new.stdout
-    else:
-        assert new.returncode == 2
-        # the error names the valid forms, not the parser's function
-        assert "granularity='tiles' is not understood" in new.stderr
-        assert "'row'" in new.stderr and "'<k>rows'" in new.stderr
-        assert "_granularity" not in new.stderr
+    proc = subprocess.run([sys.executable, "-m", "lightning_vescale.planner", *_CONFIG_ARGS],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "3 group(s) (block)" in proc.stdout and "largest group" in proc.stdout
