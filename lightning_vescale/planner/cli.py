@@ -13,8 +13,7 @@ Examples::
     python -m lightning_vescale.planner --preset deepseek-v3 --grouping model --world-size 10000
     python -m lightning_vescale.planner --model my_pkg.models:GPT --init-args '{"n_layer": 4}'
 
-``python -m lightning_vescale.plan`` is the same command under its first name (same output and
-exit codes). Imports only layers 0-1 and torch (Lightning only through a user model that needs
+Imports only layers 0-1 and torch (Lightning only through a user model that needs
 it).
 """
 
