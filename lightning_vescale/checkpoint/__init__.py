@@ -42,7 +42,8 @@ its own gather/broadcast, so when ``dcp.save`` raises on rank 0 every rank has f
 (or its process is gone); the full format and the publish step are rank 0's alone. A save that
 is *killed* cannot clean up: its hidden temporary is removed by the next save to the same name
 or by :func:`remove_checkpoint` (which the strategies' ``remove_checkpoint`` uses, so rotating
-``ModelCheckpoint`` names do not pile them up).
+``ModelCheckpoint`` names do not pile them up), once its owner is provably gone: a live writer's
+temporary is never removed ([checkpoint-leftovers]).
 """
 
 from lightning_vescale.checkpoint._files import (

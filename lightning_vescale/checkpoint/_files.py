@@ -1,5 +1,18 @@
 """Where checkpoints live on disk: path checks, atomic publish, cleanup of failed saves.
 
+Design note [checkpoint-leftovers]
+----------------------------------
+Several writers can save to one name at once: a preempted job still alive while its restart
+begins, or two jobs sharing a ``dirpath``. Each writes its own hidden temporary and publishes it
+atomically, so the published checkpoint is always one whole save; the danger is the clean-up of
+leftovers. Removing every ``.<name>.tmp-*`` sibling after a publish removed *live* writers'
+temporaries too, and a rival's exchange landing during that ``rmtree`` emptied the freshly
+published directory. So a sibling's name records its owner (``<token>.<pid>@<host>``, rank 0's
+process) and is removed only when the owner is provably gone: a pid no longer alive on this host,
+or, where that cannot be checked (another host; a name without an owner), older than
+``STALE_AFTER_S``. The removal first renames the sibling to a unique ``.dead-`` name and deletes
+only that, so it never runs through a path another writer might publish meanwhile.
+
 The rules are those of design note [checkpoint-formats] (``lightning_vescale/checkpoint``):
 a save writes into a hidden sibling ``.<name>.tmp-<token>`` and rank 0 publishes it at the final
 name in one atomic step (:func:`publish`). Nothing here knows what is inside a checkpoint.
@@ -13,7 +26,10 @@ import functools
 import glob
 import io
 import os
+import re
 import shutil
+import socket
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -77,6 +93,17 @@ def _broadcast_object(obj: Any) -> Any:
 # ------------------------------------------------------------------------------------------------
 # Hidden siblings, removal
 # ------------------------------------------------------------------------------------------------
+# A hidden sibling's name records who made it: ``.<name>.<kind>-<token>.<pid>@<host>`` (rank 0's
+# process, the only one that publishes or removes). Another save to the same name removes it
+# only when that owner is provably gone (design note [checkpoint-leftovers]).
+STALE_AFTER_S = 24 * 3600
+"""Age after which a leftover whose owner cannot be checked (another host, or a name from before
+owners were recorded) counts as dead. A save that runs longer than this while another job saves
+to the same name could lose its temporary (and then fails; the published checkpoint is safe)."""
+
+_OWNER = re.compile(r"^[0-9a-f]+(?:\.(?P<pid>\d+)@(?P<host>.+))?$")
+
+
 def _hidden_siblings(path: Path, kind: str) -> list[Path]:
     """The ``.<name>.<kind>-<token>`` siblings of ``path`` (``kind``: ``"tmp"`` or ``"old"``)."""
     if not path.parent.is_dir():
@@ -89,12 +116,38 @@ def _sibling(path: Path, kind: str, token: str) -> Path:
 
 
 def _new_token() -> str:
-    return uuid.uuid4().hex[:10]
+    """A fresh sibling token that names this process as the owner (see [checkpoint-leftovers])."""
+    return f"{uuid.uuid4().hex[:10]}.{os.getpid()}@{socket.gethostname()}"
 
 
 def temp_sibling(path: Path) -> Path:
     """Collective: the hidden temporary a save to ``path`` writes into (one name on all ranks)."""
     return _sibling(path, "tmp", _broadcast_object(_new_token()))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # exists (another user's), or cannot tell: treat as alive
+    return True
+
+
+def is_dead_leftover(sibling: Path, *, now: float | None = None) -> bool:
+    """Whether the save that made ``sibling`` is provably over, so removing it cannot hurt a live
+    writer: its owner process (recorded in the name) is gone from this host, or, where that
+    cannot be checked, the sibling is older than :data:`STALE_AFTER_S`."""
+    token = sibling.name.rsplit("-", 1)[-1] if "-" in sibling.name else ""
+    owner = _OWNER.match(token)
+    if owner and owner["pid"] and owner["host"] == socket.gethostname():
+        return int(owner["pid"]) != os.getpid() and not _pid_alive(int(owner["pid"]))
+    try:
+        age = (time.time() if now is None else now) - sibling.lstat().st_mtime
+    except FileNotFoundError:
+        return False  # already gone (published or removed by its owner)
+    return age > STALE_AFTER_S
 
 
 def _remove_path(path: Path) -> None:
@@ -113,20 +166,47 @@ def discard(path: Path) -> None:
         pass
 
 
+def discard_dead_leftovers(path: Path) -> list[Path]:
+    """Remove the hidden ``.tmp-``/``.old-`` siblings of ``path`` whose saves are provably over
+    (:func:`is_dead_leftover`); a live writer's are left alone. Best effort; returns what it
+    removed.
+
+    Each is first renamed to a unique ``.<name>.dead-<token>`` and only that name is removed, so
+    the removal never runs through a path that some writer could exchange into place meanwhile.
+    """
+    removed = []
+    for stale in _hidden_siblings(path, "tmp") + _hidden_siblings(path, "old") + \
+            _hidden_siblings(path, "dead"):
+        if stale.name.startswith(f".{path.name}.dead-"):
+            if not is_dead_leftover(stale):
+                continue
+            doomed = stale
+        else:
+            if not is_dead_leftover(stale):
+                continue
+            doomed = _sibling(path, "dead", _new_token())
+            try:
+                os.rename(stale, doomed)
+            except OSError:
+                continue  # gone or moved meanwhile: not ours to chase
+        discard(doomed)
+        removed.append(stale)
+    return removed
+
+
 def remove_checkpoint(path: Any) -> None:
     """Remove the checkpoint at ``path`` (a full file or a sharded directory) together with the
     hidden ``.<name>.tmp-*`` / ``.<name>.old-*`` siblings that failed or interrupted saves to
-    that name left behind.
+    that name left behind (only those whose saves are provably over: another job's save in
+    progress to the same name keeps its temporary, see [checkpoint-leftovers]).
 
     Not a collective: call it on one rank (global rank 0), like Lightning's
     ``Strategy.remove_checkpoint``. A missing ``path`` is not an error; an error removing
     ``path`` itself is raised, the siblings are removed on a best-effort basis.
     """
     path = Path(path)
-    siblings = _hidden_siblings(path, "tmp") + _hidden_siblings(path, "old")
     _remove_path(path)
-    for stale in siblings:
-        discard(stale)
+    discard_dead_leftovers(path)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -176,7 +256,8 @@ def publish(tmp: Path, final: Path) -> None:
     old one is renamed aside to ``.<name>.old-<token>`` first (a kill between the two renames
     leaves ``final`` missing and the previous checkpoint at the ``.old-`` name, which
     :func:`check_checkpoint_path` points to). After a successful publish the leftovers of killed
-    saves to the same name (``.tmp-*``, ``.old-*``) are removed.
+    saves to the same name (``.tmp-*``, ``.old-*``) are removed, those of live writers kept
+    (:func:`discard_dead_leftovers`).
     """
     if final.exists() and (final.is_dir() or tmp.is_dir()):
         if exchange(tmp, final):
@@ -193,8 +274,7 @@ def publish(tmp: Path, final: Path) -> None:
     else:
         os.replace(tmp, final)  # atomic for files (and for a new directory name)
     try:  # leftovers of killed saves; best effort: this must not fail a save that succeeded
-        for stale in _hidden_siblings(final, "tmp") + _hidden_siblings(final, "old"):
-            discard(stale)
+        discard_dead_leftovers(final)
     except OSError:
         pass
 

@@ -9,6 +9,10 @@ every rank must come out of the save (no rank left waiting in a collective).
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -166,17 +170,38 @@ def _make(path: Path, as_dir: bool) -> Path:
     return path
 
 
+def _dead_owner() -> str:
+    """A sibling-token owner (``<pid>@<host>``) whose process is gone: a reaped child's pid."""
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    return f"{int(proc.stdout)}@{socket.gethostname()}"
+
+
+def _age(path: Path, seconds: float) -> Path:
+    then = time.time() - seconds
+    os.utime(path, (then, then), follow_symlinks=False)
+    return path
+
+
 @pytest.mark.parametrize("as_dir", [True, False])
 def test_remove_checkpoint_removes_stale_siblings(tmp_path, as_dir):
     name = "epoch=1-step=[20].ckpt"  # glob characters in the name are taken literally
+    dead, alive = _dead_owner(), f"{os.getppid()}@{socket.gethostname()}"
+    old = checkpoint_files.STALE_AFTER_S + 60
     _make(tmp_path / name, as_dir)
-    _make(tmp_path / f".{name}.tmp-0123456789", True)
-    _make(tmp_path / f".{name}.tmp-abcdefabcd", False)
-    _make(tmp_path / f".{name}.old-0123456789", True)
+    _make(tmp_path / f".{name}.tmp-0123456789.{dead}", True)  # its save was killed
+    _make(tmp_path / f".{name}.tmp-abcdefabcd.{dead}", False)
+    _age(_make(tmp_path / f".{name}.old-0123456789", True), old)  # no owner recorded, old
+    _age(_make(tmp_path / f".{name}.tmp-0123456789.1@another-host", True), old)
     keep = [_make(tmp_path / "epoch=1-step=2.ckpt", as_dir),
-            _make(tmp_path / ".epoch=1-step=2.ckpt.tmp-0123456789", True),
-            _make(tmp_path / f".{name}2.tmp-0123456789", True),  # another name's temporary
-            _make(tmp_path / f"{name}.tmp-0123456789", False)]  # not hidden: not ours
+            _make(tmp_path / f".epoch=1-step=2.ckpt.tmp-0123456789.{dead}", True),
+            _make(tmp_path / f".{name}2.tmp-0123456789.{dead}", True),  # another name's
+            _make(tmp_path / f"{name}.tmp-0123456789", False),  # not hidden: not ours
+            # a live writer's temporary (another job saving to the same name) is never removed,
+            # nor one whose owner cannot be checked and that is recent
+            _make(tmp_path / f".{name}.tmp-fedcba9876.{alive}", True),
+            _make(tmp_path / f".{name}.tmp-0123456789.1@another-host-2", True),
+            _make(tmp_path / f".{name}.tmp-0123456788", True)]
     ckpt.remove_checkpoint(tmp_path / name)
     assert sorted(tmp_path.iterdir()) == sorted(keep)
     ckpt.remove_checkpoint(str(tmp_path / name))  # missing: nothing to do, no error
@@ -188,9 +213,10 @@ def test_strategy_remove_checkpoint_takes_hidden_leftovers_along(tmp_path):
     """What ``ModelCheckpoint`` rotation calls: the leftovers of killed saves go too."""
     from lightning_vescale import VeScaleFSDPStrategy
 
+    dead = _dead_owner()
     (tmp_path / "epoch=0.ckpt").mkdir()
-    (tmp_path / ".epoch=0.ckpt.tmp-0123456789").mkdir()
-    (tmp_path / ".epoch=0.ckpt.old-0123456789").mkdir()
+    (tmp_path / f".epoch=0.ckpt.tmp-0123456789.{dead}").mkdir()
+    (tmp_path / f".epoch=0.ckpt.old-0123456789.{dead}").mkdir()
     (tmp_path / "epoch=1.ckpt").mkdir()  # another checkpoint: untouched
     VeScaleFSDPStrategy().remove_checkpoint(tmp_path / "epoch=0.ckpt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=1.ckpt"]
