@@ -75,6 +75,7 @@ from lightning_vescale._lightning.sharding import (
 )
 from lightning_vescale.checkpoint import check_checkpoint_path
 from lightning_vescale.optim import AdamW8bit, Muon, flat_param_optimizer
+from lightning_vescale.optim.adamw8bit import mark_sharded_for_block_size
 from lightning_vescale.precision import _VeScalePrecisionMixin
 
 __all__ = ["RegistryEntry", "VeScaleStrategyCore"]
@@ -301,6 +302,8 @@ class VeScaleStrategyCore:
                     mp_policy=self._vescale_precision.mixed_precision_policy,
                     granularity=self._granularity,
                     reshard_after_forward=self._reshard_policy)
+        # AdamW8bit(block_size=None) built on these checks them against this block at once
+        mark_sharded_for_block_size(module.parameters(), self._optimizer_block_size)
 
     def _adopt_optimizer(self, optimizer: Any, module: Module,
                          names_before_sharding: dict[int, str]) -> None:

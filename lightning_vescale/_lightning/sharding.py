@@ -32,6 +32,8 @@ keeps its own ranges. The result equals non-meta initialisation with the same se
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import importlib
 import itertools
 import math
 from collections.abc import Iterable, Sequence
@@ -284,15 +286,59 @@ class ShardGranularity:
                                    multiple_of=self.optimizer_block_size if large else None)
 
 
-def _class_matches(module: Module, units: Sequence[Union[str, type]]) -> bool:
+def _qualified_class(name: str) -> Optional[type]:
+    """The class a dotted name as users write it denotes (``torch.nn.Linear``,
+    ``torch.nn.modules.linear.Linear``, ``mymodule.Block``), if its module imports and holds a
+    class of that name; else ``None``."""
+    if "." not in name:
+        return None
+    module_name, _, attr = name.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr, None)
+    except Exception:  # noqa: BLE001 - not an importable module path: no class
+        return None
+    return obj if isinstance(obj, type) else None
+
+
+def _unit_matches(module: Module, unit: Union[str, type]) -> bool:
     cls = type(module)
-    for u in units:
-        if isinstance(u, str):
-            if u in (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}"):
-                return True
-        elif isinstance(module, u):
-            return True
-    return False
+    if not isinstance(unit, str):
+        return isinstance(module, unit)
+    if unit in (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}"):
+        return True
+    return _qualified_class(unit) is cls
+
+
+def _class_matches(module: Module, units: Sequence[Union[str, type]]) -> bool:
+    return any(_unit_matches(module, u) for u in units)
+
+
+def _unmatched_unit_error(root: Module, unit: Union[str, type]) -> ValueError:
+    """The error for a ``sharding_units`` entry that matches no submodule of ``root``: a
+    submodule (attribute) name points at its class; otherwise the closest class names."""
+    classes = sorted({type(m).__name__ for m in root.modules()})
+    label = unit if isinstance(unit, str) else unit.__name__
+    for path, m in root.named_modules():
+        if path and label in (path, path.rpartition(".")[2]):
+            inner = sorted({type(c).__name__ for c in m.children()})
+            if isinstance(m, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and inner:
+                what, suggest = f"{type(m).__name__} of {', '.join(inner)}", inner
+            else:
+                what, suggest = type(m).__name__, [type(m).__name__]
+            return ValueError(
+                f"sharding_units entry {label!r} is a submodule name ({what}), not a class; "
+                f"sharding_units takes module classes or class names: did you mean "
+                f"sharding_units={suggest}?")
+    short = label.rpartition(".")[2]
+    close = [c for c in classes if c.lower() in short.lower() or short.lower() in c.lower()]
+    close += [c for c in difflib.get_close_matches(short, classes, n=3, cutoff=0.5)
+              if c not in close]
+    close = close[:3]
+    hint = f" Closest: {close}." if close else ""
+    return ValueError(
+        f"sharding_units entry {label!r} matches no submodule of {type(root).__name__}.{hint} "
+        f"Module classes in the model: {classes} (a class name, its qualified name such as "
+        f"'torch.nn.Linear', or the class itself).")
 
 
 def _post_order(module: Module) -> Iterable[Module]:
@@ -306,7 +352,13 @@ def resolve_sharding_units(root: Module, units: Optional[Sequence[Union[str, typ
     """The modules (excluding ``root``) that become their own group, children first.
 
     ``units=None``: every child of every ``nn.ModuleList``; a model without one is a single group
-    (logged once, with how to choose units). ``units=[]``: a single group, as asked.
+    (logged once, with how to choose units). ``units=[]``: a single group, as asked. Entries are
+    classes or class names as users write them (``"Block"``, ``"torch.nn.Linear"``,
+    ``"torch.nn.modules.linear.Linear"``, ``"mymodule.Block"``).
+
+    Raises:
+        ValueError: an entry matches no submodule; it names a submodule (attribute) instead of a
+            class (the message suggests the class), or lists the closest class names.
     """
     if units is None:
         chosen = {id(c) for m in root.modules() if isinstance(m, nn.ModuleList) for c in m}
@@ -321,14 +373,11 @@ def resolve_sharding_units(root: Module, units: Optional[Sequence[Union[str, typ
         return found
     if not units:
         return []
-    found = [m for m in _post_order(root) if m is not root and _class_matches(m, units)]
-    if not found:
-        names = sorted({type(m).__name__ for m in root.modules()})
-        raise ValueError(
-            f"sharding_units={[u if isinstance(u, str) else u.__name__ for u in units]} matches no "
-            f"submodule of {type(root).__name__}. Module classes in the model: {names}."
-        )
-    return found
+    modules = [m for m in _post_order(root) if m is not root]
+    for unit in units:  # every entry must match: a typo is an error, not a silent no-op
+        if not any(_unit_matches(m, unit) for m in modules):
+            raise _unmatched_unit_error(root, unit)
+    return [m for m in modules if _class_matches(m, units)]
 
 
 def has_meta(module: Module) -> bool:

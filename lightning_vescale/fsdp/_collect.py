@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from lightning_vescale.fsdp._param_group import Owner
 from lightning_vescale.fsdp._replaced import mark_replaced, taken_by
 from lightning_vescale.fsdp._state import get_state, states_in
-from lightning_vescale.planner import resolve_granularity
+from lightning_vescale.planner import default_granularity, resolve_granularity
 
 __all__ = ["CollectedParam", "GranularityArg", "check_param", "collect_params",
            "remember_taken", "resolve_granularities"]
@@ -139,7 +139,9 @@ def resolve_granularities(granularity: GranularityArg,
 
     Every form a user can write (one int/str for all, a dict, a callable) goes through the
     planner's :func:`~lightning_vescale.planner.resolve_granularity` here, with the parameter's
-    shape, so the group and the planner only ever see element counts.
+    shape, so the group and the planner only ever see element counts. ``None`` is the
+    planner's :func:`~lightning_vescale.planner.default_granularity` (the strategies' default:
+    element-wise, multiples of 256 for tensors of 4096+ elements, AdamW8bit's blocks).
 
     Raises:
         ValueError: a mapping names a parameter that is not in ``named_params``; a value is not
@@ -147,8 +149,9 @@ def resolve_granularities(granularity: GranularityArg,
         TypeError: an argument of another type, or a callable returning something else.
     """
     names = [n for n, _ in named_params]
-    if granularity is None or (isinstance(granularity, (int, str))
-                               and not isinstance(granularity, bool)):
+    if granularity is None:  # the strategies' default: 256-aligned for large tensors
+        return {n: default_granularity(tuple(p.shape)) for n, p in named_params}
+    if isinstance(granularity, (int, str)) and not isinstance(granularity, bool):
         given: dict[str, object] = {n: granularity for n in names}
     elif isinstance(granularity, Mapping):
         unknown = sorted(set(granularity) - set(names))

@@ -197,7 +197,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         granularity: block size per parameter in elements, as one int/str for all, a dict
             ``name -> int`` (names relative to ``module``) or a callable ``(name, param) ->
             int``. Every rank's range of a parameter starts and ends on a block boundary.
-            Default: element-wise (the planner aligns shard sizes to 16 elements).
+            Default: the strategies' (element-wise, multiples of 256 for tensors of 4096+
+            elements: ``AdamW8bit``'s blocks; the planner aligns shard sizes to 16 elements).
 
     Returns:
         ``module`` (or the list), whose class now also derives from :class:`VeScaleFSDPModule`

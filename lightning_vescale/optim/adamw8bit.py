@@ -23,7 +23,8 @@ flattened tensor (block ``k`` = elements ``[k*B, (k+1)*B)``), so every rank's fl
 start on a multiple of ``B`` and end on one or at the tensor's end. Then each rank's codes and
 scales are exactly the matching slice of a single-process run's. Supported placements:
 ``RaggedShard`` (local tensor = the rank's flat slice of the row-major tensor, see
-``lightning_vescale.placement``) and ``Replicate``. A misaligned shard raises ``ValueError`` on
+``lightning_vescale.placement``) and ``Replicate``. A misaligned shard raises ``ValueError``
+when the optimizer is built (or a group added, or the block size inherited) and at a step, on
 every rank (the check uses all ranks' ranges, which are pure functions of the placement) naming
 the fix: a sharding granularity that is a multiple of ``block_size``. Parameter checks and the
 state export/import below are the shared ones of ``_base.py`` (design note [sharded-optimizer]).
@@ -78,12 +79,28 @@ from lightning_vescale.optim._base import (
 from lightning_vescale.optim._quant import DEFAULT_BLOCK_SIZE, QuantizedMoment, num_blocks
 from lightning_vescale.placement import compact_, contiguous_runs, run_view
 
-__all__ = ["AdamW8bit", "DEFAULT_MIN_8BIT_SIZE", "DEFAULT_CHUNK_SIZE"]
+__all__ = ["AdamW8bit", "DEFAULT_MIN_8BIT_SIZE", "DEFAULT_CHUNK_SIZE",
+           "mark_sharded_for_block_size"]
 
 #: Parameters with fewer GLOBAL elements keep fp32 moments (bitsandbytes' value).
 DEFAULT_MIN_8BIT_SIZE = 4096
 #: Elements per vectorised pass of a step (bounds the fp32 temporaries).
 DEFAULT_CHUNK_SIZE = 1 << 20
+
+#: Set by the strategies on the parameters they shard: the ``optimizer_block_size`` the shards
+#: were aligned to (what a group with ``block_size=None`` inherits right after construction).
+_SHARDED_FOR = "_lightning_vescale_optimizer_block_size"
+
+
+def mark_sharded_for_block_size(params: Iterable[torch.Tensor], block_size: int | None) -> None:
+    """Record on ``params`` that their shards were aligned to ``block_size`` (the strategies'
+    ``optimizer_block_size``; ``None`` records nothing), so that ``AdamW8bit(block_size=None)``
+    built on them checks their layout against it at construction."""
+    if block_size is None:
+        return
+    for p in params:
+        setattr(p, _SHARDED_FOR, int(block_size))
+
 
 # Group keys that torch.optim.AdamW's groups lack, with the values used when the optimizer's own
 # defaults do not say (see ``AdamW8bit.__setstate__``).
@@ -143,6 +160,21 @@ class AdamW8bit(ShardedOptimizer):
             _check_hparams({**self.defaults, **param_group},
                            where=f"AdamW8bit param group #{len(self.param_groups)}")
         super().add_param_group(param_group)
+        self._check_layouts(len(self.param_groups) - 1)
+
+    def _check_layouts(self, gi: int) -> None:
+        """Group ``gi``'s sharded parameters that will be quantized are block-aligned, checked
+        when the group arrives (construction, :meth:`add_param_group`,
+        :meth:`inherit_block_size`), so a misaligned layout raises here, naming the parameter,
+        its rank's range, the block size and the fix, instead of at the first ``step()``. A
+        group that stated no ``block_size`` is checked against the block its parameters were
+        sharded for (a strategy's ``optimizer_block_size``), else ``DEFAULT_BLOCK_SIZE``."""
+        group = self.param_groups[gi]
+        for i, p in enumerate(group["params"]):
+            if not isinstance(p, DTensor):
+                continue  # plain or not yet sharded (the strategies re-point, then inherit)
+            bs = group["block_size"] or getattr(p, _SHARDED_FOR, None) or DEFAULT_BLOCK_SIZE
+            self._layout(p, {**group, "block_size": bs}, f"#{i} of group {gi}")
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Groups from another optimizer's state dict (torch.optim.AdamW) or an older pickle lack
@@ -175,15 +207,17 @@ class AdamW8bit(ShardedOptimizer):
 
         The strategies call it with their ``optimizer_block_size`` right after the optimizers
         are created, so ``AdamW8bit()`` quantizes in the blocks the shards were aligned to and
-        the user states the block size once. Groups that stated one keep it (a mismatch with the
-        sharding raises at the first step, naming the fix); ``None`` leaves the default.
+        the user states the block size once. Groups that stated one keep it; every group's
+        layout is checked again here (a mismatch with the sharding raises now, naming the
+        fix); ``None`` leaves the default.
         """
         if block_size is None:
             return
         _check_hparams({**self.defaults, "block_size": block_size}, where="AdamW8bit")
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             if group["block_size"] is None:
                 group["block_size"] = block_size
+            self._check_layouts(gi)
 
     def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
         for g in self.param_groups:

@@ -22,16 +22,28 @@ Two torch entry points cut a full tensor into DTensor shards by placement type, 
   broadcasts one full tensor at a time, so a rank holds at most one full tensor beside its
   shards, as with FSDP2.
 
-Both are bound by ``install()`` (``_install``) wherever torch looks them up:
-``torch.distributed.tensor``, its ``_api`` module and ``torch.distributed._state_dict_utils``.
-Code that imported ``distribute_tensor`` by name *before* ``lightning_vescale`` was imported
-keeps torch's original (which raises on a ``RaggedShard``): import ``lightning_vescale`` first,
-or call it as ``torch.distributed.tensor.distribute_tensor``.
+``install()`` (``_install``) teaches torch's ``distribute_tensor`` *function object itself*
+(:func:`teach_distribute_tensor`), so every name bound to it sees ragged placements, whatever
+the import order: ``from torch.distributed.tensor import distribute_tensor`` at the top of a
+script, before ``lightning_vescale`` is imported, is the usual order (FSDP2's rank-0 broadcast
+recipe for meta-device init does exactly this), and rebinding module attributes is not seen by
+such callers. Why not a hook on the placement: torch 2.13's ``distribute_tensor`` dispatches
+with ``isinstance`` against ``Shard``/``_StridedShard``/``Replicate``/``Partial`` and calls no
+method of any other placement (the one instance hook, ``Partial._partition_value``, is reached
+only by a ``Partial``); making ``RaggedShard`` a ``Partial`` (or a ``Shard``,
+``shared/TESTING.md``) subclass would make the rest of torch treat it as a pending reduction (or
+a box shard) with no error. So the function's code is swapped for a two-line trampoline that
+calls :func:`wrap_distribute_tensor` around a copy of torch's original code; signature,
+defaults, name and identity (``torch.distributed.tensor.distribute_tensor is
+_api.distribute_tensor``) are unchanged. ``_state_dict_utils._distribute_tensors`` is private
+and looked up on its module, so rebinding that attribute (:func:`wrap_distribute_tensors`) is
+seen by every caller.
 """
 
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,7 +60,12 @@ from lightning_vescale.placement._ragged_shard import (
     ragged_mesh_dim,
 )
 
-__all__ = ["distribute_ragged", "wrap_distribute_tensor", "wrap_distribute_tensors"]
+__all__ = [
+    "distribute_ragged",
+    "teach_distribute_tensor",
+    "wrap_distribute_tensor",
+    "wrap_distribute_tensors",
+]
 
 
 def _the_ragged(placements: Sequence[Any], mesh: DeviceMesh, what: str
@@ -152,3 +169,41 @@ def wrap_distribute_tensors(original: Callable[..., None]) -> Callable[..., None
 
     _distribute_tensors.__wrapped__ = original  # type: ignore[attr-defined]
     return _distribute_tensors
+
+
+
+#: The name, in torch's ``_api`` module, of the ragged-aware ``distribute_tensor`` that the
+#: trampoline calls (a new attribute; nothing of torch's is rebound).
+_IMPL_NAME = "_lightning_vescale_distribute_tensor"
+
+
+def _trampoline(tensor, device_mesh=None, placements=None, *, src_data_rank=0):
+    # Runs with torch's ``_api`` globals (its code replaces distribute_tensor's own).
+    return _lightning_vescale_distribute_tensor(  # noqa: F821
+        tensor, device_mesh, placements, src_data_rank=src_data_rank)
+
+
+def teach_distribute_tensor(fn: types.FunctionType) -> bool:
+    """Make torch's ``distribute_tensor`` function object ``fn`` answer ragged placements in
+    place (design note [ragged-compat]); every other call runs torch's original code.
+
+    Idempotent. Returns True when ``fn`` is taught (now or before); False, changing nothing,
+    when its signature is not the one the trampoline forwards (another torch): the caller then
+    falls back to rebinding module attributes.
+    """
+    if _IMPL_NAME in fn.__globals__ and fn.__code__.co_filename == __file__:
+        return True
+    params = fn.__code__.co_varnames[:fn.__code__.co_argcount + fn.__code__.co_kwonlyargcount]
+    if params != ("tensor", "device_mesh", "placements", "src_data_rank") or fn.__closure__:
+        return False
+    original = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
+                                  fn.__closure__)
+    original.__kwdefaults__ = dict(fn.__kwdefaults__ or {})
+    original.__qualname__ = fn.__qualname__
+    original.__module__ = fn.__module__
+    original.__doc__ = fn.__doc__
+    fn.__globals__[_IMPL_NAME] = wrap_distribute_tensor(original)
+    fn.__code__ = _trampoline.__code__.replace(
+        co_name=fn.__code__.co_name, co_qualname=fn.__code__.co_qualname,
+        co_filename=__file__)
+    return True

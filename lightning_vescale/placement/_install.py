@@ -15,10 +15,10 @@ What is patched (process-wide, not undone):
 * operators: ``DTensor._op_dispatcher._propagate_op_sharding_dispatch_slow_path`` ->
   :func:`~._ops.wrap_slow_path`, and torch's custom handlers of ``GUARDED_CUSTOM_OPS`` ->
   :func:`~._ops.guard_custom_handler`;
-* E4: ``distribute_tensor`` in ``torch.distributed.tensor``, its ``_api`` module and
-  ``torch.distributed._state_dict_utils`` -> :func:`~._compat.wrap_distribute_tensor`, and
-  ``_state_dict_utils._distribute_tensors`` -> :func:`~._compat.wrap_distribute_tensors`
-  (design note [ragged-compat]).
+* E4: torch's ``distribute_tensor`` function object is taught ragged placements in place
+  (:func:`~._compat.teach_distribute_tensor`: every name bound to it, whatever the import
+  order), and ``_state_dict_utils._distribute_tensors`` ->
+  :func:`~._compat.wrap_distribute_tensors` (design note [ragged-compat]).
 * the flat optimizer step: a custom handler (:func:`~._flat_step.flat_list_op`) for every
   element-wise ``_foreach_*`` op and the fused optimizer kernels (design note [flat-step]),
   unless another handler is registered for the op; registered by the operator hook at the
@@ -43,7 +43,11 @@ from torch.distributed.tensor import _api as _dt_api
 from torch.distributed.tensor import _dispatch as _dt_dispatch
 from torch.distributed.tensor import _redistribute as _dt_redistribute
 
-from lightning_vescale.placement._compat import wrap_distribute_tensor, wrap_distribute_tensors
+from lightning_vescale.placement._compat import (
+    teach_distribute_tensor,
+    wrap_distribute_tensor,
+    wrap_distribute_tensors,
+)
 from lightning_vescale.placement._dtensor import (
     CHECKPOINT_HOOKS,
     make_to_torch_tensor,
@@ -112,10 +116,13 @@ def install() -> None:
         if handler is not None and not _is_installed(handler):
             handlers[op] = _marked(guard_custom_handler(handler))
     # E4: distribute_tensor and the state-dict utilities' full -> shard cut.
-    for module in (_dt, _dt_api, _sd_utils):
-        current = getattr(module, "distribute_tensor", None)
-        if current is not None and not _is_installed(current):
-            module.distribute_tensor = _marked(wrap_distribute_tensor(current))
+    # One function object behind torch.distributed.tensor, _api and _state_dict_utils (and any
+    # name a user bound before importing us): taught in place, so the import order is moot.
+    if not teach_distribute_tensor(_dt_api.distribute_tensor):  # another torch: rebind names
+        for module in (_dt, _dt_api, _sd_utils):
+            current = getattr(module, "distribute_tensor", None)
+            if current is not None and not _is_installed(current):
+                module.distribute_tensor = _marked(wrap_distribute_tensor(current))
     current = getattr(_sd_utils, "_distribute_tensors", None)
     if current is not None and not _is_installed(current):
         _sd_utils._distribute_tensors = _marked(wrap_distribute_tensors(current))

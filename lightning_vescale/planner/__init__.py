@@ -18,9 +18,12 @@ Modules (each imports only the ones above it in this list, and layer 0):
 """
 
 from lightning_vescale.planner._granularity import (
+    DEFAULT_BLOCK_ALIGN,
+    DEFAULT_BLOCK_MIN_NUMEL,
     GRANULARITY_FORMS,
     Granularity,
     check_granularity,
+    default_granularity,
     resolve_granularity,
 )
 from lightning_vescale.planner._layout import (
@@ -40,6 +43,8 @@ from lightning_vescale.planner.presets import (
 
 __all__ = [
     "DEFAULT_ALIGN",
+    "DEFAULT_BLOCK_ALIGN",
+    "DEFAULT_BLOCK_MIN_NUMEL",
     "GRANULARITY_FORMS",
     "PRESETS",
     "BaselineFigures",
@@ -48,6 +53,7 @@ __all__ = [
     "TensorSpec",
     "TransformerConfig",
     "check_granularity",
+    "default_granularity",
     "fsdp1_flat",
     "fsdp2_even_rowwise",
     "num_params",

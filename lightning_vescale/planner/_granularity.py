@@ -37,7 +37,23 @@ import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
-__all__ = ["GRANULARITY_FORMS", "Granularity", "check_granularity", "resolve_granularity"]
+__all__ = [
+    "DEFAULT_BLOCK_ALIGN",
+    "DEFAULT_BLOCK_MIN_NUMEL",
+    "GRANULARITY_FORMS",
+    "Granularity",
+    "check_granularity",
+    "default_granularity",
+    "resolve_granularity",
+]
+
+#: The default granularity's block for large tensors: ``AdamW8bit``'s quantization block
+#: (``lightning_vescale.optim.DEFAULT_BLOCK_SIZE``; restated here, a lower layer, and kept equal
+#: by a test).
+DEFAULT_BLOCK_ALIGN = 256
+#: Tensors with at least this many elements get the aligned default (``AdamW8bit`` keeps fp32
+#: states below it: ``lightning_vescale.optim.DEFAULT_MIN_8BIT_SIZE``).
+DEFAULT_BLOCK_MIN_NUMEL = 4096
 
 #: A granularity as a user writes it (``None``, where accepted, is spelled out in signatures).
 Granularity = int | str
@@ -140,3 +156,14 @@ def resolve_granularity(
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
         raise ValueError(f"multiple_of must be an int >= 1 or None, got {multiple_of!r}")
     return math.lcm(elements, multiple_of)
+
+
+def default_granularity(shape: Sequence[int]) -> int:
+    """The granularity (elements) that ``granularity=None`` means everywhere a layout is built
+    (``fully_shard``, the Trainer/Fabric strategies' default ``optimizer_block_size``, the
+    planner's command line): element-wise, and multiples of :data:`DEFAULT_BLOCK_ALIGN` for
+    tensors of at least :data:`DEFAULT_BLOCK_MIN_NUMEL` elements, so that ``AdamW8bit``'s
+    quantization blocks never straddle ranks. Alignment moves shard bounds (and padding), never
+    values."""
+    large = math.prod(tuple(shape)) >= DEFAULT_BLOCK_MIN_NUMEL
+    return resolve_granularity(None, shape, multiple_of=DEFAULT_BLOCK_ALIGN if large else None)

@@ -9,11 +9,16 @@ even row-wise sharding and FSDP1-style flat sharding at the same world size.
 
 Examples::
 
+    python -m lightning_vescale.planner --preset llama3-70b --world-size 1024
     python -m lightning_vescale.planner --preset llama3-70b --world-size 1024 --granularity row
     python -m lightning_vescale.planner --preset deepseek-v3 --grouping model --world-size 10000
     python -m lightning_vescale.planner --model my_pkg.models:GPT --init-args '{"n_layer": 4}'
 
-Imports only layers 0-1 and torch (Lightning only through a user model that needs
+The default ``--granularity`` is the one training uses (``fully_shard``'s and the strategies'
+default, :func:`~lightning_vescale.planner.default_granularity`: element-wise, and multiples of
+256 for tensors of 4096+ elements), so the layout printed is the one a default run builds;
+``--granularity row`` etc. show other settings. Imports only layers 0-1 and torch (Lightning only
+through a user model that needs
 it).
 """
 
@@ -30,9 +35,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from lightning_vescale.planner._granularity import (
+    DEFAULT_BLOCK_ALIGN,
+    DEFAULT_BLOCK_MIN_NUMEL,
     GRANULARITY_FORMS,
     Granularity,
     check_granularity,
+    default_granularity,
 )
 from lightning_vescale.planner._layout import DEFAULT_ALIGN, LayoutPlan, plan_layout
 from lightning_vescale.planner.baselines import fsdp1_flat, fsdp2_even_rowwise
@@ -184,6 +192,9 @@ def summarize(
     groups: list[tuple[str, Group]], world_size: int, granularity: Granularity | None, align: int
 ) -> tuple[list[LayoutPlan], list[PlanSummary]]:
     """Plan every group; return ``(plans, [planner, lower bound, fsdp2, fsdp1] summaries)``."""
+    if granularity is None:  # the training default, resolved per tensor
+        groups = [(name, [(n, s, default_granularity(s)) for n, s in params])
+                  for name, params in groups]
     t0 = time.perf_counter()
     plans = [plan_layout(params, world_size, granularity=granularity, align=align)
              for _, params in groups]
@@ -232,6 +243,12 @@ def _fmt_table(rows: list[PlanSummary]) -> str:
     return "\n".join(lines)
 
 
+#: How the default granularity is printed: the strategies' setting it corresponds to.
+_DEFAULT_WORDS = (f"default (element-wise, multiples of {DEFAULT_BLOCK_ALIGN} for tensors of "
+                  f"{DEFAULT_BLOCK_MIN_NUMEL}+ elements: fully_shard's and the strategies' "
+                  f"default, optimizer_block_size={DEFAULT_BLOCK_ALIGN})")
+
+
 def _granularity_arg(text: str) -> int | str:
     """``--granularity``: an int when the text is a number, else the text; checked now, so a
     typo fails with the valid forms before anything is planned."""
@@ -258,8 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one group per transformer block + root (default) or the whole model")
     p.add_argument("--world-size", type=int, nargs="+", default=[8],
                    help="ranks (several values print several tables)")
-    p.add_argument("--granularity", type=_granularity_arg, default="row",
-                   help=f"{GRANULARITY_FORMS} (default: row)")
+    p.add_argument("--granularity", type=_granularity_arg, default=None,
+                   help=f"{GRANULARITY_FORMS} (default: {_DEFAULT_WORDS})")
     p.add_argument("--align", type=int, default=DEFAULT_ALIGN,
                    help=f"collective alignment in elements (default {DEFAULT_ALIGN})")
     p.add_argument("--describe", action="store_true",
@@ -280,7 +297,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     n_params = sum(math.prod(s) for _, g in groups for _, s in g)
     n_tensors = sum(len(g) for _, g in groups)
     print(f"model: {label}: {n_params:,} parameters, {n_tensors} tensors, {len(groups)} "
-          f"group(s) ({args.grouping}); granularity={args.granularity}, align={args.align}")
+          f"group(s) ({args.grouping}); granularity="
+          f"{_DEFAULT_WORDS if args.granularity is None else args.granularity}, align={args.align}")
     for m in args.world_size:
         try:
             plans, rows = summarize(groups, m, args.granularity, args.align)

@@ -396,7 +396,11 @@ def _fully_shard_body(steps: int, granularity):
     for blk in model.blocks:
         fully_shard(blk, granularity=granularity)
     fully_shard(model, granularity=granularity)
-    opt, oref = AdamW8bit(model.parameters(), **HP), AdamW8bit(ref.parameters(), **HP)
+    try:
+        opt = AdamW8bit(model.parameters(), **HP)  # a misaligned layout raises here
+    except ValueError as err:
+        return f"construction: {err}"
+    oref = AdamW8bit(ref.parameters(), **HP)
     spans = []
     original = opt._step_span
     opt._step_span = lambda *a, **k: (spans.append(1), original(*a, **k))[1]
@@ -409,7 +413,7 @@ def _fully_shard_body(steps: int, granularity):
             oref.step()
             oref.zero_grad()
     except ValueError as err:
-        return str(err)
+        return f"step: {err}"
     rank = dist.get_rank()
     eq = []
     for p, q in zip(model.parameters(), ref.parameters()):
@@ -427,9 +431,22 @@ def test_with_fully_shard(worlds):
     for out in outs:
         assert all(out["equal"]), out
     assert sum(out["spans"] for out in outs) > 0, "the DBuffer shards took the fast path"
-    # the default (element-wise) granularity is refused with the fix
-    for msg in worlds(2).run(_fully_shard_body, 1, None):
-        assert isinstance(msg, str) and "granularity=256" in msg
+
+
+def test_with_fully_shard_default_granularity(worlds):
+    # fully_shard's default aligns tensors of 4096+ elements to 256 (the strategies' default),
+    # so AdamW8bit works without granularity=256, bitwise as with it
+    for out in worlds(2).run(_fully_shard_body, 2, None):
+        assert isinstance(out, dict) and all(out["equal"]), out
+
+
+def test_with_fully_shard_misaligned_is_refused_at_construction(worlds):
+    # element-wise sharding of the (128, 64) weights: the optimizer's constructor names the
+    # parameter, its rank's range, the block size and the fix (it raised at the first step)
+    for msg in worlds(2).run(_fully_shard_body, 1, 1):
+        assert isinstance(msg, str) and msg.startswith("construction: "), msg
+        assert "block_size=256" in msg and "fully_shard(module, granularity=256)" in msg, msg
+        assert "holds the flat range" in msg and "parameter #" in msg, msg
 
 
 # -- other placements: Replicate works like a plain tensor, others are refused by name ---------

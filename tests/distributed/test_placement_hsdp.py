@@ -367,8 +367,8 @@ def _body_random():
 
 
 def _body_distribute_tensor():
-    # looked up on the module: install() rebinds it there (a name imported before
-    # lightning_vescale keeps torch's original; design note [ragged-compat])
+    # torch's function, taught in place by install() (a name imported before lightning_vescale
+    # works too: test_ragged_import_order.py; design note [ragged-compat])
     mesh = _mesh2d()
     rank = dist.get_rank()
     j = mesh.get_local_rank(1)

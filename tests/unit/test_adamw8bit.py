@@ -396,3 +396,18 @@ def test_accelerator_matches_cpu():
     _run(od, pd, shapes, 3)
     for a, b in zip(pc, pd):
         torch.testing.assert_close(a.detach(), b.detach().cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_fully_shard_default_alignment_is_adamw8bit_block():
+    """``granularity=None`` (fully_shard, the planner CLI) aligns exactly the tensors AdamW8bit
+    quantizes to its block: the planner's constants restate the optimizer's."""
+    from lightning_vescale.optim import DEFAULT_BLOCK_SIZE, DEFAULT_MIN_8BIT_SIZE
+    from lightning_vescale.planner import (
+        DEFAULT_BLOCK_ALIGN,
+        DEFAULT_BLOCK_MIN_NUMEL,
+        default_granularity,
+    )
+
+    assert (DEFAULT_BLOCK_ALIGN, DEFAULT_BLOCK_MIN_NUMEL) == (DEFAULT_BLOCK_SIZE,
+                                                              DEFAULT_MIN_8BIT_SIZE)
+    assert default_granularity((64, 64)) == 256 and default_granularity((4095,)) == 1
