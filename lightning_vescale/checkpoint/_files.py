@@ -306,6 +306,56 @@ def rank0_agreed(fn: Callable[[], Any], what: str) -> Any:
     return out
 
 
+# ------------------------------------------------------------------------------------------------
+# Disk full
+# ------------------------------------------------------------------------------------------------
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _causes(exc: BaseException, seen: set[int]) -> Any:
+    """``exc``, its cause/context chain and, for DCP's ``CheckpointException``, every rank's
+    failure (with their chains), depth first, each once."""
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        stack += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):  # DCP: {rank: (exception, traceback summary)}
+            for failure in failures.values():
+                stack.append(failure[0] if isinstance(failure, tuple) else failure)
+
+
+def find_no_space(exc: BaseException) -> OSError | None:
+    """The "no space left" (or quota) ``OSError`` behind ``exc``, where there is one: torch's
+    writers bury it under ``unexpected pos ...`` or DCP's ``CheckpointException ranks:...``."""
+    for e in _causes(exc, set()):
+        if isinstance(e, OSError) and e.errno in _NO_SPACE:
+            return e
+    return None
+
+
+def raise_if_no_space(exc: BaseException, path: Path, what: str, aftermath: str) -> None:
+    """Re-raise ``exc`` as ``OSError(ENOSPC)`` saying "No space left on <dir>" first, if a full
+    disk (or quota) is behind it; otherwise return and let the caller report ``exc``."""
+    cause = find_no_space(exc)
+    if cause is None:
+        return
+    where = Path(path).parent
+    try:
+        free = f"; {shutil.disk_usage(where).free / 2**20:.1f} MiB free now"
+    except OSError:
+        free = ""
+    raise OSError(
+        cause.errno,
+        f"No space left on {str(where)!r} ({os.strerror(cause.errno)}{free}) while {what} "
+        f"{str(path)!r}. Free space there or save to another directory; {aftermath}.",
+    ) from exc
+
+
 def serialize(obj: Any) -> bytes:
     """``torch.save`` into bytes (fails early, before any file is written, if unpicklable)."""
     buf = io.BytesIO()

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from lightning_vescale.checkpoint._files import (
     check_checkpoint_path,
     discard,
+    raise_if_no_space,
     is_sharded_checkpoint,
     publish,
     rank0_agreed,
@@ -47,10 +48,15 @@ def save_full(path: Path, checkpoint: dict[str, Any]) -> None:
     def write() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            torch.save(checkpoint, tmp)
+            # through a Python file: its write errors (ENOSPC) stay in the exception chain,
+            # where torch's own file writer reports only "unexpected pos ..."
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
             publish(tmp, path)
-        except BaseException:
+        except BaseException as e:
             discard(tmp)  # rank 0 alone writes the full format
+            raise_if_no_space(e, path, "writing the full checkpoint",
+                              "any previous checkpoint at that path is untouched")
             raise
 
     rank0_agreed(write, f"write the checkpoint {path}")

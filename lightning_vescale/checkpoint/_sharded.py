@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from lightning_vescale.checkpoint._files import (
     METADATA_FILENAME,
     discard,
+    raise_if_no_space,
     is_sharded_checkpoint,
     publish,
     rank,
@@ -75,7 +76,13 @@ def save_sharded(path: Path, tensors: dict[str, Any], metadata: dict[str, Any]) 
         data = serialize(metadata)  # fail early (before any file is written) if unpicklable
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-        (tmp / METADATA_FILENAME).write_bytes(data)
+        try:
+            (tmp / METADATA_FILENAME).write_bytes(data)
+        except BaseException as e:
+            discard(tmp)
+            raise_if_no_space(e, path, "saving the sharded checkpoint",
+                              "any previous checkpoint at that path is untouched")
+            raise
 
     rank0_agreed(prepare, f"prepare the checkpoint directory {tmp}")
     try:  # DCP propagates any rank's write error to all ranks (as a BaseException)
@@ -93,17 +100,20 @@ def save_sharded(path: Path, tensors: dict[str, Any], metadata: dict[str, Any]) 
         else:
             cleanup = (f"rank 0 removes the partial write {tmp.name!r}; if rank 0 died, the next "
                        "save to this path (or remove_checkpoint) removes it")
+        aftermath = f"any previous checkpoint at that path is untouched and {cleanup}"
+        raise_if_no_space(e, path, "saving the sharded checkpoint", aftermath)
         raise RuntimeError(
-            f"Saving the sharded checkpoint {str(path)!r} failed; any previous checkpoint at that "
-            f"path is untouched and {cleanup}. Cause: {e}"
+            f"Saving the sharded checkpoint {str(path)!r} failed; {aftermath}. Cause: {e}"
         ) from e
 
     def write_manifest_and_publish() -> None:
         try:
             write_manifest(tmp, items, extra_files=(METADATA_FILENAME,))
             publish(tmp, path)
-        except BaseException:
+        except BaseException as e:
             discard(tmp)  # only rank 0 touches tmp now (DCP finished on every rank)
+            raise_if_no_space(e, path, "publishing the sharded checkpoint",
+                              "any previous checkpoint at that path is untouched")
             raise
 
     rank0_agreed(write_manifest_and_publish, f"publish the checkpoint at {path}")
