@@ -109,8 +109,11 @@ class CharDataModule(pl.LightningDataModule):
 
 
 # -- what the demo records -------------------------------------------------------------------------
-_ROWS = (("parameters", ("params_sharded", "params_unsharded")), ("gradients", ("grads",)),
-         ("optimizer states", ("optimizer_states",)))
+# (row, breakdown categories, the phases whose end samples count: None = every sample)
+_ROWS = (("parameters, between steps", ("params_sharded", "params_unsharded"), {"optimizer_step"}),
+         ("parameters, largest", ("params_sharded", "params_unsharded"), None),
+         ("gradients", ("grads",), None),
+         ("optimizer states", ("optimizer_states",), None))
 
 
 class _Record(Callback):
@@ -130,8 +133,10 @@ class _Record(Callback):
         mine: dict[str, int] = {}
         for s in self.profiler.samples:
             if s.breakdown is not None:
-                for row, cats in _ROWS:
-                    mine[row] = max(mine.get(row, 0), sum(getattr(s.breakdown, c) for c in cats))
+                for row, cats, phases in _ROWS:
+                    if phases is None or s.phase in phases:
+                        mine[row] = max(mine.get(row, 0),
+                                        sum(getattr(s.breakdown, c) for c in cats))
         everyone: list[Any] = [mine]
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()
@@ -188,7 +193,7 @@ def memory_table(runs: list[RunResult]) -> str:
     if len(runs) == 2:
         head.append("ratio")
     rows = [head]
-    for row, _ in _ROWS:
+    for row, _, _ in _ROWS:
         values = [max(m.get(row, 0) for m in r.memory) for r in runs]
         cells = [row] + [_kib(v) for v in values]
         if len(runs) == 2:
@@ -220,9 +225,11 @@ def report(sharding: str, runs: list[RunResult]) -> str:
     lines += ["", "== Memory per rank (MemoryProfiler: largest value over the profiled steps) ==",
               memory_table(runs)]
     if len(runs) == 2:
-        lines += ["(vescale_fsdp's parameters include the gathered copies of the root group and "
-                  "of the last block,", " kept from forward to backward; DDP's gradient buckets, "
-                  "a second copy of the gradients, are not counted.)"]
+        lines += ["(between steps: after the optimizer step, each rank holds its shards only; "
+                  "largest: vescale_fsdp's", " also count the gathered root group and last block, "
+                  "kept from forward to backward (one all-gather", " less per step; "
+                  "reshard_after_forward=True gathers the last block again for backward). DDP's",
+                  " gradient buckets, a second copy of the gradients, are not counted.)"]
     return "\n".join(lines)
 
 
