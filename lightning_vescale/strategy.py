@@ -162,6 +162,10 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
             on a few flat views of each group's shard instead of one tensor per parameter
             (bitwise the same result, per-parameter state dicts); other optimizers are left as
             they are. ``False`` steps them per tensor.
+        sync_module_states: broadcast global rank 0's parameters and buffers to every rank
+            before sharding (default ``True``, as DDP does), so unseeded ranks start from one
+            model; meta-device (``empty_init=True``) tensors are materialised per shard and not
+            synchronised. See design note [sync-module-states].
     """
 
     strategy_name = "vescale_fsdp"
@@ -185,6 +189,7 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         device_mesh: DeviceMeshArg = None,
         flat_optimizer: bool = True,
+        sync_module_states: bool = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -201,7 +206,8 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
                         reshard_after_forward=reshard_after_forward,
                         state_dict_type=state_dict_type,
                         process_group_backend=process_group_backend, timeout=timeout,
-                        device_mesh=device_mesh, flat_optimizer=flat_optimizer)
+                        device_mesh=device_mesh, flat_optimizer=flat_optimizer,
+                        sync_module_states=sync_module_states)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be one of 'popen', 'spawn', 'fork', "
                              f"'forkserver', got {start_method!r}.")
