@@ -86,6 +86,10 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
             on a few flat views of each group's shard instead of one tensor per parameter
             (bitwise the same result, per-parameter state dicts); other optimizers are left as
             they are. ``False`` steps them per tensor.
+        sync_module_states: broadcast global rank 0's parameters and buffers to every rank
+            before sharding (default ``True``, as DDP does), so unseeded ranks start from one
+            model; meta-device (``empty_init=True``) tensors are materialised per shard and not
+            synchronised. See design note [sync-module-states].
     """
 
     _registry_entries = (RegistryEntry(
@@ -104,6 +108,7 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         device_mesh: DeviceMeshArg = None,
         flat_optimizer: bool = True,
+        sync_module_states: bool = True,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -118,7 +123,8 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
                         reshard_after_forward=reshard_after_forward,
                         state_dict_type=state_dict_type,
                         process_group_backend=process_group_backend, timeout=timeout,
-                        device_mesh=device_mesh, flat_optimizer=flat_optimizer)
+                        device_mesh=device_mesh, flat_optimizer=flat_optimizer,
+                        sync_module_states=sync_module_states)
         self._backward_sync_control = _VeScaleBackwardSyncControl()
         self._set_up_modules: list[weakref.ref[Module]] = []
 

@@ -5,17 +5,31 @@ Design note [precision]
 With a sharding engine, mixed precision is not an ``autocast`` affair alone: the engine keeps the
 fp32 shards (the "master weights"), all-gathers them in ``param_dtype`` and reduce-scatters
 gradients in ``reduce_dtype``. So a precision flag maps onto a
-:class:`~lightning_vescale.fsdp.MixedPrecisionPolicy` that the strategy hands to ``fully_shard``:
+:class:`~lightning_vescale.fsdp.MixedPrecisionPolicy` that the strategy hands to ``fully_shard``.
+These are the semantics of Lightning's own ``FSDPStrategy`` (its ``FSDPPrecision``:
+``param_dtype = reduce_dtype = `` the flag's dtype, ``autocast`` on for the ``-mixed`` flags),
+with ``autocast`` on the strategy's device instead of a hard-coded ``"cuda"``:
 
-=============  ==========================  =========================  =====================
-flag           stored shards               policy (param / reduce)    forward context
-=============  ==========================  =========================  =====================
-``32-true``    fp32                        none                       none
-``bf16-mixed`` fp32                        bf16 / fp32                ``autocast(bf16)``
-``16-mixed``   fp32                        fp16 / fp32                ``autocast(fp16)`` + scaler
-``bf16-true``  bf16 (module cast)          none                       default dtype bf16
-``16-true``    fp16 (module cast)          none                       default dtype fp16
-=============  ==========================  =========================  =====================
+==============  ==============  ===============  ==================  ==============  ===========
+flag            stored shards   compute          unsharded grads     reduce-scatter  shard grads
+                (master)        (all-gather)     (backward)          (+ no-sync sum) (optimizer)
+==============  ==============  ===============  ==================  ==============  ===========
+``32-true``     fp32            fp32             fp32                fp32            fp32
+``bf16-mixed``  fp32            bf16 params +    bf16                bf16            fp32
+                                ``autocast``
+``16-mixed``    fp32            fp16 params +    fp16 (scaled)       fp16            fp32
+                                ``autocast``
+``bf16-true``   bf16 (cast)     bf16             bf16                bf16            bf16
+``16-true``     fp16 (cast)     fp16             fp16                fp16            fp16
+==============  ==============  ===============  ==================  ==============  ===========
+
+Unlike DDP's ``bf16-mixed`` (fp32 parameters under ``autocast``, fp32 all-reduce), the ops that
+``autocast`` keeps in fp32 (norms, softmax, loss) see parameters rounded to bf16, and gradients are
+produced and summed in bf16: the same model and data give slightly different losses from the
+first step on (about 1e-4 relative after one step of the README demo; see README "Precision").
+``VeScalePrecision(..., reduce_dtype=torch.float32)`` (or ``"float32"`` from YAML) reduces and
+accumulates gradients in fp32 instead (FSDP2's usual recommendation; more accurate at large
+worlds and with gradient accumulation). Buffers are never cast (FSDP2 has no ``buffer_dtype``).
 
 ``autocast`` runs on the strategy's device type (never hard-coded ``"cuda"``); it keeps numerically
 sensitive ops (softmax, cross-entropy, norms) in fp32 on top of the bf16/fp16 parameters.
@@ -185,14 +199,14 @@ class ShardedGradScaler(torch.amp.GradScaler):
     Every rank only sees its own gradient shard, so an overflow may be visible on one rank only.
     The found-inf flag is all-reduced with MAX over the default process group (the data-parallel
     world of ``fully_shard``), so all ranks skip or take the step together and update the scale
-    identically.
+    identically. ``device=None``: the current accelerator's type (the CPU without one).
     """
 
-    def __init__(self, device: str = "cuda", init_scale: float = 2.0**16,
+    def __init__(self, device: Optional[str] = None, init_scale: float = 2.0**16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, enabled: bool = True,
                  process_group: Any = None) -> None:
-        super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
+        super().__init__(device or _default_device_type(), init_scale=init_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval,
                          enabled=enabled)
         self.process_group = process_group
@@ -259,9 +273,10 @@ class _VeScalePrecisionMixin:
     scaler: Optional[ShardedGradScaler]
     _device_type: Optional[str]
     _mixed_precision_policy: Optional[MixedPrecisionPolicy]
+    reduce_dtype: Optional[torch.dtype]
 
     def _init_precision(self, precision: Any, scaler: Optional[ShardedGradScaler],
-                        device: Optional[str]) -> None:
+                        device: Optional[str], reduce_dtype: Any = None) -> None:
         precision = _ALIASES.get(precision, precision)
         if precision not in _SUPPORTED:
             raise ValueError(
@@ -275,7 +290,8 @@ class _VeScalePrecisionMixin:
             )
         self.precision = precision
         self._device_type = device
-        self._mixed_precision_policy = _policy_for(precision)
+        self.reduce_dtype = _as_reduce_dtype(reduce_dtype, precision)
+        self._mixed_precision_policy = _policy_for(precision, self.reduce_dtype)
         if precision == "16-mixed" and scaler is None:
             scaler = ShardedGradScaler(device or _default_device_type())
         self.scaler = (as_sharded_scaler(scaler, device or scaler._device)
@@ -347,14 +363,44 @@ class _VeScalePrecisionMixin:
             self.scaler.load_state_dict(state_dict)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(precision={self.precision!r})"
+        extra = f", reduce_dtype={self.reduce_dtype}" if self.reduce_dtype is not None else ""
+        return f"{type(self).__name__}(precision={self.precision!r}{extra})"
 
 
-def _policy_for(precision: str) -> Optional[MixedPrecisionPolicy]:
-    """The one place a flag becomes a policy: all-gather in the compute dtype, reduce in fp32."""
+def _policy_for(precision: str,
+                reduce_dtype: Optional[torch.dtype] = None) -> Optional[MixedPrecisionPolicy]:
+    """The one place a flag becomes a policy (table of design note [precision]): all-gather and
+    reduce-scatter in the flag's dtype, as Lightning's ``FSDPPrecision``; ``reduce_dtype``
+    overrides the reduction's."""
     if precision not in ("bf16-mixed", "16-mixed"):
         return None
-    return MixedPrecisionPolicy(param_dtype=_COMPUTE_DTYPES[precision], reduce_dtype=torch.float32)
+    dtype = _COMPUTE_DTYPES[precision]
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype or dtype)
+
+
+_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def _as_reduce_dtype(value: Any, precision: str) -> Optional[torch.dtype]:
+    """``reduce_dtype`` as a ``torch.dtype`` (a dtype, a name such as ``"float32"`` from YAML, or
+    ``None``: the flag's own dtype)."""
+    if value is None:
+        return None
+    if precision not in ("bf16-mixed", "16-mixed"):
+        raise ValueError(
+            f"reduce_dtype={value!r} needs a mixed precision flag, got precision={precision!r}; "
+            "use precision='bf16-mixed' or '16-mixed', or leave reduce_dtype=None.")
+    if isinstance(value, torch.dtype) and value.is_floating_point:
+        return value
+    if isinstance(value, str):
+        name = value.removeprefix("torch.")
+        if name in _DTYPE_NAMES:
+            return _DTYPE_NAMES[name]
+    raise ValueError(
+        f"reduce_dtype={value!r} (precision={precision!r}) is not a floating-point dtype; pass "
+        f"torch.float32 / torch.bfloat16 / torch.float16, one of {sorted(_DTYPE_NAMES)}, or None "
+        "for the precision flag's own dtype.")
 
 
 def _default_device_type() -> str:
@@ -394,11 +440,15 @@ class VeScalePrecision(_VeScalePrecisionMixin, Precision):
         scaler: only with ``"16-mixed"``: a :class:`ShardedGradScaler`, or any
             ``torch.amp.GradScaler`` whose settings are carried into one; one is created otherwise.
         device: device type for ``autocast``/the scaler; the strategy sets it from its root device.
+        reduce_dtype: dtype of the gradient reduce-scatter and of gradient accumulation without
+            sync (``None``: the flag's dtype, as Lightning's ``FSDPPrecision``; e.g.
+            ``torch.float32`` or ``"float32"`` for fp32 reductions under ``"bf16-mixed"``).
     """
 
     def __init__(self, precision: PrecisionFlag = "32-true",
-                 scaler: Optional[ShardedGradScaler] = None, device: Optional[str] = None) -> None:
-        self._init_precision(precision, scaler, device)
+                 scaler: Optional[ShardedGradScaler] = None, device: Optional[str] = None,
+                 reduce_dtype: Union[torch.dtype, str, None] = None) -> None:
+        self._init_precision(precision, scaler, device, reduce_dtype)
 
     @override
     def pre_backward(self, tensor: Tensor,  # type: ignore[override]
@@ -427,11 +477,13 @@ class VeScalePrecision(_VeScalePrecisionMixin, Precision):
 
 
 class VeScaleFabricPrecision(_VeScalePrecisionMixin, FabricPrecision):
-    """The same mapping for Lightning Fabric (``VeScaleFabricStrategy``)."""
+    """The same mapping for Lightning Fabric (``VeScaleFabricStrategy``); same arguments as
+    :class:`VeScalePrecision`."""
 
     def __init__(self, precision: PrecisionFlag = "32-true",
-                 scaler: Optional[ShardedGradScaler] = None, device: Optional[str] = None) -> None:
-        self._init_precision(precision, scaler, device)
+                 scaler: Optional[ShardedGradScaler] = None, device: Optional[str] = None,
+                 reduce_dtype: Union[torch.dtype, str, None] = None) -> None:
+        self._init_precision(precision, scaler, device, reduce_dtype)
 
     @override
     def pre_backward(self, tensor: Tensor, module: Optional[Module]) -> Any:
@@ -465,7 +517,8 @@ def to_vescale_precision(plugin: Any, *, fabric: bool = False) -> Any:
     if plugin is None or isinstance(plugin, target):
         return plugin
     if isinstance(plugin, _VeScalePrecisionMixin):  # the sibling class (Fabric <-> Trainer)
-        return target(plugin.precision, scaler=plugin.scaler, device=plugin._device_type)
+        return target(plugin.precision, scaler=plugin.scaler, device=plugin._device_type,
+                      reduce_dtype=plugin.reduce_dtype)
     flag = getattr(plugin, "precision", None)
     flag = _ALIASES.get(flag, flag)
     if type(plugin) in _PLAIN_PLUGINS and flag in (None, "32-true"):

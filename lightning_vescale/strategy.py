@@ -60,7 +60,7 @@ import sys
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -82,7 +82,14 @@ from typing_extensions import override
 
 from lightning_vescale._lightning.core import RegistryEntry, VeScaleStrategyCore
 from lightning_vescale._lightning.device_mesh import DeviceMeshArg
-from lightning_vescale._lightning.launcher import VeScaleMultiProcessingLauncher
+from lightning_vescale._lightning.launcher import (
+    SAVED_AFTER_LAUNCH_KEY,
+    VeScaleMultiProcessingLauncher,
+    in_launching_process,
+    saved_after_launch,
+    saved_after_launch_error,
+    warn_saved_after_launch,
+)
 from lightning_vescale._lightning.sharding import (
     DEFAULT_MIN_BLOCK_NUMEL,
     DEFAULT_OPTIMIZER_BLOCK_SIZE,
@@ -155,6 +162,10 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
             on a few flat views of each group's shard instead of one tensor per parameter
             (bitwise the same result, per-parameter state dicts); other optimizers are left as
             they are. ``False`` steps them per tensor.
+        sync_module_states: broadcast global rank 0's parameters and buffers to every rank
+            before sharding (default ``True``, as DDP does), so unseeded ranks start from one
+            model; meta-device (``empty_init=True``) tensors are materialised per shard and not
+            synchronised. See design note [sync-module-states].
     """
 
     strategy_name = "vescale_fsdp"
@@ -178,6 +189,7 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         device_mesh: DeviceMeshArg = None,
         flat_optimizer: bool = True,
+        sync_module_states: bool = True,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -194,7 +206,8 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
                         reshard_after_forward=reshard_after_forward,
                         state_dict_type=state_dict_type,
                         process_group_backend=process_group_backend, timeout=timeout,
-                        device_mesh=device_mesh, flat_optimizer=flat_optimizer)
+                        device_mesh=device_mesh, flat_optimizer=flat_optimizer,
+                        sync_module_states=sync_module_states)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be one of 'popen', 'spawn', 'fork', "
                              f"'forkserver', got {start_method!r}.")
@@ -393,6 +406,8 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
             rank_zero_warn(f"Not saving the checkpoint {str(filepath)!r}: a worker process "
                            "failed and the main process only holds the untrained model.")
             return
+        if in_launching_process(self._launcher):  # weights only: say so (see [saved-after-launch])
+            warn_saved_after_launch(checkpoint, filepath, self._start_method)
         path = self._checkpoint_target(filepath)
         if self._state_dict_type == "full":
             ckpt.save_full(path, checkpoint)
@@ -425,13 +440,15 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
             else {}
         if ckpt.is_sharded_checkpoint(path):
             if optimizers:
-                _check_optimizer_count(len(optimizers), ckpt.count_sharded_optimizers(path))
+                _check_optimizer_count(len(optimizers), ckpt.count_sharded_optimizers(path), path,
+                                       lambda: saved_after_launch(path))
             return ckpt.load_sharded(path, lm, optimizers, strict=lm.strict_loading,
                                      weights_only=weights_only)
         checkpoint = ckpt.read_full(path, weights_only=weights_only)
         states = checkpoint.pop("optimizer_states", None)  # Lightning's layout: a list
         if optimizers and states is not None:
-            _check_optimizer_count(len(optimizers), len(states))
+            _check_optimizer_count(len(optimizers), len(states), path,
+                                   lambda: checkpoint.get(SAVED_AFTER_LAUNCH_KEY))
             checkpoint.update(zip(optimizers, states))
         else:
             optimizers = {}
@@ -444,8 +461,12 @@ _OPTIMIZER_HINT = ("Make sure to create the optimizer in the `configure_optimize
                    "`configure_optimizers()`.")
 
 
-def _check_optimizer_count(configured: int, saved: int) -> None:
+def _check_optimizer_count(configured: int, saved: int, path: Any = None,
+                           saved_after_launch: Callable[[], Optional[str]] = lambda: None) -> None:
     if saved == 0 and configured > 0:
+        start_method = saved_after_launch()
+        if start_method:
+            raise saved_after_launch_error(path, start_method)
         raise KeyError(  # Lightning's own wording for this case, plus the fix
             "Trying to restore optimizer state but checkpoint contains only the model. This is "
             "probably due to `ModelCheckpoint.save_weights_only` being set to `True`. Resume from "

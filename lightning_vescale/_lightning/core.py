@@ -76,6 +76,10 @@ from lightning_vescale._lightning.sharding import (
 from lightning_vescale.checkpoint import check_checkpoint_path
 from lightning_vescale.optim import AdamW8bit, Muon, flat_param_optimizer
 from lightning_vescale.optim.adamw8bit import mark_sharded_for_block_size
+from lightning_vescale._lightning.sync_states import (
+    broadcast_module_states,
+    validate_sync_module_states,
+)
 from lightning_vescale.precision import _VeScalePrecisionMixin
 
 __all__ = ["RegistryEntry", "VeScaleStrategyCore"]
@@ -157,6 +161,7 @@ class VeScaleStrategyCore:
         timeout: Any,
         device_mesh: Any = None,
         flat_optimizer: bool = True,
+        sync_module_states: bool = True,
     ) -> None:
         """Validate and store the arguments both strategies take (errors name the parameter).
 
@@ -176,6 +181,7 @@ class VeScaleStrategyCore:
         self._num_nodes = 1
         self._device_mesh_spec = validate_device_mesh(device_mesh)
         self._flat_optimizer = validate_flat_optimizer(flat_optimizer)
+        self._sync_module_states = validate_sync_module_states(sync_module_states)
         self._device_mesh: Optional[DeviceMesh] = None
         self._exception_agreement = ExceptionAgreement()
 
@@ -296,7 +302,10 @@ class VeScaleStrategyCore:
     # -- sharding --------------------------------------------------------------------------------
     def _shard(self, module: Module) -> None:
         """``fully_shard`` the units of ``module`` and ``module`` itself (design note
-        [sharding-units]), on this rank's device, with the precision plugin's policy."""
+        [sharding-units]), on this rank's device, with the precision plugin's policy; first
+        rank 0's initial states are broadcast when ``sync_module_states`` ([sync-module-states])."""
+        if self._sync_module_states:
+            broadcast_module_states(module, self.device_mesh)
         shard_model(module, units=self._sharding_units, mesh=self.device_mesh,
                     device=self.root_device,
                     mp_policy=self._vescale_precision.mixed_precision_policy,

@@ -60,7 +60,7 @@ def test_precision_flag_becomes_vescale_precision(flag):
     assert isinstance(plugin, VeScalePrecision) and plugin.precision == flag
     policy = plugin.mixed_precision_policy
     if flag == "bf16-mixed":
-        assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+        assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.bfloat16
     else:
         assert policy is None
     want = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(flag, torch.float32)
