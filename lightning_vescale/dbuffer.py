@@ -92,77 +92,46 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from lightning_vescale._dbuffer_comm import (
+    CommHandle,
+    _all_gather_flat,
+    _reduce_scatter_flat,
+    _resolve_op,
+    gloo_reduce_scatter_sum,
+)
 from lightning_vescale.mesh import MeshInfo
 from lightning_vescale.placement import RaggedShard, local_slice
 from lightning_vescale.planner import LayoutPlan
 
-__all__ = ["DBuffer", "CommHandle", "live_dbuffers"]
+__all__ = ["DBuffer", "CommHandle", "dbuffer_of", "live_dbuffers"]
 
 _LIVE: "weakref.WeakSet[DBuffer]" = weakref.WeakSet()
+#: the attribute of a shard's storage object holding a weak reference to its DBuffer
+_OWNER = "_lightning_vescale_dbuffer"
 
 
 def live_dbuffers() -> list["DBuffer"]:
-    """Every ``DBuffer`` that is still alive in this process (for memory accounting)."""
+    """Every ``DBuffer`` that is still alive in this process (for memory accounting: the
+    ``MemoryProfiler``'s ``engine_tensors(module=None)``; the engine itself never reads it)."""
     return list(_LIVE)
 
 
-class _Finished:
-    """A work-like object whose ``wait()`` runs ``finish`` once (a collective plus its local
-    completion, e.g. the sum after gloo's all-to-all reduce-scatter)."""
+def dbuffer_of(t: torch.Tensor) -> "DBuffer | None":
+    """The live ``DBuffer`` whose owned ``shard`` storage ``t`` views (a ``fully_shard``
+    parameter's local tensor, its run of neighbours), else ``None``.
 
-    def __init__(self, finish: Callable[[], None]) -> None:
-        self._finish: Callable[[], None] | None = finish
-
-    def wait(self) -> bool:
-        finish, self._finish = self._finish, None
-        if finish is not None:
-            finish()
-        return True
-
-
-class CommHandle:
-    """Handle of a (possibly asynchronous) DBuffer collective; :meth:`wait` is idempotent."""
-
-    __slots__ = ("_work", "_epilogue", "_done")
-
-    def __init__(self, work: Any, epilogue: Callable[[], None] | None = None) -> None:
-        self._work = work
-        self._epilogue = epilogue
-        self._done = False
-
-    def wait(self) -> None:
-        """Block until the collective finished and its buffer epilogue ran."""
-        if self._done:
-            return
-        if self._work is not None:
-            with record_function("vescale::comm_wait"):  # waiting, not engine work
-                self._work.wait()
-        self._work = None
-        if self._epilogue is not None:
-            epilogue, self._epilogue = self._epilogue, None
-            epilogue()
-        self._done = True
-
-
-# torch >= 2.13 names the flat collectives ``*_single`` (the old names warn as deprecated).
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _resolve_op(op: str | dist.ReduceOp) -> dist.ReduceOp:
-    if isinstance(op, str):
-        table = {"avg": dist.ReduceOp.AVG, "mean": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM}
-        if op.lower() not in table:
-            raise ValueError(f"op={op!r} is not supported; use 'avg' or 'sum'")
-        return table[op.lower()]
-    return op
+    The link lives on the shard's storage object (torch keeps one Python object per storage
+    while the storage lives) as a weak reference: a tensor finds its own buffer without any
+    process-wide lookup, and the link never keeps the buffer alive.
+    """
+    ref = getattr(t.untyped_storage(), _OWNER, None)
+    return ref() if ref is not None else None
 
 
 def _storage_view(base: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -273,6 +242,7 @@ class DBuffer:
         self._gloo: bool | None = None  # the group's backend is gloo (see _on_gloo)
         self.free()
         self.free_grad()
+        setattr(self.shard.untyped_storage(), _OWNER, weakref.ref(self))  # see dbuffer_of
         _LIVE.add(self)
 
     def _rank_and_size(self, plan: LayoutPlan, mesh_info: MeshInfo | None) -> tuple[int, int]:
@@ -543,32 +513,16 @@ class DBuffer:
 
     def _gloo_reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor,
                                  async_op: bool) -> Any:
-        """``out = sum over ranks of inp[rank slice]`` as an all-to-all plus one local sum (the
-        fast form on gloo, design note [dbuffer-collectives]). Returns a work whose ``wait()``
-        also sums; ``inp`` must stay unchanged until then."""
-        W, S = self.world_size, self.shard_size
-        received = torch.empty(W * S, dtype=inp.dtype, device=inp.device)
-        nbytes = received.numel() * received.element_size()
+        """``out = sum over ranks of inp[rank slice]`` on gloo (design note
+        [dbuffer-collectives]); the temporary counts as communication memory until the sum."""
+        nbytes = self.world_size * self.shard_size * inp.element_size()
         self._comm_bytes += nbytes
-        work = dist.all_to_all_single(received, inp, group=self.group, async_op=True)
 
-        # gloo's ring order for this rank's slice: x[r-1] + x[r-2] + ... + x[r] (measured;
-        # any order is a correct sum, this one keeps the bits of gloo's own reduce-scatter)
-        rank = self.rank
-        order = [(rank - k) % W for k in range(1, W)] + [rank]
-
-        def finish() -> None:
-            work.wait()
-            parts = received.view(W, S)
-            torch.add(parts[order[0]], parts[order[1]], out=out)
-            for k in order[2:]:
-                out.add_(parts[k])
+        def release() -> None:
             self._comm_bytes -= nbytes
 
-        if not async_op:
-            finish()
-            return None
-        return _Finished(finish)
+        return gloo_reduce_scatter_sum(out, inp, rank=self.rank, world_size=self.world_size,
+                                       group=self.group, async_op=async_op, release=release)
 
     def _reduce_scatter(self, async_op: bool, rop: dist.ReduceOp,
                         accumulate: bool, scale: float | None = None) -> CommHandle:

@@ -1,14 +1,15 @@
-"""Layer 4: the runs, segments and exactness probe behind :class:`FlatParamOptimizer`.
+"""Layer 4: the runs and segments behind :class:`FlatParamOptimizer`.
 
 See design note [flat-params] in ``_flat_params``: this module holds the pure mechanics (which
-parameters form a run, how a run's optimizer state is split into segments and merged back, and
-the probe that decides a run alignment per optimizer kind); ``_flat_params`` holds the
-optimizer wrapper and its state-dict conversion.
+parameters form a run, how a run's optimizer state is split into segments and merged back);
+``_flat_params`` holds the optimizer wrapper and its state-dict conversion. The layers below
+own the shared pieces: the exactness probe that decides a run alignment per optimizer kind
+(``placement._flat_probe``), where runs break (``placement._flat_runs``), and the link from a
+parameter's memory to its DBuffer (``dbuffer.dbuffer_of``).
 """
 
 from __future__ import annotations
 
-import inspect
 import operator
 from typing import Any, NamedTuple
 
@@ -17,107 +18,20 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from lightning_vescale.dbuffer import DBuffer, live_dbuffers
+from lightning_vescale.dbuffer import DBuffer, dbuffer_of
 from lightning_vescale.placement import RaggedShard
+from lightning_vescale.placement._flat_probe import is_elementwise_state
+from lightning_vescale.placement._flat_probe import optimizer_alignment as exact_alignment
+from lightning_vescale.placement._flat_runs import run_bounds, runs_follow
 
-_PROBE_SIZES = (1, 2, 3, 5, 8, 13, 16, 17, 31, 33, 64, 65, 100, 129, 255, 300)
-_PROBE_ALIGNMENTS = (1, 16, 64)
-_NEVER = 0  # alignment meaning "one parameter per segment"
-_probe_cache: dict[tuple, int] = {}
-_GROUP_KEYS_NOT_OPTIONS = ("params", "param_names", "initial_lr")
-
-
-# ---------------------------------------------------------------------------------------------
-# The exactness probe
-# ---------------------------------------------------------------------------------------------
-def _option_key(group: dict[str, Any]) -> tuple:
-    return tuple(sorted((k, repr(v)) for k, v in group.items()
-                        if k not in _GROUP_KEYS_NOT_OPTIONS))
-
-
-def _probe_aligned(cls: type[Optimizer], options: dict[str, Any], dtype: torch.dtype,
-                   device: torch.device, align: int) -> bool:
-    """Three steps of ``cls`` on ragged items, per item and as flat runs of ``align``: do the
-    parameters and every element-wise state agree bit for bit?"""
-    gen = torch.Generator().manual_seed(1234)
-    sizes = _PROBE_SIZES
-    total = sum(sizes)
-
-    def values(scale: float) -> Tensor:  # mixed signs and magnitudes: many rounding cases
-        x = (torch.rand(total, generator=gen, dtype=torch.float64) * 1.95 + 0.05) * scale
-        sign = torch.where(torch.rand(total, generator=gen) < 0.5, -1.0, 1.0)
-        return (x * sign).to(device=device, dtype=dtype)
-
-    p0 = values(1.0)
-    grads = [values(0.1) for _ in range(3)]
-    offs = [0]
-    for n in sizes:
-        offs.append(offs[-1] + n)
-    bounds = [0] + [i + 1 for i, n in enumerate(sizes) if align > 1 and n % align]
-    if bounds[-1] != len(sizes):
-        bounds.append(len(sizes))
-    runs = list(zip(bounds, bounds[1:]))
-    per_item_flat, flat_flat = p0.clone(), p0.clone()
-    per_item = [per_item_flat[offs[i]:offs[i + 1]] for i in range(len(sizes))]
-    flat = [flat_flat[offs[a]:offs[b]] for a, b in runs]
-    accepted = inspect.signature(cls.__init__).parameters
-    opts = {k: v for k, v in options.items()
-            if k not in _GROUP_KEYS_NOT_OPTIONS and k in accepted}
-    o1, o2 = cls(per_item, **opts), cls(flat, **opts)
-    for g in grads:
-        g1, g2 = g.clone(), g.clone()  # some steps edit gradients in place (SGD nesterov)
-        for i, t in enumerate(per_item):
-            t.grad = g1[offs[i]:offs[i + 1]]
-        for (a, b), t in zip(runs, flat):
-            t.grad = g2[offs[a]:offs[b]]
-        o1.step()
-        o2.step()
-    bits = _int_of(dtype)
-    if not torch.equal(per_item_flat.view(bits), flat_flat.view(bits)):
-        return False
-    for (a, b), t in zip(runs, flat):
-        for k, v in o2.state[t].items():
-            if is_elementwise_state(v, t.numel()):
-                ref = torch.cat([o1.state[per_item[i]][k] for i in range(a, b)])
-                if not torch.equal(ref.view(_int_of(ref.dtype)), v.view(_int_of(v.dtype))):
-                    return False
-    return True
-
-
-def _int_of(dtype: torch.dtype) -> torch.dtype:
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
-
-
-def exact_alignment(cls: type[Optimizer], options: dict[str, Any], dtype: torch.dtype,
-                    device: torch.device) -> int:
-    """The run alignment at which ``cls(**options)`` on flat runs is bitwise its per-tensor step.
-
-    ``1``: any run; ``16``/``64``: runs break after every parameter whose length is not a
-    multiple; ``0``: none (one parameter per segment). Cached per (class, options, dtype,
-    device type); the probe runs a few small steps on ``device``.
-    """
-    key = (cls, _option_key(options), dtype, device.type)
-    found = _probe_cache.get(key)
-    if found is None:
-        found = _NEVER
-        with torch.no_grad():
-            for align in _PROBE_ALIGNMENTS:
-                if _probe_aligned(cls, options, dtype, device, align):
-                    found = align
-                    break
-        _probe_cache[key] = found
-    return found
-
+__all__ = ["GradSource", "GroupPlan", "Run", "check_param", "exact_alignment",
+           "is_elementwise_state", "local_of", "merge_states", "state_signature"]
 
 # ---------------------------------------------------------------------------------------------
 # Runs and segments
 # ---------------------------------------------------------------------------------------------
 def local_of(p: Tensor) -> Tensor:
     return p._local_tensor if isinstance(p, DTensor) else p
-
-
-def is_elementwise_state(v: Any, numel: int) -> bool:
-    return isinstance(v, Tensor) and v.dim() == 1 and v.numel() == numel
 
 
 class GradSource(NamedTuple):
@@ -144,7 +58,7 @@ class Run:
     __slots__ = ("params", "numels", "offs", "flat", "bounds", "segs", "itemsize", "dtype",
                  "source")
 
-    def __init__(self, params: list[Tensor], buffers: dict[int, DBuffer] | None = None) -> None:
+    def __init__(self, params: list[Tensor]) -> None:
         self.params = params
         locs = [local_of(p) for p in params]
         self.numels = [t.numel() for t in locs]
@@ -169,8 +83,10 @@ class Run:
             self.source = GradSource(buffer=None, start=0, stop=0, whole=False, params=[], ids=[],
                                      empty=empty)
         else:
-            buf = (buffers or {}).get(first.untyped_storage().data_ptr())
-            if buf is not None:
+            # The DBuffer whose shard the run views (the parameters' own link to it): a run
+            # inside one reads its published gradients as one slice ([dbuffer-published-grads]).
+            buf = dbuffer_of(first)
+            if buf is not None and buf.shard.device.type != "meta" and buf.shard.numel():
                 lo, rem = divmod(self.flat.data_ptr() - buf.shard.data_ptr(), self.itemsize)
                 if rem == 0 and 0 <= lo and lo + n <= buf.shard_size:
                     self.source = GradSource(buffer=buf, start=lo, stop=lo + n,
@@ -341,44 +257,21 @@ class GroupPlan:
             if (loc.dtype, loc.device) not in align_of:
                 align_of[(loc.dtype, loc.device)] = exact_alignment(opt_cls, group, loc.dtype,
                                                                     loc.device)
-        # The live fully_shard DBuffers by shard storage: a run inside one reads its published
-        # gradients as one slice (design note [dbuffer-published-grads]).
-        buffers = {buf.shard.untyped_storage().data_ptr(): buf for buf in live_dbuffers()
-                   if buf.shard.device.type != "meta" and buf.shard.numel()}
         # Element-wise maths does not care about order within a group: runs follow memory
-        # (nested fully_shard interleaves the groups' parameters in module order).
+        # (nested fully_shard interleaves the groups' parameters in module order). Empty local
+        # parts sort first and join any run (no memory to line up).
         order = sorted(range(len(params)), key=lambda j: (locs[j].numel() > 0,
                                                           locs[j].data_ptr()))
-        cur: list[int] = []
-        end_ptr = -1
-        cur_storage = None
-        for j in order:
-            loc = locs[j]
-            align = align_of[(loc.dtype, loc.device)]
-            n = loc.numel()
-            if cur:
-                prev = locs[cur[-1]]
-                has_memory = end_ptr >= 0
-                joins = align != _NEVER and loc.dtype == prev.dtype and (
-                    n == 0 or not has_memory or (
-                        loc.untyped_storage().data_ptr() == cur_storage
-                        and loc.data_ptr() == end_ptr))
-                if joins and align > 1 and prev.numel() % align:
-                    joins = False  # vector lanes would not line up (see exactness)
-                if not joins:
-                    self._add_run(params, cur, buffers)
-                    cur, end_ptr = [], -1
-            cur.append(j)
-            if n:
-                cur_storage = loc.untyped_storage().data_ptr()
-                end_ptr = loc.data_ptr() + n * loc.element_size()
-        if cur:
-            self._add_run(params, cur, buffers)
+        ordered = [locs[j] for j in order]
+        breaks = {k for k in range(len(order) - 1)
+                  if not runs_follow(ordered[k], ordered[k + 1], empty_joins=True)}
+        aligns = [align_of[(loc.dtype, loc.device)] for loc in ordered]
+        for a, b in run_bounds([loc.numel() for loc in ordered], breaks, aligns):
+            self._add_run(params, order[a:b])
         self.items: list[Tensor] = []
 
-    def _add_run(self, params: list[Tensor], indices: list[int],
-                 buffers: dict[int, DBuffer]) -> None:
-        run = Run([params[j] for j in indices], buffers)
+    def _add_run(self, params: list[Tensor], indices: list[int]) -> None:
+        run = Run([params[j] for j in indices])
         self.runs.append(run)
         for i, j in enumerate(indices):
             self.where[j] = (run, i)

@@ -138,13 +138,16 @@ class FlatParamOptimizer(Optimizer):
 
     @property  # type: ignore[override]
     def state(self) -> defaultdict:
-        """Per original parameter: its states (element-wise ones as views, in its layout)."""
-        out: defaultdict = defaultdict(dict)
+        """Per original parameter: its states (element-wise ones as views, in its layout).
+
+        Built on access: assigning ``state[p] = ...`` raises ``TypeError`` (it would change a
+        copy); edit the views in place or use ``load_state_dict()``."""
+        out: defaultdict = _StateView(dict)
         for plan in self._plans:
             for p, (run, i) in zip(plan.params, plan.where):
                 st = self._param_state(p, run, i)
                 if st:
-                    out[p] = st
+                    dict.__setitem__(out, p, st)
         return out
 
     @state.setter
@@ -354,6 +357,36 @@ class FlatParamOptimizer(Optimizer):
             else:
                 out[k] = v
         return out
+
+
+class _StateView(defaultdict):
+    """:attr:`FlatParamOptimizer.state`: a per-parameter view built on access, so replacing a
+    parameter's entry would be silently lost; it raises instead (as ``opt.state = ...`` does).
+    Reading a parameter without state gives an empty dict, as torch's ``defaultdict`` does."""
+
+    _REFUSAL = ("FlatParamOptimizer.state is a per-parameter view built on access: {what} would "
+                "change a copy and be lost. Edit the state tensors in place "
+                "(opt.state[p]['exp_avg'].copy_(...)) or replace states with "
+                "opt.load_state_dict(sd) (sd from opt.state_dict(), edited).")
+
+    def __missing__(self, key: Any) -> Any:
+        value = self.default_factory()  # type: ignore[misc]
+        dict.__setitem__(self, key, value)
+        return value
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise TypeError(self._REFUSAL.format(what="assigning state[p] = ..."))
+
+    def __delitem__(self, key: Any) -> None:
+        raise TypeError(self._REFUSAL.format(what="del state[p]"))
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(self._REFUSAL.format(what="state.update(...)"))
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key in self:
+            return self[key]
+        raise TypeError(self._REFUSAL.format(what="state.setdefault(p, ...)"))
 
 
 def _state_dtensor(p: DTensor, flat_state: Tensor, lo: int, hi: int) -> DTensor:

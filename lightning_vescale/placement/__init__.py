@@ -12,9 +12,10 @@ Modules, each importing only those before it:
 * ``_dtensor``: redistribution (with autograd), ``to_local`` backward, DCP chunks (design note
   [ragged-dtensor]); ``_reductions``: norms and full reductions ([ragged-reductions]);
 * ``_ops``: the operator dispatch hook (element-wise ops, copies; [ragged-ops]);
-* ``_flat_runs`` (memory layout: runs, compaction), ``_flat_ops`` (which ops, the exactness
-  probe) and ``_flat_step`` (the handler): list ops (``_foreach_*``, fused optimizers) on
-  whole flat runs of DBuffer shards instead of per tensor ([flat-step]);
+* ``_flat_runs`` (memory layout: the one run builder, compaction), ``_flat_ops`` (which ops),
+  ``_flat_probe`` (the exactness probe of list ops and of optimizer classes, one cache) and
+  ``_flat_step`` (the handler): list ops (``_foreach_*``, fused optimizers) on whole flat runs
+  of DBuffer shards instead of per tensor ([flat-step]);
   :func:`flat_step_enabled` switches it;
 * ``_pickle``: pickling and deep-copying DTensors over views at a storage offset
   ([dtensor-views-pickle]);

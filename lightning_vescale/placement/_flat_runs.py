@@ -9,12 +9,13 @@ per-parameter states (``compact_``, ``contiguous_runs``, ``run_view`` are public
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["compact_", "contiguous_runs", "flat_step_stats", "run_view"]
+__all__ = ["compact_", "contiguous_runs", "flat_step_stats", "run_bounds", "run_view",
+           "runs_follow"]
 
 _Tensor = torch.Tensor
 _data_ptr = torch.Tensor.data_ptr
@@ -101,28 +102,52 @@ def contiguous_runs(*lists: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
     if any(len(lst) != n for lst in lists):
         raise ValueError(f"contiguous_runs: lists of different lengths {[len(x) for x in lists]}")
     ok = [all(lst[k].numel() and lst[k].is_contiguous() for lst in lists) for k in range(n)]
-    runs: list[tuple[int, int]] = []
-    a = None
-    for k in range(n):
-        if not ok[k]:
-            if a is not None:
-                runs.append((a, k))
-            a = None
-            continue
-        if a is not None and not all(_follows(lst[k - 1], lst[k]) for lst in lists):
-            runs.append((a, k))
-            a = None
-        if a is None:
-            a = k
-    if a is not None:
-        runs.append((a, n))
-    return runs
+    breaks = {k for k in range(n - 1) if not (
+        ok[k] and ok[k + 1] and all(runs_follow(lst[k], lst[k + 1]) for lst in lists))}
+    # an item that is not ok is a run alone (breaks on both sides): dropped
+    return [(a, b) for a, b in run_bounds([1] * n, breaks) if ok[a]]
 
 
-def _follows(x: torch.Tensor, y: torch.Tensor) -> bool:
-    return (x.dtype == y.dtype
-            and x.data_ptr() + x.numel() * x.element_size() == y.data_ptr()
+def runs_follow(x: torch.Tensor, y: torch.Tensor, *, empty_joins: bool = False) -> bool:
+    """Whether ``y`` continues ``x``'s run: one dtype, and ``y`` starts where ``x`` ends in one
+    storage (with ``empty_joins``, an empty tensor on either side joins: no memory to line up).
+    The one adjacency rule of every run builder ([flat-step], [flat-params])."""
+    if x.dtype != y.dtype:
+        return False
+    if empty_joins and not (x.numel() and y.numel()):
+        return True
+    return (x.data_ptr() + x.numel() * x.element_size() == y.data_ptr()
             and x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr())
+
+
+def run_bounds(numels: Sequence[int], breaks: Collection[int],
+               align: int | Sequence[int] = 1, cap: int | None = None) -> list[tuple[int, int]]:
+    """Items ``0..n-1`` (of ``numels`` elements each) cut into runs ``[a, b)``: the one run
+    builder of the flat step and of ``FlatParamOptimizer``.
+
+    A run ends after item ``k`` when ``k`` is in ``breaks``; when the alignment of item ``k+1``
+    (``align``: one for all, or one per item, from the exactness probe) is ``_SINGLETON``
+    (never join) or is above 1 and does not divide item ``k``'s length (vector lanes would not
+    line up); and before an item that would take the run beyond ``cap`` elements (a single
+    larger item is never split).
+    """
+    n = len(numels)
+    cut = set(breaks)
+    for k in range(n - 1):
+        al = align if isinstance(align, int) else align[k + 1]
+        if al == _SINGLETON or (al > 1 and numels[k] % al):
+            cut.add(k)
+    bounds, a = [], 0
+    size = 0
+    for k in range(n):
+        size += numels[k]
+        if cap is not None and k > a and size > cap:  # close the run before item k
+            bounds.append((a, k))
+            a, size = k, numels[k]
+        if k == n - 1 or k in cut:
+            bounds.append((a, k + 1))
+            a, size = k + 1, 0
+    return bounds
 
 
 def run_view(tensors: Sequence[torch.Tensor], a: int, b: int) -> torch.Tensor:
@@ -210,44 +235,23 @@ def _cache_put(cache: dict, key: Any, value: Any) -> None:
     cache[key] = value
 
 
-def _breaks_of(locs: Sequence[torch.Tensor], ptrs: Sequence[int], numels: Sequence[int],
-               nz: Sequence[int]) -> frozenset[int]:
-    """Where consecutive non-empty items are not adjacent in memory in one storage."""
-    itemsize = locs[nz[0]].element_size()
-    out = set()
-    prev_storage = locs[nz[0]].untyped_storage().data_ptr()
-    for k in range(len(nz) - 1):
-        i, j = nz[k], nz[k + 1]
-        storage = locs[j].untyped_storage().data_ptr()
-        if ptrs[i] + numels[i] * itemsize != ptrs[j] or storage != prev_storage:
-            out.add(k)
-        prev_storage = storage
-    return frozenset(out)
+def _breaks_of(locs: Sequence[torch.Tensor], nz: Sequence[int]) -> frozenset[int]:
+    """Where consecutive non-empty items (positions in ``nz``) do not follow in memory."""
+    return frozenset(k for k in range(len(nz) - 1)
+                     if not runs_follow(locs[nz[k]], locs[nz[k + 1]]))
+
+
+def _runs_of(bounds: Sequence[tuple[int, int]], nz: Sequence[int],
+             numels: Sequence[int]) -> _Runs:
+    pieces = tuple(tuple(numels[nz[k]] for k in range(a, b)) for a, b in bounds)
+    return _Runs(tuple(bounds), tuple(sum(p) for p in pieces), pieces)
 
 
 def _make_runs(nz: Sequence[int], numels: Sequence[int], breaks: frozenset[int] | set[int],
                align: int, cap: int | None = None) -> _Runs:
-    """Runs between ``breaks``; with ``align`` (see the probe) and at most ``cap`` elements
-    per run unless one item alone is larger (``cap``: see :data:`CPU_OUTPUT_CAP`)."""
-    if align == _SINGLETON:
-        cut = set(range(len(nz) - 1))
-    elif align > 1:
-        cut = set(breaks) | {k for k, i in enumerate(nz[:-1]) if numels[i] % align}
-    else:
-        cut = breaks
-    bounds, a = [], 0
-    last = len(nz) - 1
-    size = 0
-    for k in range(len(nz)):
-        size += numels[nz[k]]
-        if cap is not None and k > a and size > cap:  # close the run before item k
-            bounds.append((a, k))
-            a, size = k, numels[nz[k]]
-        if k == last or k in cut:
-            bounds.append((a, k + 1))
-            a, size = k + 1, 0
-    pieces = tuple(tuple(numels[nz[k]] for k in range(a, b)) for a, b in bounds)
-    return _Runs(tuple(bounds), tuple(sum(p) for p in pieces), pieces)
+    """The runs of the non-empty items ``nz`` (:func:`run_bounds`; ``cap``: see
+    :data:`CPU_OUTPUT_CAP_BYTES`)."""
+    return _runs_of(run_bounds([numels[i] for i in nz], breaks, align, cap), nz, numels)
 
 
 def _split_by_values(runs: _Runs, nz: Sequence[int], numels: Sequence[int],
@@ -262,8 +266,7 @@ def _split_by_values(runs: _Runs, nz: Sequence[int], numels: Sequence[int],
                 bounds.append((start, k))
                 start = k
         bounds.append((start, b))
-    pieces = tuple(tuple(numels[nz[k]] for k in range(a, b)) for a, b in bounds)
-    return _Runs(tuple(bounds), tuple(sum(p) for p in pieces), pieces)
+    return _runs_of(bounds, nz, numels)
 
 
 def _uniform(values: Sequence[Any]) -> bool:

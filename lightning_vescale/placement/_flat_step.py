@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -64,11 +64,11 @@ from lightning_vescale.placement._flat_ops import (
     FLAT_STEP_FUSED,
     _call,
     _bind,
-    _exact_alignment,
     _op_info,
     _OpInfo,
     flat_step_ops,
 )
+from lightning_vescale.placement._flat_probe import op_alignment
 from lightning_vescale.placement._flat_runs import (
     CPU_OUTPUT_CAP_BYTES,
     _cache_put,
@@ -155,7 +155,185 @@ def _validate(ragged: dict[int, list[torch.Tensor]], dtensor_lists: dict[int, Se
     return True
 
 
-def _flat(op, info: _OpInfo, args: tuple, kwargs: dict) -> Any:  # noqa: C901 - one pipeline
+class _Lists(NamedTuple):
+    """A call's list arguments, sorted (see :func:`_read_lists`)."""
+
+    ragged: dict[int, list[torch.Tensor]]  # argument index -> the items' local tensors
+    dtensor_lists: dict[int, Sequence[DTensor]]  # argument index -> the DTensor items
+    per_item: list[Sequence[Any]]  # per-item scalars that are not uniform (cut runs)
+    scalar_tensor_lists: list[int]  # argument indices of per-item scalar tensors
+
+
+def _read_lists(info: _OpInfo, values: list, n: int) -> _Lists | None:
+    """Sort the bound arguments: ragged DTensor lists, per-item scalar tensors, scalar lists;
+    replicated DTensor arguments become their local tensors (in ``values``). ``None``: the
+    call is not for the flat path."""
+    grad_on = torch.is_grad_enabled()
+    out = _Lists({}, {}, [], [])
+    for i in info.tensor_lists:
+        lst = values[i]
+        if not isinstance(lst, (list, tuple)):
+            return None
+        if not lst and info.fused:
+            continue  # an optional list (max_exp_avg_sqs without amsgrad)
+        if len(lst) != n:
+            return None
+        x0 = lst[0]
+        if isinstance(x0, DTensor):
+            try:
+                locs = [t._local_tensor for t in lst]
+            except AttributeError:
+                return None  # a plain tensor among DTensors
+            if grad_on and any(t.requires_grad for t in lst):
+                return None  # autograd must record the op: per tensor
+            l0 = locs[0]
+            if type(l0) is not _Tensor or l0.is_meta or l0.is_complex():
+                return None  # fake / functional / meta tensors, complex views
+            out.ragged[i] = locs
+            out.dtensor_lists[i] = lst
+        elif isinstance(x0, torch.Tensor):
+            if not _read_scalar_tensors(lst, n, out.per_item):
+                return None
+            out.scalar_tensor_lists.append(i)
+        else:
+            return None
+    for i in info.scalar_lists:
+        lst = values[i]
+        if not isinstance(lst, (list, tuple)) or len(lst) != n:
+            return None
+        if not _uniform(lst):
+            out.per_item.append([(type(v), v) for v in lst])
+    for i in info.tensors:
+        v = values[i]
+        if isinstance(v, DTensor):
+            if not all(p.is_replicate() for p in v._spec.placements):
+                return None
+            values[i] = v._local_tensor
+    return out
+
+
+def _read_scalar_tensors(lst: Sequence[torch.Tensor], n: int,
+                         per_item: list[Sequence[Any]]) -> bool:
+    """A list of per-item scalar tensors (fused ``state_steps``): False if not scalars; their
+    (value, dtype) pairs go to ``per_item`` unless uniform."""
+    if any(isinstance(t, DTensor) for t in lst):
+        return False
+    try:  # one stack (0-d state_steps), else 1-element tensors reshaped
+        vals = torch.stack(lst).reshape(-1).tolist()
+    except RuntimeError:
+        try:
+            vals = torch.stack([t.reshape(()) for t in lst]).tolist()
+        except RuntimeError:
+            return False  # mixed dtypes/devices, not scalars: normal path
+    if len(vals) != n:
+        return False
+    dtypes = [t.dtype for t in lst]
+    if not (_uniform(vals) and _uniform(dtypes)):
+        per_item.append(list(zip(vals, dtypes)))
+    return True
+
+
+def _nonempty_of(numels: tuple[int, ...]) -> list[int]:
+    nz = _nonempty.get(numels)
+    if nz is None:
+        nz = [k for k, m in enumerate(numels) if m]
+        _cache_put(_nonempty, numels, nz)
+    return nz
+
+
+def _empty_call(op, info: _OpInfo, values: list, lists: _Lists, i0: int,
+                numels: tuple[int, ...], n: int) -> Any:
+    """This rank holds no element of any item: the op on the (empty) locals."""
+    ragged = lists.ragged
+    if not _validate(ragged, lists.dtensor_lists, i0, numels, ragged[i0][0].device):
+        return NotImplemented
+    new_values = list(values)
+    for i, locs in ragged.items():
+        new_values[i] = locs
+    with torch.no_grad():
+        result = _call(op, info, new_values)
+    _count("empty_calls")
+    if not info.returns_list:
+        return None
+    every = list(range(n))
+    runs = _Runs(tuple((k, k + 1) for k in every), numels, tuple((m,) for m in numels))
+    return _wrap_outputs(result, runs, every, numels, n, lists.dtensor_lists[i0])
+
+
+def _layouts_of(lists: _Lists, i0: int, numels: tuple[int, ...], nz: list[int],
+                device: torch.device) -> list[_Layout] | None:
+    """Each ragged list's memory layout, from the cache or found now (a new one is validated
+    once, and its list compacted when safe). ``None``: not for the flat path."""
+    layouts: list[_Layout] = []
+    validated = False
+    for i, locs in lists.ragged.items():
+        dtype = locs[0].dtype
+        ptrs = tuple(map(_data_ptr, locs))
+        key = (ptrs, numels, dtype)
+        layout = _layouts.get(key)
+        if layout is None:
+            if not validated:
+                if not _validate(lists.ragged, lists.dtensor_lists, i0, numels, device):
+                    return None
+                validated = True
+            if len(nz) > 1 and _compact(locs, numels):
+                ptrs = tuple(map(_data_ptr, locs))
+                key = (ptrs, numels, dtype)
+            layout = _Layout(_breaks_of(locs, nz))
+            _cache_put(_layouts, key, layout)
+            _count("layouts_seen")
+        layouts.append(layout)
+    return layouts
+
+
+def _runs_for(op, info: _OpInfo, values: list, lists: _Lists, layouts: list[_Layout], i0: int,
+              numels: tuple[int, ...], nz: list[int], device: torch.device) -> _Runs:
+    """The call's runs: every list's breaks, the probe's alignment, the CPU output cap, then
+    cuts where per-item scalars change."""
+    ragged = lists.ragged
+    list_dtypes = {i: locs[0].dtype for i, locs in ragged.items()}
+    align = op_alignment(op, info, values, list_dtypes, device)
+    cap = None
+    if info.returns_list and device.type == "cpu":  # see CPU_OUTPUT_CAP_BYTES
+        cap = max(1, CPU_OUTPUT_CAP_BYTES // ragged[i0][0].element_size())
+    rkey = (numels, align, cap, *(lay.breaks for lay in layouts))
+    runs = _runs_cache.get(rkey)
+    if runs is None:
+        runs = _make_runs(nz, numels, frozenset().union(*(lay.breaks for lay in layouts)),
+                          align, cap)
+        _cache_put(_runs_cache, rkey, runs)
+    if lists.per_item:
+        runs = _split_by_values(runs, nz, numels, lists.per_item)
+    return runs
+
+
+def _run_arguments(info: _OpInfo, values: list, lists: _Lists, layouts: list[_Layout],
+                   runs: _Runs, firsts: list[int], anchor_at: int) -> list | None:
+    """The flat call's arguments: one item per run (its span view, cached per layout while
+    the list's first item lives). ``None``: a span outside its storage."""
+    new_values = list(values)
+    for (i, locs), layout in zip(lists.ragged.items(), layouts):
+        anchor = locs[anchor_at]
+        cached = layout.views(runs.bounds, anchor)
+        if cached is None:
+            cached = []
+            try:
+                for (a, b), f, m in zip(runs.bounds, firsts, runs.lengths):
+                    cached.append(None if b - a == 1 else _span_view(locs[f], m))
+            except RuntimeError:  # a span outside its storage: adjacent only by chance
+                return None
+            layout.remember(runs.bounds, cached, anchor)
+        new_values[i] = [locs[f] if v is None else v for v, f in zip(cached, firsts)]
+    for i in lists.scalar_tensor_lists:
+        lst = values[i]
+        new_values[i] = [lst[f] for f in firsts]
+    for i in info.scalar_lists:
+        lst = values[i]
+        new_values[i] = [lst[f] for f in firsts]
+    return new_values
+
+
+def _flat(op, info: _OpInfo, args: tuple, kwargs: dict) -> Any:
     """The flat call, or ``NotImplemented`` for DTensor's normal path."""
     if torch.compiler.is_compiling():
         return NotImplemented
@@ -169,146 +347,26 @@ def _flat(op, info: _OpInfo, args: tuple, kwargs: dict) -> Any:  # noqa: C901 - 
     if not isinstance(head, DTensor) or not _is_ragged_spec(head._spec):
         return NotImplemented  # FSDP2 / Shard / Replicate DTensors: the normal path, quickly
     n = len(first_list)
-    grad_on = torch.is_grad_enabled()
-    # -- the tensor lists: ragged DTensor lists, or per-item scalar tensors -------------------
-    ragged: dict[int, list[torch.Tensor]] = {}
-    dtensor_lists: dict[int, Sequence[DTensor]] = {}
-    per_item: list[Sequence[Any]] = []
-    scalar_tensor_lists: list[int] = []
-    for i in info.tensor_lists:
-        lst = values[i]
-        if not isinstance(lst, (list, tuple)):
-            return NotImplemented
-        if not lst and info.fused:
-            continue  # an optional list (max_exp_avg_sqs without amsgrad)
-        if len(lst) != n:
-            return NotImplemented
-        x0 = lst[0]
-        if isinstance(x0, DTensor):
-            try:
-                locs = [t._local_tensor for t in lst]
-            except AttributeError:
-                return NotImplemented  # a plain tensor among DTensors
-            if grad_on and any(t.requires_grad for t in lst):
-                return NotImplemented  # autograd must record the op: per tensor
-            l0 = locs[0]
-            if type(l0) is not _Tensor or l0.is_meta or l0.is_complex():
-                return NotImplemented  # fake / functional / meta tensors, complex views
-            ragged[i] = locs
-            dtensor_lists[i] = lst
-        elif isinstance(x0, torch.Tensor):
-            if any(isinstance(t, DTensor) for t in lst):
-                return NotImplemented
-            try:  # one stack (0-d state_steps), else 1-element tensors reshaped
-                vals = torch.stack(lst).reshape(-1).tolist()
-            except RuntimeError:
-                try:
-                    vals = torch.stack([t.reshape(()) for t in lst]).tolist()
-                except RuntimeError:
-                    return NotImplemented  # mixed dtypes/devices, not scalars: normal path
-            if len(vals) != n:
-                return NotImplemented
-            dtypes = [t.dtype for t in lst]
-            if not (_uniform(vals) and _uniform(dtypes)):
-                per_item.append(list(zip(vals, dtypes)))
-            scalar_tensor_lists.append(i)
-        else:
-            return NotImplemented
-    for i in info.scalar_lists:
-        lst = values[i]
-        if not isinstance(lst, (list, tuple)) or len(lst) != n:
-            return NotImplemented
-        if not _uniform(lst):
-            per_item.append([(type(v), v) for v in lst])
-    for i in info.tensors:
-        v = values[i]
-        if isinstance(v, DTensor):
-            if not all(p.is_replicate() for p in v._spec.placements):
-                return NotImplemented
-            values[i] = v._local_tensor
-    # -- per-item sizes and dtypes (checked on every call: they define the memory touched) -----
-    ragged_idx = list(ragged)
-    i0 = ragged_idx[0]
+    lists = _read_lists(info, values, n)
+    if lists is None:
+        return NotImplemented
     # Sizes of list 0 and the addresses of every list key the layout cache. A new layout is
     # validated (sizes, dtypes, global shapes) once; a known one is served from the cache:
     # the same addresses and sizes can only be the same tensors (or an invalid call).
-    numels = tuple(map(_numel, ragged[i0]))
-    nz = _nonempty.get(numels)
-    if nz is None:
-        nz = [k for k, m in enumerate(numels) if m]
-        _cache_put(_nonempty, numels, nz)
-    if not nz:  # this rank holds no element of any item: the op on the (empty) locals
-        if not _validate(ragged, dtensor_lists, i0, numels, ragged[i0][0].device):
-            return NotImplemented
-        new_values = list(values)
-        for i, locs in ragged.items():
-            new_values[i] = locs
-        with torch.no_grad():
-            result = _call(op, info, new_values)
-        _count("empty_calls")
-        if not info.returns_list:
-            return None
-        every = list(range(n))
-        runs = _Runs(tuple((k, k + 1) for k in every), numels, tuple((m,) for m in numels))
-        return _wrap_outputs(result, runs, every, numels, n, dtensor_lists[i0])
-    device = ragged[i0][0].device
-    list_dtypes: dict[int, torch.dtype] = {}
-    layouts: list[_Layout] = []
-    validated = False
-    for i in ragged_idx:
-        locs = ragged[i]
-        dtype = locs[0].dtype
-        list_dtypes[i] = dtype
-        ptrs = tuple(map(_data_ptr, locs))
-        key = (ptrs, numels, dtype)
-        layout = _layouts.get(key)
-        if layout is None:
-            if not validated:
-                if not _validate(ragged, dtensor_lists, i0, numels, device):
-                    return NotImplemented
-                validated = True
-            if len(nz) > 1 and _compact(locs, numels):
-                ptrs = tuple(map(_data_ptr, locs))
-                key = (ptrs, numels, dtype)
-            layout = _Layout(_breaks_of(locs, ptrs, numels, nz))
-            _cache_put(_layouts, key, layout)
-            _count("layouts_seen")
-        layouts.append(layout)
-    align = _exact_alignment(op, info, values, list_dtypes, device)
-    cap = None
-    if info.returns_list and device.type == "cpu":  # see CPU_OUTPUT_CAP_BYTES
-        cap = max(1, CPU_OUTPUT_CAP_BYTES // ragged[i0][0].element_size())
-    rkey = (numels, align, cap, *(lay.breaks for lay in layouts))
-    runs = _runs_cache.get(rkey)
-    if runs is None:
-        runs = _make_runs(nz, numels, frozenset().union(*(lay.breaks for lay in layouts)),
-                          align, cap)
-        _cache_put(_runs_cache, rkey, runs)
-    if per_item:
-        runs = _split_by_values(runs, nz, numels, per_item)
-    # -- the flat call ---------------------------------------------------------------------------
-    new_values = list(values)
+    i0 = next(iter(lists.ragged))
+    numels = tuple(map(_numel, lists.ragged[i0]))
+    nz = _nonempty_of(numels)
+    if not nz:
+        return _empty_call(op, info, values, lists, i0, numels, n)
+    device = lists.ragged[i0][0].device
+    layouts = _layouts_of(lists, i0, numels, nz, device)
+    if layouts is None:
+        return NotImplemented
+    runs = _runs_for(op, info, values, lists, layouts, i0, numels, nz, device)
     firsts = [nz[a] for a, _ in runs.bounds]
-    anchor_at = nz[0]
-    for i, layout in zip(ragged_idx, layouts):
-        locs = ragged[i]
-        anchor = locs[anchor_at]
-        cached = layout.views(runs.bounds, anchor)
-        if cached is None:
-            cached = []
-            try:
-                for (a, b), f, m in zip(runs.bounds, firsts, runs.lengths):
-                    cached.append(None if b - a == 1 else _span_view(locs[f], m))
-            except RuntimeError:  # a span outside its storage: adjacent only by chance
-                return NotImplemented
-            layout.remember(runs.bounds, cached, anchor)
-        new_values[i] = [locs[f] if v is None else v for v, f in zip(cached, firsts)]
-    for i in scalar_tensor_lists:
-        lst = values[i]
-        new_values[i] = [lst[f] for f in firsts]
-    for i in info.scalar_lists:
-        lst = values[i]
-        new_values[i] = [lst[f] for f in firsts]
+    new_values = _run_arguments(info, values, lists, layouts, runs, firsts, nz[0])
+    if new_values is None:
+        return NotImplemented
     with torch.no_grad():
         result = _call(op, info, new_values)
     _count("flat_calls")
@@ -316,7 +374,7 @@ def _flat(op, info: _OpInfo, args: tuple, kwargs: dict) -> Any:  # noqa: C901 - 
     _count("flat_items", n)
     if not info.returns_list:
         return None
-    return _wrap_outputs(result, runs, nz, numels, n, dtensor_lists[i0])
+    return _wrap_outputs(result, runs, nz, numels, n, lists.dtensor_lists[i0])
 
 
 def _wrap_outputs(result: Sequence[torch.Tensor], runs: _Runs, nz: Sequence[int],

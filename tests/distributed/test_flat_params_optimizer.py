@@ -334,6 +334,35 @@ def test_clear_errors_and_lenient_mode(worlds):
     assert r["twice"], r
 
 
+def _state_assignment_body() -> dict:
+    m = _model()
+    opt = FlatParamOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True))
+    m(_data(1)[0], use=True).backward()
+    opt.step()
+    p = next(iter(m.parameters()))
+    before = opt.state[p]["exp_avg"].to_local().clone()
+    out = {}
+    for name, edit in (("setitem", lambda s: s.__setitem__(p, {})),
+                       ("update", lambda s: s.update({p: {}})),
+                       ("delitem", lambda s: s.__delitem__(p))):
+        try:
+            edit(opt.state)
+            out[name] = "no error"
+        except TypeError as err:
+            out[name] = str(err)
+    out["kept"] = torch.equal(opt.state[p]["exp_avg"].to_local(), before)
+    out["missing_reads_empty"] = opt.state[torch.zeros(1)] == {}
+    return out
+
+
+def test_state_item_assignment_raises(worlds):
+    """``opt.state[p] = {...}`` changed a copy built on access and was silently lost."""
+    (r,) = worlds(1).run(_state_assignment_body)
+    for name in ("setitem", "update", "delitem"):
+        assert "load_state_dict" in r[name] and "view" in r[name], r
+    assert r["kept"] and r["missing_reads_empty"], r
+
+
 class _PositionDependent(torch.optim.SGD):
     """An update that depends on where an element sits in its tensor: never exact when flat."""
 
