@@ -3,7 +3,7 @@
 Trains the embedded GPT (``examples/gpt.py``) for a few steps with any strategy, profiling every
 step and saving one checkpoint, and writes per rank ``memory_timeline_rank{r}.png`` plus (rank
 zero) ``memory_table_{strategy}.txt`` and the CSV metrics under ``--out`` (default:
-``memory_profile/`` in the current directory)::
+``out/memory_profile/`` in the current directory)::
 
     python examples/memory_profile.py                                  # one CPU process
     python examples/memory_profile.py --strategy ddp --devices 2       # Lightning DDP
@@ -63,8 +63,8 @@ def main() -> None:
     p.add_argument("--n-embd", type=int, default=512)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--out", default="memory_profile",
-                   help="output directory (default: ./memory_profile)")
+    p.add_argument("--out", default=os.path.join("out", "memory_profile"),
+                   help="output directory (default: ./out/memory_profile; /out/ is git-ignored)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--snapshot", action="store_true", help="CUDA: allocator snapshot at step 1")
     args = p.parse_args()

@@ -172,7 +172,7 @@ def fit(strategy: Any, args: argparse.Namespace, *, save: Optional[str] = None,
     )
     trainer.fit(model, CharDataModule(), ckpt_path=resume)
     if save:
-        trainer.save_checkpoint(save)
+        trainer.save_checkpoint(save, weights_only=False)  # optimizer and loops too: resumable
     name = strategy if isinstance(strategy, str) else type(strategy).__name__
     result = RunResult(strategy=name, world_size=trainer.world_size, rank=trainer.global_rank,
                        steps=trainer.global_step, first_loss=record.losses[0] if record.losses else

@@ -44,7 +44,7 @@ def main() -> None:
     from lightning_vescale import MemoryProfiler
 
     trainer = L.Trainer(strategy="vescale_fsdp", max_steps=10,
-                        callbacks=[MemoryProfiler(plot_dir="memory")])  # memory/*.png
+                        callbacks=[MemoryProfiler(plot_dir="out/memory")])  # out/memory/*.png
     trainer.fit(GPTModule(), CharDataModule())
 
     assert lightning_vescale.__version__ and trainer.global_step == 10

@@ -80,6 +80,10 @@ from lightning_vescale._lightning.sync_states import (
     broadcast_module_states,
     validate_sync_module_states,
 )
+from lightning_vescale._lightning.other_nodes import (
+    check_other_nodes_can_join,
+    waiting_for_other_nodes,
+)
 from lightning_vescale.precision import _VeScalePrecisionMixin
 
 __all__ = ["RegistryEntry", "VeScaleStrategyCore"]
@@ -273,7 +277,9 @@ class VeScaleStrategyCore:
         if device.type != "cpu":
             kwargs["device_id"] = device  # eager NCCL communicator bound to this rank's device
         created = not torch.distributed.is_initialized()
-        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        with waiting_for_other_nodes(self.cluster_environment, num_nodes=self.num_nodes,
+                                     devices=self.num_processes, global_rank=self.global_rank):
+            _init_dist_connection(self.cluster_environment, backend, **kwargs)
         if created:
             _destroy_process_group_at_exit()
         self._process_group_backend = backend
@@ -284,9 +290,12 @@ class VeScaleStrategyCore:
         self._vescale_precision._set_device_type(device.type)
 
     def _check_device_mesh_world(self) -> None:
-        """The ``device_mesh`` shape against ``num_nodes * devices``, before any launch."""
+        """Before any launch: the ``device_mesh`` shape against ``num_nodes * devices``, and that
+        the other nodes of a multi-node run can join at all ([other-nodes])."""
         check_world_size(self._device_mesh_spec, world_size=self.num_nodes * self.num_processes,
                          num_nodes=self.num_nodes, devices=self.num_processes)
+        check_other_nodes_can_join(self.cluster_environment, num_nodes=self.num_nodes,
+                                   devices=self.num_processes)
 
     def set_world_ranks(self) -> None:
         """Tell the cluster environment and ``rank_zero_only`` this process's global rank."""

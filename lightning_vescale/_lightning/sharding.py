@@ -190,14 +190,20 @@ def validate_reshard_after_forward(reshard_after_forward: Any) -> ReshardPolicy:
     return reshard_policy(reshard_after_forward)
 
 
+def validate_bool(name: str, value: Any, meaning: str) -> bool:
+    """A strategy argument that must be a ``bool`` (not a truthy string from a config);
+    ``meaning`` says what ``True`` and ``False`` do, for the error."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}: {meaning}")
+    return value
+
+
 def validate_flat_optimizer(flat_optimizer: Any) -> bool:
     """The ``flat_optimizer`` argument: a ``bool`` (not a truthy string from a config)."""
-    if not isinstance(flat_optimizer, bool):
-        raise TypeError(
-            f"flat_optimizer must be True or False, got {flat_optimizer!r}: True steps "
-            "torch.optim.Adam/AdamW/SGD on flat views of the shards (FlatParamOptimizer, "
-            "bitwise the same result), False steps them per tensor.")
-    return flat_optimizer
+    return validate_bool(
+        "flat_optimizer", flat_optimizer, "True steps torch.optim.Adam/AdamW/SGD on flat views "
+        "of the shards (FlatParamOptimizer, bitwise the same result), False steps them per "
+        "tensor.")
 
 
 def validate_process_group_backend(backend: Any) -> Optional[str]:

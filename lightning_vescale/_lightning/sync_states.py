@@ -39,17 +39,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn import Module
 
+from lightning_vescale._lightning.sharding import validate_bool
+
 __all__ = ["broadcast_module_states", "validate_sync_module_states"]
 
 
 def validate_sync_module_states(value: Any) -> bool:
     """The ``sync_module_states`` argument: a ``bool`` (YAML ``true``/``false``/``yes``/``no``)."""
-    if not isinstance(value, bool):
-        raise TypeError(
-            f"sync_module_states must be True or False, got {value!r}: True (default) broadcasts "
-            "global rank 0's parameters and buffers before sharding, as DDP does; False keeps "
-            "each rank's own initialisation (seed the run so that they agree).")
-    return value
+    return validate_bool(
+        "sync_module_states", value, "True (default) broadcasts global rank 0's parameters and "
+        "buffers before sharding, as DDP does; False keeps each rank's own initialisation (seed "
+        "the run so that they agree).")
 
 
 def _unique_states(module: Module) -> list[Tensor]:

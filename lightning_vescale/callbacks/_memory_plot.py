@@ -101,8 +101,11 @@ def plot_timeline(samples: Sequence[MemorySample], path: str, *, rank: int,
             else:
                 vals.append(getattr(s.breakdown, cat) / _MIB)
         if any(vals):  # each bar sits on the phase it closes
+            label = _CAT_LABELS[cat]
+            if cat == "activations_other" and source.startswith("process"):
+                label = "RSS - tensors (runtime)"  # CPU: mostly the torch runtime, see the table
             ax2.bar([x - 0.5 for x in xs], vals, bottom=bottoms, width=0.8,
-                    color=_CAT_COLORS[cat], label=_CAT_LABELS[cat], zorder=2)
+                    color=_CAT_COLORS[cat], label=label, zorder=2)
             bottoms = [b + v for b, v in zip(bottoms, vals)]
     ax2.set_ylabel("MiB at phase end")
     ax2.set_xlabel("phases of the profiled batches, in order (bars: breakdown when the phase ends)")

@@ -18,8 +18,10 @@ How it measures
 * The breakdown comes from :func:`~lightning_vescale.callbacks._memory_accounting.account`: live
   tensors reachable from the module, the optimizers and the live ``DBuffer``s (by role, see
   :func:`engine_tensors`), each storage byte counted once. ``activations/other`` = current
-  device figure − named bytes (on CPU that includes the ~220 MB torch runtime and the pages the
-  C allocator keeps after frees).
+  device figure − named bytes. On CPU the device figure is the process RSS, so that rest is mostly
+  the ~220 MB torch runtime and the pages the C allocator keeps after frees: the table and plot
+  label it ``RSS - tensors (runtime)`` there and say so (the logged key stays
+  ``activations_other``).
 * Phases are delimited by the Trainer hooks: ``on_train_batch_start`` → forward →
   ``on_before_backward`` → backward → ``on_after_backward`` → other → ``on_before_optimizer_step``
   → optimizer step → ``on_train_batch_end``; ``checkpoint_save`` covers ``trainer.save_checkpoint``
@@ -368,7 +370,8 @@ class MemoryProfiler(Callback):
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._enter("other")  # close the trailing phase so its peak is counted
         rows = self._gather(self._summary_vector(), trainer)
-        table = format_table(rows, source=self._mem.source if self._mem else "n/a")
+        table = format_table(rows, source=self._mem.source if self._mem else "n/a",
+                             on_cpu=self._mem is not None and not self._mem.is_accelerator)
         if trainer.is_global_zero:
             self.table = table
             if self.print_table:
@@ -525,12 +528,20 @@ def _fmt(mib: float) -> str:
     return f"{mib:.1f}" if a >= 100 else f"{mib:.2f}" if a >= 1 or a == 0 else f"{mib:.4f}"
 
 
-def format_table(rows: torch.Tensor, *, source: str) -> str:
+#: The ``activations_other`` row's label on CPU: there "current" is the process RSS, so the rest
+#: is mostly the torch runtime (~220 MB) and pages the C allocator keeps, not activations.
+CPU_OTHER_LABEL = "RSS - tensors (runtime)"
+CPU_OTHER_NOTE = ("on CPU, 'RSS - tensors (runtime)' is process memory minus the tensors named "
+                  "above: mostly the torch runtime and allocator cache, plus activations")
+
+
+def format_table(rows: torch.Tensor, *, source: str, on_cpu: bool = False) -> str:
     """Summary table from ``(world, k)`` per-rank summary vectors (MiB).
 
     The first block is each phase's peak over the run; the second is the breakdown, each line
     being that figure's largest value at any phase boundary of the run (so the lines need not add
-    up to ``current (total)``, the largest device figure at a boundary).
+    up to ``current (total)``, the largest device figure at a boundary). ``on_cpu``: the figures
+    are process RSS, so the rest is labelled for what it mostly is (:data:`CPU_OTHER_LABEL`).
     """
     world = rows.shape[0]
     head = f"{'':<24}{'max MiB':>12}{'mean MiB':>12}{'max rank':>10}"
@@ -540,6 +551,8 @@ def format_table(rows: torch.Tensor, *, source: str) -> str:
         "-" * len(head),
     ]
     for j, (label, _is_peak) in enumerate(_ROW_LABELS):
+        if on_cpu and label == "activations/other":
+            label = CPU_OTHER_LABEL
         if j == len(PHASES):
             lines.append("breakdown (largest at any phase boundary):")
         col = rows[:, j]
@@ -551,4 +564,6 @@ def format_table(rows: torch.Tensor, *, source: str) -> str:
         mx, arg = float(vals.max()), int(vals.argmax())
         mean = float(col[ok].mean())
         lines.append(f"{label:<24}{_fmt(mx):>12}{_fmt(mean):>12}{arg:>10d}")
+    if on_cpu:
+        lines.append(f"({CPU_OTHER_NOTE})")
     return "\n".join(lines)

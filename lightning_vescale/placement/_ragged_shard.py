@@ -374,6 +374,27 @@ def _as_placements(placement: RaggedShard | Sequence[Placement], mesh: DeviceMes
     return placements
 
 
+def _ragged_leaf_cached(local: torch.Tensor, mesh: DeviceMesh,
+                        placement: RaggedShard | tuple, shape: Sequence[int],
+                        stride: Sequence[int] | None) -> DTensor:
+    """:func:`ragged_from_local`'s per-step engine path (``autograd=False, check=False``; a
+    gradient per parameter per step): a cached spec, keyed on the identity of the placement
+    object (the engine keeps one per parameter)."""
+    key = (id(mesh), id(placement), tuple(shape),
+           None if stride is None else tuple(stride), local.dtype)
+    hit = _FAST_SPECS.get(key)
+    if hit is not None and hit[0] is mesh and hit[1] is placement:
+        return _new_dtensor(DTensor, local, hit[2], requires_grad=False)
+    shape_t = tuple(int(d) for d in shape)
+    stride_t = _contiguous_stride(shape_t) if stride is None else tuple(int(d) for d in stride)
+    placements_t = placement if type(placement) is tuple else (placement,)
+    spec = _spec(mesh, placements_t, shape_t, stride_t, local.dtype)
+    if len(_FAST_SPECS) >= 4096:
+        _FAST_SPECS.clear()
+    _FAST_SPECS[key] = (mesh, placement, spec)  # keeps both alive: their ids stay unique
+    return _new_dtensor(DTensor, local, spec, requires_grad=False)
+
+
 def ragged_from_local(
     local: torch.Tensor,
     mesh: DeviceMesh,
@@ -408,21 +429,7 @@ def ragged_from_local(
         NotImplementedError: placements other than one ``RaggedShard`` plus ``Replicate()``s.
     """
     if not autograd and not check and (type(placement) is RaggedShard or type(placement) is tuple):
-        # The engine's per-step path (a gradient per parameter per step): a cached spec, keyed
-        # on the identity of the placement object (the engine keeps one per parameter).
-        key = (id(mesh), id(placement), tuple(shape),
-               None if stride is None else tuple(stride), local.dtype)
-        hit = _FAST_SPECS.get(key)
-        if hit is not None and hit[0] is mesh and hit[1] is placement:
-            return _new_dtensor(DTensor, local, hit[2], requires_grad=False)
-        shape_t = tuple(int(d) for d in shape)
-        stride_t = _contiguous_stride(shape_t) if stride is None else tuple(int(d) for d in stride)
-        placements_t = placement if type(placement) is tuple else (placement,)
-        spec = _spec(mesh, placements_t, shape_t, stride_t, local.dtype)
-        if len(_FAST_SPECS) >= 4096:
-            _FAST_SPECS.clear()
-        _FAST_SPECS[key] = (mesh, placement, spec)  # keeps both alive: their ids stay unique
-        return _new_dtensor(DTensor, local, spec, requires_grad=False)
+        return _ragged_leaf_cached(local, mesh, placement, shape, stride)
     placements = _as_placements(placement, mesh)
     dim = ragged_mesh_dim(placements, "ragged_from_local")
     ragged = placements[dim]

@@ -200,6 +200,26 @@ class Instance:
         return GreedyRun(end=c, fits=c <= self.m * s, offsets=offsets, work=work, need=need)
 
 
+def _learned_steps(learned: dict[int, int]) -> list[int]:
+    """The lcm of every subset of the (up to 4) granularities whose failed double crossings cost
+    the most padding, ascending (densest first): :func:`search`'s step 3 walks each."""
+    top = sorted(learned, key=lambda g: (-learned[g], g))[:4]
+    return sorted({math.lcm(*(g for k, g in enumerate(top) if mask >> k & 1))
+                   for mask in range(1, 1 << len(top))})
+
+
+def _snap_to_step(inst: Instance, x: int, step: int) -> int:
+    """The first candidate at or above ``x`` that is also a multiple of ``step``: the step set
+    can shrink as S grows, so settle on a fixed point (at most 4 rounds)."""
+    for _ in range(4):
+        st = math.lcm(inst.step(x), step)
+        y = inst.next_candidate(-(-x // st) * st)
+        if y == x:
+            break
+        x = y
+    return x
+
+
 def search(inst: Instance, lb: int, *, scan_work: int | None = None) -> SearchResult:
     """Smallest feasible candidate S found: exact scan under a budget, then guided probes.
 
@@ -254,21 +274,11 @@ def search(inst: Instance, lb: int, *, scan_work: int | None = None) -> SearchRe
     #    double crossings failed avoid that waste. Try every subset of the (up to 4) costliest,
     #    densest lcm first; walk each sequence upward from the lower bound, jumping by the
     #    overflow, while below the best.
-    top = sorted(learned, key=lambda g: (-learned[g], g))[:4]
-    subsets = sorted(
-        {math.lcm(*(g for k, g in enumerate(top) if mask >> k & 1))
-         for mask in range(1, 1 << len(top))}
-    )
     budget = 48
-    for step in subsets:
+    for step in _learned_steps(learned):
         x = lb
         for _ in range(8):
-            for _ in range(4):  # the step set can shrink as S grows: settle on a fixed point
-                st = math.lcm(inst.step(x), step)
-                y = inst.next_candidate(-(-x // st) * st)
-                if y == x:
-                    break
-                x = y
+            x = _snap_to_step(inst, x, step)
             if x >= best or budget <= 0:
                 break
             budget -= x not in ends

@@ -77,7 +77,9 @@ def test_every_example_file_is_run():
 # -- scripts --------------------------------------------------------------------------------------
 def test_trainer_usage_runs(tmp_path):
     run([sys.executable, str(ROOT / "examples/trainer_usage.py")], cwd=tmp_path)
-    assert (tmp_path / "memory" / "memory_timeline_rank0.png").is_file()  # in the user's cwd
+    assert (tmp_path / "out" / "memory" / "memory_timeline_rank0.png").is_file()  # under out/
+    # everything the example writes is under out/ (git-ignored) or Lightning's own logs
+    assert {p.name for p in tmp_path.iterdir()} <= {"out", "lightning_logs"}
 
 
 @pytest.mark.parametrize("optimizer,name", [("adamw8bit", "GPTAdamW8bit"), ("muon", "GPTMuon")])
@@ -153,14 +155,14 @@ def test_llama_config_runs_tiny_on_cpu(tmp_path, monkeypatch):
     from examples.llama import main
     from lightning_vescale.checkpoint import consolidate
 
-    monkeypatch.chdir(tmp_path)  # ModelCheckpoint writes to checkpoints/llama
+    monkeypatch.chdir(tmp_path)  # ModelCheckpoint writes to out/checkpoints/llama
     cli = main(args=["--config", str(CONFIGS / "llama_8gpu_multinode.yaml"), *LLAMA_TINY,
                      "--trainer.strategy.init_args.start_method=fork"], run=False)
     cli.trainer.callbacks.append(Probe(str(tmp_path), "llama"))
     cli.trainer.fit(cli.model, cli.datamodule)
     for rank in load(tmp_path, "llama"):
         assert len(rank["losses"]) == 2 and rank["groups"][0][0]["block_size"] == 256
-    full = consolidate(tmp_path / "checkpoints" / "llama" / "last.ckpt")
+    full = consolidate(tmp_path / "out" / "checkpoints" / "llama" / "last.ckpt")
     assert full["state_dict"]["model.layers.0.attention.wq.weight"].shape == (64, 64)
 
 

@@ -66,10 +66,12 @@ def test_shape_not_matching_the_world_fails_at_setup(spec, nodes, devices, match
                           devices=devices)
 
 
-def test_trainer_and_fabric_refuse_a_wrong_shape_before_launching():
+def test_trainer_and_fabric_refuse_a_wrong_shape_before_launching(monkeypatch):
     """The connectors tell the strategy its devices and nodes, then configure the launcher: the
     shape is checked there, in the main process, before any rank starts."""
     import lightning.pytorch as pl
+
+    monkeypatch.setenv("MASTER_PORT", "29514")  # num_nodes=2 by hand: other nodes can join
     from lightning.fabric import Fabric
 
     with pytest.raises(ValueError, match=r"device_mesh=\(2, 2\) describes 4 ranks .* the run has "
