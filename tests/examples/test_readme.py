@@ -169,7 +169,7 @@ def _two_nodes(tmp_path: Path) -> None:
                                       stderr=subprocess.STDOUT, text=True))
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
-    assert (tmp_path / "checkpoints" / "llama" / "last.ckpt" / ".metadata").is_file()
+    assert (tmp_path / "out" / "checkpoints" / "llama" / "last.ckpt" / ".metadata").is_file()
 
 
 COMMANDS: dict[str, object] = {
