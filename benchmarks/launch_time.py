@@ -33,14 +33,20 @@ torch.set_num_threads(1)
 import lightning.pytorch as pl
 import lightning_vescale  # noqa: F401
 from examples.train_gpt import CharDataModule, GPTModule
-strategy = sys.argv[1]
-trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=1,
-                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
-start = time.perf_counter()
-trainer.fit(GPTModule(), CharDataModule())
-if trainer.is_global_zero:
-    print(f"FIT_SECONDS {time.perf_counter() - start:.3f}", flush=True)
+
+
+def main():
+    trainer = pl.Trainer(strategy=sys.argv[1], accelerator="cpu", devices=2, max_steps=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    start = time.perf_counter()
+    trainer.fit(GPTModule(), CharDataModule())
+    if trainer.is_global_zero:
+        print(f"FIT_SECONDS {time.perf_counter() - start:.3f}", flush=True)
+
+
+if __name__ == "__main__":  # spawn re-imports this file in each worker
+    main()
 """
 
 LAUNCHERS = {
