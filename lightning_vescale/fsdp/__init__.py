@@ -20,17 +20,17 @@ Design notes of layer 3 (the package's convention and the other layers' notes:
   group's backward is over, on every rank) [fsdp-reentrant] [fsdp-profiling] [fsdp-compile]
 * ``_root.py``: [fsdp-final-callback] (the end of a backward, the gradient flags)
 * ``_collective_check.py``: [fsdp-collective-check] (opt-in: every rank runs the same group)
-* ``_common.py``: [fsdp-training-state]
+* ``_training_state.py``: [fsdp-training-state]
 * ``_materialize.py``: [fsdp-materialize]; ``_state_dict.py``: [fsdp-state-dict];
   ``_module.py``: [fsdp-module]; ``_replaced.py``: [fsdp-replaced]
 
 Modules import one way: ``api`` -> ``_module`` / ``_collect`` / ``_state_dict`` / ``_subgroups``
 -> ``_materialize`` -> ``_state`` -> ``_root`` -> ``_param_group`` -> ``_param_group_grads`` ->
-``_managed_param``; below them ``_policy`` / ``_reshard`` / ``_common`` / ``_tree`` /
+``_managed_param``; below them ``_policy`` / ``_reshard`` / ``_training_state`` / ``_tree`` /
 ``_replaced`` / ``_subgroups`` / ``_collective_check``.
 """
 
-from lightning_vescale.fsdp._common import TrainingState
+from lightning_vescale.fsdp._training_state import TrainingState
 from lightning_vescale.fsdp._materialize import materialize
 from lightning_vescale.fsdp._param_group import ManagedParam, ParamGroup
 from lightning_vescale.fsdp._replaced import check_optimizer, find_replaced

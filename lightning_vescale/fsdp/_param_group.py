@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from lightning_vescale.dbuffer import CommHandle, DBuffer
 from lightning_vescale.fsdp._collective_check import check_collective
 from lightning_vescale.fsdp._collective_check import enabled as collective_check_on
-from lightning_vescale.fsdp._common import TrainingState
+from lightning_vescale.fsdp._training_state import TrainingState
 from lightning_vescale.fsdp._managed_param import ManagedParam, Owner, set_param
 from lightning_vescale.fsdp._param_group_grads import BackwardRoot, GroupGradients
 from lightning_vescale.fsdp._policy import CPUOffloadPolicy, MixedPrecisionPolicy

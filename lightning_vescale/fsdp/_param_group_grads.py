@@ -20,7 +20,7 @@ The group keeps its own backward bookkeeping: ``needs_reduce`` (set by the struc
 of design note [fsdp-schedule], cleared by a reduce-scatter), the first gradient (materialise
 ``grad_full``; make sure the root's final callback is queued), the arrivals that time the
 early backward prefetch (once half of the trainable parameters have a gradient; at most once
-per backward) and its :class:`~lightning_vescale.fsdp._common.TrainingState`. Whether the group
+per backward) and its :class:`~lightning_vescale.fsdp._training_state.TrainingState`. Whether the group
 reduce-scatters now is decided in one place, :meth:`ParamGroup.should_reduce`. What is
 root-wide (which group to prefetch, the final callback) the group asks of the root context
 (:class:`BackwardRoot`), never of a module state.

@@ -35,7 +35,7 @@ from torch.profiler import record_function
 
 from lightning_vescale.fsdp._collective_check import check_collective
 from lightning_vescale.fsdp._collective_check import enabled as collective_check_on
-from lightning_vescale.fsdp._common import TrainingState
+from lightning_vescale.fsdp._training_state import TrainingState
 from lightning_vescale.fsdp._param_group import ParamGroup
 
 if TYPE_CHECKING:  # annotations only: _state imports this module

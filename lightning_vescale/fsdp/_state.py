@@ -12,7 +12,7 @@ and shares its :class:`~lightning_vescale.fsdp._root.RootContext` with every sta
 tree (FSDP2's ``FSDPStateContext``): the list of states and groups, the recorded
 forward/backward orders, the prefetch setting, the reduce-scatter in flight, whether the final
 callback is queued. A state keeps only what is its own: its group, the mixed-precision policy,
-its :class:`~lightning_vescale.fsdp._common.TrainingState` (design note [fsdp-training-state]),
+its :class:`~lightning_vescale.fsdp._training_state.TrainingState` (design note [fsdp-training-state]),
 its forward depth and its post-backward count. What a group does with its
 parameters after forward is its :class:`~lightning_vescale.fsdp._reshard.ReshardPolicy` (design
 note [fsdp-reshard-policy]). The root drives
@@ -97,7 +97,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from lightning_vescale.fsdp._common import TrainingState, in_backward
+from lightning_vescale.fsdp._training_state import TrainingState, in_backward
 from lightning_vescale.fsdp._param_group import ParamGroup
 from lightning_vescale.fsdp._policy import MixedPrecisionPolicy
 from lightning_vescale.fsdp._root import ATTR, RootContext, get_state, states_in

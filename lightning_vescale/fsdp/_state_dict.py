@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_vescale.fsdp._common import in_backward
+from lightning_vescale.fsdp._training_state import in_backward
 from lightning_vescale.fsdp._param_group import ParamGroup
 from lightning_vescale.placement import local_slice, ragged_from_local, ragged_shard_and_rank
 

@@ -548,7 +548,7 @@ def _no_unshard_in_backward_body(impl: str):
     gathers = []
     if impl == "ours":  # count the embedding group's all-gathers during backward
         from lightning_vescale.fsdp import get_state
-        from lightning_vescale.fsdp._common import in_backward
+        from lightning_vescale.fsdp._training_state import in_backward
 
         for buf in get_state(model.emb).group.buffers.values():
             orig = buf.all_gather

@@ -74,6 +74,7 @@ def test_every_example_file_is_run():
                                f"listed but gone: {sorted(set(RUN) - files)}")
 
 
+@pytest.mark.slow  # a script in a fresh process: the second CI step
 # -- scripts --------------------------------------------------------------------------------------
 def test_trainer_usage_runs(tmp_path):
     run([sys.executable, str(ROOT / "examples/trainer_usage.py")], cwd=tmp_path)
@@ -82,18 +83,21 @@ def test_trainer_usage_runs(tmp_path):
     assert {p.name for p in tmp_path.iterdir()} <= {"out", "lightning_logs"}
 
 
+@pytest.mark.slow  # a script in a fresh process: the second CI step
 @pytest.mark.parametrize("optimizer,name", [("adamw8bit", "GPTAdamW8bit"), ("muon", "GPTMuon")])
 def test_optimizers_example_runs(optimizer, name):
     out = run([sys.executable, "examples/optimizers.py", optimizer])
     assert f"{name}: 2 ranks, 10 steps" in out
 
 
+@pytest.mark.slow  # a script in a fresh process: the second CI step
 def test_fabric_example_runs(tmp_path):
     out = run([sys.executable, "examples/fabric_gpt.py", "--steps", "3",
                "--save", str(tmp_path / "ckpt")])
     assert "step 2: loss" in out and (tmp_path / "ckpt" / ".metadata").is_file()
 
 
+@pytest.mark.slow  # a script in a fresh process: the second CI step
 def test_hf_transformers_example(tmp_path):
     if subprocess.run([sys.executable, "-c", "import transformers"],
                       capture_output=True).returncode != 0:
@@ -118,6 +122,7 @@ TINY_GPT = ["--trainer.strategy.init_args.start_method=fork", "--trainer.max_ste
             "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
 
 
+@pytest.mark.slow  # a script in a fresh process: the second CI step
 @pytest.mark.parametrize("configs,extra", [
     (["gpt_vescale.yaml"], []),
     (["gpt_vescale.yaml", "adamw8bit.yaml"], []),
@@ -149,6 +154,7 @@ LLAMA_TINY = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.num
               "--trainer.enable_model_summary=false"]
 
 
+@pytest.mark.slow  # a script in a fresh process: the second CI step
 def test_llama_config_runs_tiny_on_cpu(tmp_path, monkeypatch):
     """The 8-GPU x 4-node config's code path at toy size: meta-device model, AdamW8bit built
     after sharding, a sharded ``last.ckpt`` that ``consolidate`` reads."""
@@ -176,6 +182,7 @@ def _fit(strategy: str, out: Path, tag: str) -> None:
     trainer.fit(GPTModule(n_embd=32), CharDataModule(length=256, val_length=40, batch_size=8))
 
 
+@pytest.mark.slow  # a script in a fresh process: the second CI step
 def test_validation_perplexity_equals_ddps(tmp_path):
     """40 validation windows over 2 ranks, batches of 8: uneven last batches, and Lightning's
     distributed sampler on both sides. The metric is computed over all ranks' tokens."""
