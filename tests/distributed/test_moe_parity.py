@@ -186,3 +186,182 @@ def test_18_rows_over_8_ranks(worlds, kind):
 def test_ranks_that_hold_nothing(worlds, kind):
     outs = worlds(4).run(_muon_body, EMPTY, kind, 2)
     _assert_all_equal(outs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Model level: examples/moe.py's MoE GPT under fully_shard, data parallel
+# ------------------------------------------------------------------------------------------------
+STEPS, MICRO = 3, 2  # steps; sequences per rank per step
+
+
+def _moe_model():
+    from examples.moe import MoEConfig, MoEGPT
+
+    torch.manual_seed(0)
+    return MoEGPT(MoEConfig(n_layer=2, n_embd=32, n_head=2, n_expert=6, top_k=2, expert_ffn=16,
+                            block_size=8))
+
+
+def _data(step: int, rank: int):
+    from examples.gpt import make_batches
+
+    x, y = make_batches(1, MICRO, 8, seed=100 * step + rank)[0]
+    return x, y
+
+
+def _optimizer(model, kind: str):
+    if kind == "muon":
+        return Muon(model.named_parameters(), **HP, adamw_lr=ADAMW_HP["lr"],
+                    adamw_weight_decay=ADAMW_HP["weight_decay"])
+    if kind == "adamw8bit":
+        from lightning_vescale.optim import AdamW8bit
+
+        return AdamW8bit(model.parameters(), **ADAMW_HP)  # experts.w_in (6, 32, 32): 8-bit
+    return torch.optim.AdamW(model.parameters(), **ADAMW_HP)
+
+
+class _TorchMuonPerExpert:
+    """The reference Muon: torch.optim.Muon on every expert of a stack as its own 2-D parameter
+    (and on 2-D hidden weights), torch.optim.AdamW on the rest (Muon's default routing)."""
+
+    def __init__(self, model) -> None:
+        from lightning_vescale.optim._muon_groups import Router
+
+        router = Router.from_patterns((), __import__("lightning_vescale.optim", fromlist=["x"])
+                                      .DEFAULT_ADAMW_PATTERNS)
+        self.stacks, muon, adamw = [], [], []
+        for n, p in model.named_parameters():
+            if not router.to_muon(n, p):
+                adamw.append(p)
+            elif p.ndim == 3:
+                experts = [torch.nn.Parameter(p.detach()[e].clone()) for e in range(p.shape[0])]
+                self.stacks.append((p, experts))
+                muon += experts
+            else:
+                muon.append(p)
+        self.opts = [torch.optim.Muon(muon, **HP), torch.optim.AdamW(adamw, **ADAMW_HP)]
+
+    def step(self) -> None:
+        for p, experts in self.stacks:
+            for e, q in enumerate(experts):
+                q.grad = p.grad[e].clone()
+        for o in self.opts:
+            o.step()
+        with torch.no_grad():
+            for p, experts in self.stacks:
+                p.copy_(torch.stack([q.detach() for q in experts]))
+
+    def zero_grad(self) -> None:
+        for o in self.opts:
+            o.zero_grad()
+        for p, _ in self.stacks:  # in no optimizer: clear by hand
+            p.grad = None
+
+
+def _reference_model(kind: str, world: int, steps: int):
+    model = _moe_model()
+    opt = _TorchMuonPerExpert(model) if kind == "muon" else (
+        _optimizer(model, kind) if kind == "adamw8bit" else torch.optim.AdamW(model.parameters(),
+                                                                              **ADAMW_HP))
+    for step in range(steps):  # data parallelism's loss: the mean of the ranks' losses
+        loss = sum(model(*_data(step, r)) for r in range(world)) / world
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _sharded_model(world: int):
+    from examples.moe import expert_granularity
+    from lightning_vescale.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = _moe_model()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, granularity=expert_granularity)
+    fully_shard(model, mesh=mesh, granularity=expert_granularity)
+    return model
+
+
+def _train(model, opt, steps: range) -> None:
+    rank = dist.get_rank()
+    for step in steps:
+        model(*_data(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _full_params(model) -> dict[str, torch.Tensor]:
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def _model_body(kind: str):
+    world = dist.get_world_size()
+    model = _sharded_model(world)
+    # every expert lies on one rank (rank bounds fall on expert bounds)
+    for n, p in model.named_parameters():
+        if p.ndim == 3:
+            m = p.shape[1] * p.shape[2]
+            for pl in p.placements:
+                for a, b in [pl.local_range(tuple(p.shape), r) for r in range(world)]:
+                    assert a % m == 0 and (b % m == 0 or b == p.numel()), (n, a, b)
+    opt = _optimizer(model, kind)
+    steps = 2 if kind == "muon" else STEPS  # see test_moe_model_matches_single_process
+    _train(model, opt, range(steps))
+    return _full_params(model), _reference_model(kind, world, steps)
+
+
+def _assert_close(got, want):
+    assert set(got) == set(want)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-3, atol=2e-3, msg=n)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("kind", ["adamw", "adamw8bit", "muon"])
+def test_moe_model_matches_single_process(worlds, world_size, kind):
+    """At 1 and 2 ranks the result is bitwise the reference's (the same reduction order). At 3
+    ranks the gradient average rounds differently; bf16 Newton–Schulz and top-k routing amplify
+    that step after step (measured max |diff| with Muon at 3 ranks: 3e-4, 1e-3, 8e-3 after 1, 2,
+    3 steps; AdamW 1e-5 after 3): Muon is compared after 2 steps, the others after 3."""
+    if world_size == 3 and kind != "muon":
+        pytest.skip("3 ranks: Muon only (the uneven world that moves experts); keeps CI short")
+    got, want = worlds(world_size).run(_model_body, kind)[0]
+    _assert_close(got, want)
+
+
+def _save_body(path: str, kind: str):
+    from lightning_vescale import checkpoint as ckpt
+
+    model = _sharded_model(dist.get_world_size())
+    opt = _optimizer(model, kind)
+    _train(model, opt, range(2))
+    ckpt.save_sharded(path, {"state_dict": ckpt.model_state(model, full=False),
+                             "optimizer_0": ckpt.optimizer_state(model, opt, full=False)}, {})
+
+
+def _load_body(path: str, kind: str, save_world: int):
+    from lightning_vescale import checkpoint as ckpt
+
+    model = _sharded_model(dist.get_world_size())
+    opt = _optimizer(model, kind)
+    ckpt.load_sharded(path, model, {"optimizer_0": opt})
+    _train(model, opt, range(2, STEPS))
+    # reference: the save world's data for the first 2 steps, then this world's
+    ref = _moe_model()
+    ref_opt = _TorchMuonPerExpert(ref) if kind == "muon" else _optimizer(ref, kind)
+    for step in range(STEPS):
+        w = save_world if step < 2 else dist.get_world_size()
+        (sum(ref(*_data(step, r)) for r in range(w)) / w).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return _full_params(model), {n: p.detach() for n, p in ref.named_parameters()}
+
+
+@pytest.mark.parametrize("kind", ["muon", "adamw8bit"])
+@pytest.mark.parametrize("save_world,load_world", [(4, 3), (2, 4)])
+def test_moe_checkpoint_loads_at_another_world(worlds, tmp_path, kind, save_world, load_world):
+    path = str(tmp_path / "ckpt")
+    worlds(save_world).run(_save_body, path, kind)
+    got, want = worlds(load_world).run(_load_body, path, kind, save_world)[0]
+    _assert_close(got, want)
