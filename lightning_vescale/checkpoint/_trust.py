@@ -91,6 +91,19 @@ class CheckpointLoadError(RuntimeError):
         self.detail, self.rank = detail, rank
         super().__init__(detail if rank is None else f"[rank {rank}] {detail}")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # DCP hands a rank's failure to the other ranks pickled; the default reduce re-runs
+        # __init__ there, which would prefix the receiving rank too ("[rank 1] [rank 0] ...").
+        return (_rebuild_load_error, (type(self), self.args), self.__dict__)
+
+
+def _rebuild_load_error(cls: type[CheckpointLoadError], args: tuple[Any, ...]
+                        ) -> CheckpointLoadError:
+    """Unpickle a :class:`CheckpointLoadError` as it was raised (message and rank unchanged)."""
+    err = cls.__new__(cls, *args)
+    err.args = args
+    return err
+
 
 # -- restricted metadata unpickling ---------------------------------------------------------------
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
