@@ -28,7 +28,12 @@ from lightning_vescale.checkpoint._files import (
     temp_sibling,
 )
 from lightning_vescale.checkpoint._sharded import read_side_file
-from lightning_vescale.checkpoint._trust import CheckpointLoadError, load, read_metadata
+from lightning_vescale.checkpoint._trust import (
+    CheckpointLoadError,
+    load,
+    read_metadata,
+    safe_torch_load,
+)
 from lightning_vescale.checkpoint._state_dicts import (
     load_full_model_state,
     load_full_optimizer_state,
@@ -70,7 +75,7 @@ def read_full(path: Path, *, weights_only: Optional[bool] = None) -> dict[str, A
     """
     weights_only = True if weights_only is None else weights_only
     try:
-        return torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+        return safe_torch_load(path, mmap=True, map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as err:
         raise CheckpointLoadError(
             f"Refusing to load {path}: {err}. If you trust this checkpoint, load it with "

@@ -46,6 +46,7 @@ from lightning_vescale.checkpoint._trust import (
     load,
     read_metadata,
     read_verified_file,
+    safe_torch_load,
     write_manifest,
 )
 from lightning_vescale.checkpoint._state_dicts import (
@@ -305,7 +306,7 @@ def read_side_file(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
     """``meta.pt`` (the non-tensor part of the checkpoint), verified against the manifest."""
     data = read_verified_file(path, METADATA_FILENAME, what="non-tensor state")
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+        return safe_torch_load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as err:
         raise CheckpointLoadError(
             f"Refusing to load {path / METADATA_FILENAME}: {err}. If you trust this checkpoint, "

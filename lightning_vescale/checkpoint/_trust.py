@@ -23,6 +23,9 @@ This module closes those holes for every DCP directory the package reads:
   them (they are in memory anyway, so the check costs one CRC pass, ~7 GB/s here). CRC-32 detects
   corruption, not tampering: anyone who can rewrite the data can rewrite the manifest. Protection
   against malicious files is the restricted loading above, not the checksum.
+- Harmless standard types load under ``weights_only=True`` too (:data:`HARMLESS_GLOBALS`:
+  ``pathlib`` paths and ``datetime`` values, which ``save_hyperparameters()`` stores when a
+  LightningModule takes them as arguments): reconstructing them runs no user code.
 - Every failure is a :class:`CheckpointLoadError` naming the file (and, through
   :func:`raise_load_error`, the rank), for missing, truncated and corrupted files alike.
 
@@ -32,9 +35,11 @@ warning that its bytes cannot be verified.
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 import os
+import pathlib
 import pickle
 import warnings
 import zlib
@@ -319,12 +324,31 @@ class SafeFileSystemReader(FileSystemReader):
         planner.commit_tensor(req, target)
 
 
+# -- harmless standard types ----------------------------------------------------------------------
+#: Classes besides torch's own that ``weights_only=True`` loads allow: values of the standard
+#: library whose reconstruction runs no user code, and which ``save_hyperparameters()`` stores
+#: when a LightningModule takes them as arguments (a ``pathlib.Path`` data directory, a
+#: ``timedelta`` interval). Listed in the README's checkpoint-trust section.
+HARMLESS_GLOBALS: tuple[type, ...] = (
+    pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath,
+    datetime.date, datetime.datetime, datetime.time, datetime.timedelta, datetime.timezone,
+)
+
+
+def safe_torch_load(source: Any, *, weights_only: bool, **kwargs: Any) -> Any:
+    """``torch.load`` that, under ``weights_only=True``, also allows :data:`HARMLESS_GLOBALS`."""
+    if not weights_only:
+        return torch.load(source, weights_only=False, **kwargs)
+    with torch.serialization.safe_globals(list(HARMLESS_GLOBALS)):
+        return torch.load(source, weights_only=True, **kwargs)
+
+
 # -- planners whose byte entries load safely ------------------------------------------------------
 class _SafeBytesMixin:
     weights_only: bool = True
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=self.weights_only)
+        obj = safe_torch_load(value, weights_only=self.weights_only)
         if getattr(self, "flatten_state_dict", False):
             from torch.distributed.checkpoint._traverse import set_element
 
