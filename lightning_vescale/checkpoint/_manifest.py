@@ -31,9 +31,9 @@ INTEGRITY_FILENAME = ".integrity.json"
 MANIFEST_VERSION = 1
 _METADATA_FILENAME = ".metadata"
 
-#: The manifest holds at most one short entry per item of ``.metadata``, and ``.metadata``
-#: describes each item in more bytes than that (measured: the manifest is 0.3-0.6x the size of
-#: ``.metadata``); the cap leaves a wide margin.
+#: The manifest holds one entry per item of ``.metadata``, which describes each item in more
+#: bytes (measured: the manifest is 0.17x the size of ``.metadata`` for 10-character names, 0.58x
+#: for 200, 0.92x for 2000); the cap leaves a wide margin.
 MANIFEST_BYTES_PER_METADATA_BYTE = 16
 MANIFEST_BASE_BYTES = 1 << 20
 

@@ -30,7 +30,9 @@ This module closes those holes for every DCP directory the package reads:
   :func:`raise_load_error`, the rank), for missing, truncated and corrupted files alike.
 
 A checkpoint without a manifest (written by an older version, or by another tool) loads, with a
-warning that its bytes cannot be verified.
+warning that its bytes cannot be verified. Every file is read confined to the checkpoint directory
+(design note [checkpoint-confinement], ``_confine.py``), and the manifest is validated before use
+(``_manifest.py``).
 """
 
 from __future__ import annotations
