@@ -6,7 +6,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["CheckpointLoadError"]
+__all__ = ["CheckpointLoadError", "CheckpointRefusedError"]
 
 
 class CheckpointLoadError(RuntimeError):
@@ -26,6 +26,11 @@ class CheckpointLoadError(RuntimeError):
         # DCP hands a rank's failure to the other ranks pickled; the default reduce re-runs
         # __init__ there, which would prefix the receiving rank too ("[rank 1] [rank 0] ...").
         return (_rebuild_load_error, (type(self), self.args), self.__dict__)
+
+
+class CheckpointRefusedError(CheckpointLoadError):
+    """The checkpoint holds an object that safe loading (``weights_only=True``) refuses to
+    unpickle; ``weights_only=False`` loads it, for checkpoints from a source you trust."""
 
 
 def _rebuild_load_error(cls: type[CheckpointLoadError], args: tuple[Any, ...]

@@ -65,7 +65,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.futures import Future
 
 from lightning_vescale.checkpoint._confine import open_inside, read_inside
-from lightning_vescale.checkpoint._errors import CheckpointLoadError
+from lightning_vescale.checkpoint._errors import CheckpointLoadError, CheckpointRefusedError
 from lightning_vescale.checkpoint._manifest import (
     INTEGRITY_FILENAME,
     MANIFEST_VERSION as _MANIFEST_VERSION,
@@ -74,6 +74,7 @@ from lightning_vescale.checkpoint._manifest import (
 
 __all__ = [
     "CheckpointLoadError",
+    "CheckpointRefusedError",
     "INTEGRITY_FILENAME",
     "load",
     "SafeFileSystemReader",
@@ -127,7 +128,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise CheckpointLoadError(
+        raise CheckpointRefusedError(
             f"Refusing to load {self._path}: it asks to unpickle the global {module}.{name}, "
             "which a distributed-checkpoint metadata file never needs (it may run code). If you "
             "trust this checkpoint, load it with weights_only=False.")
@@ -309,7 +310,7 @@ class SafeFileSystemReader(FileSystemReader):
         except CheckpointLoadError:
             raise
         except pickle.UnpicklingError as err:
-            raise CheckpointLoadError(
+            raise CheckpointRefusedError(
                 f"Refusing to load item {req.storage_index.fqn!r} of {path}: {err}. If you trust "
                 "this checkpoint, load it with weights_only=False.") from err
         except Exception as err:
@@ -391,22 +392,25 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, weights_only: b
     if planner is None:
         planner = safe_planner(weights_only=weights_only)
     reader = SafeFileSystemReader(path, weights_only=weights_only, verify=verify)
+    alone = no_dist or not (dist.is_available() and dist.is_initialized())
     try:
         _load_state_dict(state_dict, storage_reader=reader, planner=planner,
-                         process_group=process_group,
-                         no_dist=no_dist or not (dist.is_available() and dist.is_initialized()))
+                         process_group=process_group, no_dist=alone)
     except CheckpointException as err:
-        raise_load_error(err, Path(path))
+        raise_load_error(err, Path(path), alone=alone)
 
 
-def raise_load_error(err: CheckpointException, path: Path) -> None:
-    """Re-raise a DCP ``CheckpointException`` as one error that names the rank and the file."""
+def raise_load_error(err: CheckpointException, path: Path, *, alone: bool = False) -> None:
+    """Re-raise a DCP ``CheckpointException`` as one error that names the rank and the file.
+
+    ``alone``: DCP ran in this process only (its "rank 0" is not a rank of any job, so the error
+    keeps the rank it was raised with, none outside a distributed job)."""
     failures = getattr(err, "failures", {}) or {}
     causes = {rank: (exc[0] if isinstance(exc, tuple) else exc)
               for rank, exc in sorted(failures.items())}
     for rank, cause in causes.items():  # our errors first: they name the file
         if isinstance(cause, CheckpointLoadError):
-            raise CheckpointLoadError(cause.detail, rank=rank) from cause
+            raise type(cause)(cause.detail, rank=cause.rank if alone else rank) from cause
     detail = "; ".join(f"rank {rank}: {type(c).__name__}: {c}" for rank, c in causes.items())
     raise CheckpointLoadError(
         f"Loading the sharded checkpoint {path} failed: {detail or err}") from err
