@@ -42,6 +42,10 @@ _OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBL
 def resolve_inside(root: Path, name: str, what: str) -> Path:
     """The resolved path of ``root/name``; a :class:`CheckpointLoadError` if it is outside
     ``root`` (an absolute name, a ``..`` component, or a link pointing out)."""
+    if not isinstance(name, str):
+        raise CheckpointLoadError(
+            f"The checkpoint {str(root)!r} names its {what} file {name!r}, not a file name: the "
+            "checkpoint is damaged or crafted.")
     shown = Path(root) / name
     if (not name or PurePosixPath(name).is_absolute() or PureWindowsPath(name).is_absolute()
             or ".." in PurePosixPath(name.replace("\\", "/")).parts):

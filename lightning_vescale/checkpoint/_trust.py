@@ -64,7 +64,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.futures import Future
 
-from lightning_vescale.checkpoint._confine import open_inside, read_inside
+from lightning_vescale.checkpoint._confine import open_inside
 from lightning_vescale.checkpoint._errors import CheckpointLoadError, CheckpointRefusedError
 from lightning_vescale.checkpoint._manifest import (
     INTEGRITY_FILENAME,
