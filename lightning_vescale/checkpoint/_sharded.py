@@ -42,6 +42,7 @@ from lightning_vescale.checkpoint._files import (
 )
 from lightning_vescale.checkpoint._trust import (
     CheckpointLoadError,
+    CheckpointRefusedError,
     checksum_items,
     load,
     read_metadata,
@@ -308,7 +309,7 @@ def read_side_file(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
     try:
         return safe_torch_load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as err:
-        raise CheckpointLoadError(
+        raise CheckpointRefusedError(
             f"Refusing to load {path / METADATA_FILENAME}: {err}. If you trust this checkpoint, "
             "load it with weights_only=False.") from err
     except Exception as err:
