@@ -9,17 +9,24 @@ reads it in one process, without GPUs or a process group, and writes the *full* 
     python -m lightning_vescale.consolidate checkpoints/last.ckpt weights.pt --state-dict-only
     python -m lightning_vescale.consolidate downloaded/ckpt full.ckpt --trust   # see below
 
-*Full file* (default): the Lightning checkpoint layout (``state_dict``, ``optimizer_states`` in
-torch's plain per-index format, loops, callbacks, hyper-parameters); ``Trainer.fit(ckpt_path=)``
-of any strategy, or ``torch.load``, reads it. ``--state-dict-only`` writes just the model's state
-dict, under the LightningModule's names (e.g. ``model.blocks.0.attn.qkv.weight``).
+*Full file* (default): every entry of the checkpoint under its own key, with full tensors. A
+Trainer checkpoint keeps the Lightning layout (``state_dict``, ``optimizer_states`` in torch's
+plain per-index format, loops, callbacks, hyper-parameters), which ``Trainer.fit(ckpt_path=)`` of
+any strategy, or ``torch.load``, reads; a Fabric checkpoint (``fabric.save(path, {"model": ...,
+"optimizer": ..., "step": ...})``) keeps its state keys (each module's state dict, each
+optimizer's state in the plain format, the other values as saved), which ``fabric.load`` of any
+strategy reads. The command prints what it wrote. ``--state-dict-only`` writes just the model's
+state dict (``state_dict``, or a Fabric checkpoint's one module entry), under the module's names
+(e.g. ``model.blocks.0.attn.qkv.weight``).
 
 *Safe by default.* Reading is :func:`lightning_vescale.checkpoint.consolidate` with
 ``weights_only=True``: no object in the checkpoint is unpickled except tensors and plain
 containers, and every stored item is checked against the checkpoint's CRC-32 manifest. A
 checkpoint holding other objects (custom classes in the hyper-parameters, say) is refused with an
-error naming the file and the object; if you trust its source, pass ``--trust`` (the same as
-``--no-weights-only``), which lets it run code while loading.
+error naming the file and the object, and the error suggests ``--trust`` (the same as
+``--no-weights-only``), which lets it run code while loading: pass it only if you trust the
+checkpoint's source. Other errors (a damaged file, a failed checksum) name the file and say nothing
+of ``--trust``, which would not help.
 
 The output is written to a temporary sibling and renamed onto ``OUT``, so an interrupted run never
 leaves half a file; an existing ``OUT`` is replaced only with ``--force``.
@@ -37,6 +44,7 @@ from typing import Any
 import torch
 
 from lightning_vescale.checkpoint import consolidate
+from lightning_vescale.checkpoint._errors import CheckpointRefusedError
 
 __all__ = ["build_parser", "main"]
 
@@ -59,14 +67,55 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _summary(checkpoint: dict[str, Any]) -> str:
-    tensors = [t for t in checkpoint.get("state_dict", checkpoint).values()
-               if isinstance(t, torch.Tensor)]
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a (nested) state entry."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _describe(key: str, value: Any) -> str:
+    tensors = _tensors(value)
     numel = sum(t.numel() for t in tensors)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    opts = len(checkpoint.get("optimizer_states", ()))
-    return (f"{len(tensors)} model tensors ({numel:,} elements, {nbytes / 2**20:.1f} MiB)"
-            + (f", {opts} optimizer state(s)" if opts else ""))
+    size = f"{numel:,} elements, {nbytes / 2**20:.1f} MiB"
+    if key == "state_dict":
+        return f"{len(tensors)} model tensors ({size})"
+    if key == "optimizer_states":
+        return f"{len(value)} optimizer state(s) ({len(tensors)} tensors, {size})"
+    if isinstance(value, dict) and "param_groups" in value:
+        return f"{key!r}: optimizer state ({len(tensors)} tensors, {size})"
+    return f"{key!r}: {len(tensors)} tensors ({size})"
+
+
+def _summary(out: dict[str, Any], state_dict_only: bool) -> str:
+    """What was written: every entry holding tensors, then how many other entries."""
+    if state_dict_only:
+        return _describe("state_dict", out)
+    parts = [_describe(k, v) for k, v in out.items() if _tensors(v)]
+    others = [k for k, v in out.items() if not _tensors(v)]
+    if others:
+        parts.append(f"{len(others)} other entr{'y' if len(others) == 1 else 'ies'}")
+    return "; ".join(parts) or "no tensors"
+
+
+def _model_state(checkpoint: dict[str, Any], src: Path) -> dict[str, Any]:
+    """The model's state dict: ``state_dict`` (Trainer), or the one module entry (Fabric)."""
+    if "state_dict" in checkpoint:
+        return checkpoint["state_dict"]
+    modules = [k for k, v in checkpoint.items() if isinstance(v, dict) and v
+               and "param_groups" not in v
+               and all(isinstance(t, torch.Tensor) for t in v.values())]
+    if len(modules) != 1:
+        raise ValueError(
+            f"--state-dict-only: {str(src)!r} has no 'state_dict' key and "
+            f"{'no' if not modules else len(modules)} entries that are module state dicts "
+            f"({modules}); write the whole checkpoint instead (drop --state-dict-only).")
+    return checkpoint[modules[0]]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -80,12 +129,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("IN and OUT must be different paths")
     try:
         checkpoint = consolidate(src, weights_only=weights_only)
+        out = _model_state(checkpoint, src) if args.state_dict_only else checkpoint
     except (ValueError, RuntimeError, OSError) as exc:
-        hint = ("" if not weights_only else
-                " (if the checkpoint comes from a source you trust and holds other objects, "
-                "--trust loads it without the weights_only restriction)")
+        hint = ("" if not isinstance(exc, CheckpointRefusedError) else
+                " (if the checkpoint comes from a source you trust, --trust loads it without the "
+                "weights_only restriction)")
         parser.error(f"cannot consolidate {str(src)!r}: {exc}{hint}")
-    out: dict[str, Any] = checkpoint["state_dict"] if args.state_dict_only else checkpoint
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
     try:
@@ -95,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if tmp.exists():
             tmp.unlink()
     what = "state dict" if args.state_dict_only else "full checkpoint"
-    print(f"wrote {what} {dst}: {_summary(out)}"
+    print(f"wrote {what} {dst}: {_summary(out, args.state_dict_only)}"
           f"{'' if weights_only else ' (loaded with weights_only=False)'}")
     return 0
 

@@ -70,7 +70,6 @@ from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -82,6 +81,7 @@ from typing_extensions import override
 
 from lightning_vescale._lightning.core import RegistryEntry, VeScaleStrategyCore
 from lightning_vescale._lightning.device_mesh import DeviceMeshArg
+from lightning_vescale._lightning.requested_load import DirectLauncher, RecordingScriptLauncher
 from lightning_vescale._lightning.launcher import (
     SAVED_AFTER_LAUNCH_KEY,
     VeScaleMultiProcessingLauncher,
@@ -254,10 +254,13 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         self._check_device_mesh_world()  # in the main process, before any rank starts
+        # every launcher records the entry point's weights_only ([requested-weights-only])
         if self._start_method == "popen":
             if not self.cluster_environment.creates_processes_externally:
-                self._launcher = _SubprocessScriptLauncher(self.cluster_environment,
-                                                           self.num_processes, self.num_nodes)
+                self._launcher = RecordingScriptLauncher(self, self.cluster_environment,
+                                                         self.num_processes, self.num_nodes)
+            else:
+                self._launcher = DirectLauncher(self)
         else:
             self._launcher = VeScaleMultiProcessingLauncher(self, start_method=self._start_method)
 
@@ -432,6 +435,8 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if weights_only is None:  # Lightning drops it when restoring after setup
+            weights_only = getattr(self, "_requested_weights_only", None)
         path = self._checkpoint_source(checkpoint_path)
         lm = self.lightning_module
         assert lm is not None and self.model is not None

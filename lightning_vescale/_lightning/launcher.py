@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_vescale._lightning.requested_load import record_weights_only
 from lightning_vescale._lightning.sharding import has_meta, reshard_all
 from lightning_vescale.checkpoint import model_state
 from lightning_vescale.checkpoint._sharded import read_side_file
@@ -89,7 +90,13 @@ def saved_after_launch_error(path: Any, start_method: str) -> RuntimeError:
 
 
 class VeScaleMultiProcessingLauncher(_MultiProcessingLauncher):
-    """``fork``/``spawn`` launcher that sends rank 0's *full* weights back to the main process."""
+    """``fork``/``spawn`` launcher that sends rank 0's *full* weights back to the main process
+    and records the entry point's ``weights_only`` ([requested-weights-only])."""
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        record_weights_only(self._strategy, function, args, kwargs)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
     @override
     def _collect_rank_zero_results(self, trainer: "pl.Trainer",

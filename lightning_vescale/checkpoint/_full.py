@@ -8,6 +8,7 @@ into this format offline. See design note [checkpoint-formats] (``lightning_vesc
 from __future__ import annotations
 
 import pickle
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
@@ -28,7 +29,13 @@ from lightning_vescale.checkpoint._files import (
     temp_sibling,
 )
 from lightning_vescale.checkpoint._sharded import read_side_file
-from lightning_vescale.checkpoint._trust import CheckpointLoadError, load, read_metadata
+from lightning_vescale.checkpoint._trust import (
+    CheckpointLoadError,
+    CheckpointRefusedError,
+    load,
+    read_metadata,
+    safe_torch_load,
+)
 from lightning_vescale.checkpoint._state_dicts import (
     load_full_model_state,
     load_full_optimizer_state,
@@ -70,9 +77,9 @@ def read_full(path: Path, *, weights_only: Optional[bool] = None) -> dict[str, A
     """
     weights_only = True if weights_only is None else weights_only
     try:
-        return torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+        return safe_torch_load(path, mmap=True, map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as err:
-        raise CheckpointLoadError(
+        raise CheckpointRefusedError(
             f"Refusing to load {path}: {err}. If you trust this checkpoint, load it with "
             "weights_only=False.") from err
     except (EOFError, RuntimeError) as err:
@@ -108,9 +115,19 @@ def load_full(checkpoint: dict[str, Any], module: Module, optimizers: Mapping[st
 def consolidate(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
     """Read a sharded checkpoint directory into one full, plain checkpoint dict (no process group).
 
-    Model tensors come back full under ``"state_dict"``; optimizer states become the plain torch
-    format (integer keys in parameter-group order) under ``"optimizer_states"``, so the result can
-    be ``torch.save``-d and loaded by a single-process or DDP run. Runs in one process. Loading is
+    Every entry is kept under its own key, with full tensors, for Trainer and Fabric checkpoints
+    alike, so the result can be ``torch.save``-d and loaded by a single-process or DDP run:
+
+    * a Trainer checkpoint (tensor keys ``"state_dict"`` and ``"optimizer_<i>"``): the model's
+      state dict under ``"state_dict"``, the optimizer states as Lightning's
+      ``"optimizer_states"`` list;
+    * anything else, e.g. ``fabric.save(path, {"model": ..., "optimizer": ..., "step": ...})``:
+      each module's state dict under its own key, each optimizer's state under its own key.
+
+    Optimizer states become the plain torch format (integer keys in parameter-group order); the
+    non-tensor state (``meta.pt``) is kept as it is. An entry that cannot be converted (a key
+    both among the tensors and in ``meta.pt``, an optimizer state that does not match its
+    parameter groups) raises a ``ValueError`` naming the keys. Runs in one process. Loading is
     safe and verified as for training (``weights_only=False`` only for trusted files).
     """
     path = check_checkpoint_path(Path(path))
@@ -126,12 +143,39 @@ def consolidate(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
     load(flat, path, weights_only=weights_only, no_dist=True)
     nested = unflatten_state_dict(flat, md.planner_data) if md.planner_data else flat
     checkpoint = dict(read_side_file(path, weights_only=weights_only))
-    checkpoint["state_dict"] = nested.pop("state_dict", {})
-    opt_keys = sorted((k for k in nested if k.startswith("optimizer_")),
-                      key=lambda k: int(k.split("_", 1)[1]))
-    if opt_keys:
-        checkpoint["optimizer_states"] = [_index_keyed(nested[key]) for key in opt_keys]
+    clash = sorted(set(nested) & set(checkpoint))
+    if clash:
+        raise ValueError(
+            f"Cannot consolidate {str(path)!r}: the keys {clash} are both among its tensors and "
+            "in its non-tensor state (meta.pt); the checkpoint is damaged or not one of ours.")
+    if "state_dict" in nested and all(k == "state_dict" or _TRAINER_OPTIMIZER.fullmatch(k)
+                                      for k in nested):  # the Trainer's layout
+        checkpoint["state_dict"] = nested.pop("state_dict")
+        opt_keys = sorted(nested, key=lambda k: int(k.split("_", 1)[1]))
+        if opt_keys:
+            checkpoint["optimizer_states"] = [_convert(path, k, nested[k]) for k in opt_keys]
+        return checkpoint
+    for key, value in nested.items():  # Fabric's (or any other) state keys
+        checkpoint[key] = _convert(path, key, value) if _is_optimizer_state(value) else value
     return checkpoint
+
+
+_TRAINER_OPTIMIZER = re.compile(r"optimizer_\d+")
+
+
+def _is_optimizer_state(value: Any) -> bool:
+    return isinstance(value, dict) and "param_groups" in value
+
+
+def _convert(path: Path, key: str, osd: Any) -> dict[str, Any]:
+    """:func:`_index_keyed`, or a ``ValueError`` naming the entry it cannot convert."""
+    try:
+        return _index_keyed(osd)
+    except (KeyError, TypeError, AttributeError) as err:
+        raise ValueError(
+            f"Cannot consolidate {str(path)!r}: the optimizer state under {key!r} does not match "
+            f"its parameter groups ({type(err).__name__}: {err}); the checkpoint is damaged or "
+            "not one of ours.") from err
 
 
 def _index_keyed(osd: dict[str, Any]) -> dict[str, Any]:

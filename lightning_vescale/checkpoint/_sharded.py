@@ -42,10 +42,12 @@ from lightning_vescale.checkpoint._files import (
 )
 from lightning_vescale.checkpoint._trust import (
     CheckpointLoadError,
+    CheckpointRefusedError,
     checksum_items,
     load,
     read_metadata,
     read_verified_file,
+    safe_torch_load,
     write_manifest,
 )
 from lightning_vescale.checkpoint._state_dicts import (
@@ -305,9 +307,9 @@ def read_side_file(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
     """``meta.pt`` (the non-tensor part of the checkpoint), verified against the manifest."""
     data = read_verified_file(path, METADATA_FILENAME, what="non-tensor state")
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+        return safe_torch_load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as err:
-        raise CheckpointLoadError(
+        raise CheckpointRefusedError(
             f"Refusing to load {path / METADATA_FILENAME}: {err}. If you trust this checkpoint, "
             "load it with weights_only=False.") from err
     except Exception as err:

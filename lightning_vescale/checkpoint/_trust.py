@@ -23,18 +23,25 @@ This module closes those holes for every DCP directory the package reads:
   them (they are in memory anyway, so the check costs one CRC pass, ~7 GB/s here). CRC-32 detects
   corruption, not tampering: anyone who can rewrite the data can rewrite the manifest. Protection
   against malicious files is the restricted loading above, not the checksum.
+- Harmless standard types load under ``weights_only=True`` too (:data:`HARMLESS_GLOBALS`:
+  ``pathlib`` paths and ``datetime`` values, which ``save_hyperparameters()`` stores when a
+  LightningModule takes them as arguments): reconstructing them runs no user code.
 - Every failure is a :class:`CheckpointLoadError` naming the file (and, through
   :func:`raise_load_error`, the rank), for missing, truncated and corrupted files alike.
 
 A checkpoint without a manifest (written by an older version, or by another tool) loads, with a
-warning that its bytes cannot be verified.
+warning that its bytes cannot be verified. Every file is read confined to the checkpoint directory
+(design note [checkpoint-confinement], ``_confine.py``), and the manifest is validated before use
+(``_manifest.py``).
 """
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 import os
+import pathlib
 import pickle
 import warnings
 import zlib
@@ -57,8 +64,17 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.futures import Future
 
+from lightning_vescale.checkpoint._confine import open_inside
+from lightning_vescale.checkpoint._errors import CheckpointLoadError, CheckpointRefusedError
+from lightning_vescale.checkpoint._manifest import (
+    INTEGRITY_FILENAME,
+    MANIFEST_VERSION as _MANIFEST_VERSION,
+    load_manifest,
+)
+
 __all__ = [
     "CheckpointLoadError",
+    "CheckpointRefusedError",
     "INTEGRITY_FILENAME",
     "load",
     "SafeFileSystemReader",
@@ -72,24 +88,7 @@ __all__ = [
     "write_manifest",
 ]
 
-#: The manifest of checksums beside ``.metadata`` in every sharded checkpoint we write.
-INTEGRITY_FILENAME = ".integrity.json"
 _METADATA_FILENAME = ".metadata"
-_MANIFEST_VERSION = 1
-
-
-class CheckpointLoadError(RuntimeError):
-    """A checkpoint file is missing, damaged, fails its checksum, or holds a refused object.
-
-    In a distributed run the message starts with ``[rank r]``, the rank that found the problem
-    (``rank`` defaults to this process's global rank).
-    """
-
-    def __init__(self, detail: str, *, rank: int | None = None) -> None:
-        if rank is None and dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank()
-        self.detail, self.rank = detail, rank
-        super().__init__(detail if rank is None else f"[rank {rank}] {detail}")
 
 
 # -- restricted metadata unpickling ---------------------------------------------------------------
@@ -129,7 +128,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise CheckpointLoadError(
+        raise CheckpointRefusedError(
             f"Refusing to load {self._path}: it asks to unpickle the global {module}.{name}, "
             "which a distributed-checkpoint metadata file never needs (it may run code). If you "
             "trust this checkpoint, load it with weights_only=False.")
@@ -137,32 +136,6 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def _crc32(data: bytes | memoryview) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
-
-
-def _read_file(path: Path, what: str) -> bytes:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointLoadError(f"The checkpoint's {what} file {path} is missing.") from None
-    except OSError as err:
-        raise CheckpointLoadError(f"Could not read the checkpoint's {what} file {path}: {err}") \
-            from err
-
-
-def load_manifest(root: Path) -> dict[str, Any] | None:
-    path = root / INTEGRITY_FILENAME
-    if not path.exists():
-        return None
-    try:
-        manifest = json.loads(_read_file(path, "integrity manifest"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointLoadError(f"The integrity manifest {path} is damaged: {err}") from err
-    if not isinstance(manifest, dict) or manifest.get("version") != _MANIFEST_VERSION:
-        raise CheckpointLoadError(
-            f"The integrity manifest {path} has an unknown format (version "
-            f"{manifest.get('version') if isinstance(manifest, dict) else None!r}, expected "
-            f"{_MANIFEST_VERSION}).")
-    return manifest
 
 
 def _item_key(index: MetadataIndex) -> str:
@@ -175,16 +148,36 @@ def read_verified_file(root: Path, name: str, *, what: str = "",
     """The bytes of ``root/name``, checked against the manifest's size and CRC-32 if it has one.
 
     ``manifest``: pass :func:`load_manifest`'s result (``None`` reads it here; a checkpoint
-    without a manifest is read unchecked).
+    without a manifest is read unchecked). A manifest without an entry for ``name`` is an error
+    (it does not belong to this checkpoint). The file is read confined to ``root`` (design note
+    [checkpoint-confinement]), and a file whose size differs from the manifest's is not read.
     """
     root = Path(root)
     if manifest is None:
         manifest = load_manifest(root)
     path = root / name
-    data = _read_file(path, what or name)
-    expected = (manifest or {}).get("files", {}).get(name)
-    if expected is not None and (len(data) != expected["size"]
-                                 or _crc32(data) != expected["crc32"]):
+    expected = manifest["files"].get(name) if manifest else None
+    if manifest and expected is None:
+        raise CheckpointLoadError(
+            f"{root / INTEGRITY_FILENAME} has no checksum for {name!r}: the manifest does not "
+            "belong to this checkpoint (restore it, or remove it to load unverified).")
+    try:
+        stream, size = open_inside(root, name, what or name)
+    except FileNotFoundError:
+        raise CheckpointLoadError(f"The checkpoint's {what or name} file {path} is missing.") \
+            from None
+    with stream:
+        if expected is not None and size != expected["size"]:
+            raise CheckpointLoadError(
+                f"{path} fails its integrity check ({size} bytes, expected {expected['size']} "
+                f"bytes with CRC-32 {expected['crc32']:#010x}): the file is damaged; restore it "
+                "or use another checkpoint.")
+        try:
+            data = stream.read(size)
+        except OSError as err:
+            raise CheckpointLoadError(
+                f"Could not read the checkpoint's {what or name} file {path}: {err}") from err
+    if expected is not None and _crc32(data) != expected["crc32"]:
         raise CheckpointLoadError(
             f"{path} fails its integrity check ({len(data)} bytes with CRC-32 "
             f"{_crc32(data):#010x}, expected {expected['size']} bytes with CRC-32 "
@@ -256,8 +249,8 @@ class SafeFileSystemReader(FileSystemReader):
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
         for relative_path, reqs in per_file.items():
             path = self._root / relative_path
-            try:
-                stream = open(path, "rb")  # noqa: SIM115
+            try:  # confined to the checkpoint directory ([checkpoint-confinement])
+                stream, size = open_inside(self._root, relative_path, "data")
             except FileNotFoundError:
                 raise CheckpointLoadError(
                     f"The checkpoint file {path} is missing (the checkpoint is incomplete; it "
@@ -266,21 +259,29 @@ class SafeFileSystemReader(FileSystemReader):
             with stream:
                 for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
                     info: _StorageInfo = self.storage_data[req.storage_index]
-                    data = self._read_item(stream, path, info, req, items)
+                    data = self._read_item(stream, size, path, info, req, items)
                     self._decode(data, path, req, planner)
         fut: Future = Future()
         fut.set_result(None)
         return fut
 
-    def _read_item(self, stream: io.BufferedReader, path: Path, info: _StorageInfo,
+    def _read_item(self, stream: io.BufferedReader, size: int, path: Path, info: _StorageInfo,
                    req: ReadItem, items: Mapping[str, Any] | None) -> bytes:
-        stream.seek(info.offset)
-        data = stream.read(info.length)
+        if not (isinstance(info.offset, int) and isinstance(info.length, int)
+                and info.offset >= 0 and info.length >= 0):
+            raise CheckpointLoadError(
+                f"{self._root / _METADATA_FILENAME} gives item {req.storage_index.fqn!r} of "
+                f"{path} the byte range offset={info.offset!r}, length={info.length!r}: the "
+                "metadata is damaged or crafted.")
+        data = b""
+        if info.offset + info.length <= size:  # never read past what the file holds
+            stream.seek(info.offset)
+            data = stream.read(info.length)
         if len(data) != info.length:
             raise CheckpointLoadError(
                 f"The checkpoint file {path} is truncated: item {req.storage_index.fqn!r} needs "
                 f"bytes [{info.offset}, {info.offset + info.length}) but the file ends at "
-                f"{info.offset + len(data)}.")
+                f"{info.offset + len(data) if data else size}.")
         if items is not None:
             expected = items.get(_item_key(req.storage_index))
             if expected is None:
@@ -309,7 +310,7 @@ class SafeFileSystemReader(FileSystemReader):
         except CheckpointLoadError:
             raise
         except pickle.UnpicklingError as err:
-            raise CheckpointLoadError(
+            raise CheckpointRefusedError(
                 f"Refusing to load item {req.storage_index.fqn!r} of {path}: {err}. If you trust "
                 "this checkpoint, load it with weights_only=False.") from err
         except Exception as err:
@@ -326,12 +327,31 @@ class SafeFileSystemReader(FileSystemReader):
         planner.commit_tensor(req, target)
 
 
+# -- harmless standard types ----------------------------------------------------------------------
+#: Classes besides torch's own that ``weights_only=True`` loads allow: values of the standard
+#: library whose reconstruction runs no user code, and which ``save_hyperparameters()`` stores
+#: when a LightningModule takes them as arguments (a ``pathlib.Path`` data directory, a
+#: ``timedelta`` interval). Listed in the README's checkpoint-trust section.
+HARMLESS_GLOBALS: tuple[type, ...] = (
+    pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath,
+    datetime.date, datetime.datetime, datetime.time, datetime.timedelta, datetime.timezone,
+)
+
+
+def safe_torch_load(source: Any, *, weights_only: bool, **kwargs: Any) -> Any:
+    """``torch.load`` that, under ``weights_only=True``, also allows :data:`HARMLESS_GLOBALS`."""
+    if not weights_only:
+        return torch.load(source, weights_only=False, **kwargs)
+    with torch.serialization.safe_globals(list(HARMLESS_GLOBALS)):
+        return torch.load(source, weights_only=True, **kwargs)
+
+
 # -- planners whose byte entries load safely ------------------------------------------------------
 class _SafeBytesMixin:
     weights_only: bool = True
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=self.weights_only)
+        obj = safe_torch_load(value, weights_only=self.weights_only)
         if getattr(self, "flatten_state_dict", False):
             from torch.distributed.checkpoint._traverse import set_element
 
@@ -372,22 +392,25 @@ def load(state_dict: dict[str, Any], path: str | os.PathLike, *, weights_only: b
     if planner is None:
         planner = safe_planner(weights_only=weights_only)
     reader = SafeFileSystemReader(path, weights_only=weights_only, verify=verify)
+    alone = no_dist or not (dist.is_available() and dist.is_initialized())
     try:
         _load_state_dict(state_dict, storage_reader=reader, planner=planner,
-                         process_group=process_group,
-                         no_dist=no_dist or not (dist.is_available() and dist.is_initialized()))
+                         process_group=process_group, no_dist=alone)
     except CheckpointException as err:
-        raise_load_error(err, Path(path))
+        raise_load_error(err, Path(path), alone=alone)
 
 
-def raise_load_error(err: CheckpointException, path: Path) -> None:
-    """Re-raise a DCP ``CheckpointException`` as one error that names the rank and the file."""
+def raise_load_error(err: CheckpointException, path: Path, *, alone: bool = False) -> None:
+    """Re-raise a DCP ``CheckpointException`` as one error that names the rank and the file.
+
+    ``alone``: DCP ran in this process only (its "rank 0" is not a rank of any job, so the error
+    keeps the rank it was raised with, none outside a distributed job)."""
     failures = getattr(err, "failures", {}) or {}
     causes = {rank: (exc[0] if isinstance(exc, tuple) else exc)
               for rank, exc in sorted(failures.items())}
     for rank, cause in causes.items():  # our errors first: they name the file
         if isinstance(cause, CheckpointLoadError):
-            raise CheckpointLoadError(cause.detail, rank=rank) from cause
+            raise type(cause)(cause.detail, rank=cause.rank if alone else rank) from cause
     detail = "; ".join(f"rank {rank}: {type(c).__name__}: {c}" for rank, c in causes.items())
     raise CheckpointLoadError(
         f"Loading the sharded checkpoint {path} failed: {detail or err}") from err

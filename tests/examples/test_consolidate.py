@@ -96,3 +96,73 @@ def test_consolidate_runs_as_a_module(checkpoints, tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert out.is_file() and "model tensors" in run.stdout
+
+
+def _fabric_save(directory: str) -> None:
+    """2 ranks: one AdamW step, then ``fabric.save`` in both formats (as fabric_gpt.py --save)."""
+    import torch.distributed as dist
+    from lightning.fabric import Fabric
+
+    from examples.gpt import GPT
+    from lightning_vescale import VeScaleFabricStrategy
+    from tests.lightning._lit import CONFIG
+
+    fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(),
+                    strategy=VeScaleFabricStrategy())
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(GPT(CONFIG))
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    x = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.block_size),
+                      generator=torch.Generator().manual_seed(dist.get_rank()))
+    fabric.backward(model(x, x))
+    opt.step()
+    state = {"model": model, "optimizer": opt, "step": 3}
+    fabric.save(str(Path(directory) / "sharded"), state)
+    fabric.strategy._state_dict_type = "full"
+    fabric.save(str(Path(directory) / "full.pt"), state)
+
+
+def test_consolidate_keeps_a_fabric_checkpoints_keys(worlds, tmp_path, capsys):
+    """Issue 23: a Fabric checkpoint consolidated to "0 model tensors" (only the Trainer's keys
+    were kept). Every entry is kept under its own key and equals Fabric's own full format."""
+    worlds(2).run(_fabric_save, str(tmp_path))
+    out = tmp_path / "consolidated.pt"
+    assert main([str(tmp_path / "sharded"), str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "'model': " in printed and "'optimizer': optimizer state" in printed, printed
+    got = torch.load(out, weights_only=True)
+    ref = torch.load(tmp_path / "full.pt", weights_only=True)
+    assert got.keys() == ref.keys() == {"model", "optimizer", "step"} and got["step"] == 3
+    assert got["model"].keys() == ref["model"].keys() and len(ref["model"]) > 0
+    for k, v in ref["model"].items():
+        assert torch.equal(got["model"][k], v), k
+    assert got["optimizer"]["param_groups"] == ref["optimizer"]["param_groups"]
+    assert got["optimizer"]["state"].keys() == ref["optimizer"]["state"].keys()
+    for i, st in ref["optimizer"]["state"].items():
+        for key, v in st.items():
+            assert torch.equal(torch.as_tensor(got["optimizer"]["state"][i][key]),
+                               torch.as_tensor(v)), (i, key)
+    weights = tmp_path / "weights.pt"  # --state-dict-only takes the one module entry
+    assert main([str(tmp_path / "sharded"), str(weights), "--state-dict-only"]) == 0
+    assert torch.load(weights, weights_only=True).keys() == ref["model"].keys()
+
+
+def test_only_refused_objects_suggest_trust(checkpoints, tmp_path, capsys):
+    """Issue 23: "--trust loads it ..." followed every error, a failed checksum included, where
+    it cannot help. It follows refusals only (the refused case is in the test above)."""
+    import shutil
+
+    from lightning_vescale.checkpoint._trust import read_metadata
+
+    damaged = tmp_path / "damaged.ckpt"
+    shutil.copytree(checkpoints / "sharded.ckpt", damaged)
+    info = next(iter(read_metadata(damaged).storage_data.values()))
+    data = bytearray((damaged / info.relative_path).read_bytes())
+    data[info.offset + info.length - 4] ^= 0x10
+    (damaged / info.relative_path).write_bytes(bytes(data))
+    with pytest.raises(SystemExit):
+        main([str(damaged), str(tmp_path / "out.ckpt")])
+    err = capsys.readouterr().err
+    assert "fails its CRC-32 check" in err and "--trust loads" not in err, err
+    assert "[rank" not in err, err  # one process: no rank to name

@@ -168,3 +168,29 @@ def test_crafted_checkpoints_are_refused_by_every_loader(worlds, tmp_path, where
         for error in (load_error, fabric_error, consolidate_error):
             assert error is not None and "weights_only=False" in error, error
         assert not marker_exists
+
+
+def test_a_trainer_load_error_names_one_rank(tmp_path):
+    """Issue 23: DCP hands a rank's CheckpointLoadError to the others pickled, and unpickling
+    re-ran ``__init__`` there, which prefixed the receiving rank too: the Trainer's traceback
+    read ``[rank 1] [rank 0] ... is corrupted``. Exactly one prefix, the finder's, everywhere."""
+    import re
+
+    from tests.lightning._lit import SaveAtEnd, TinyGPT, dataloader, trainer
+
+    path = tmp_path / "s.ckpt"
+    trainer("vescale_fsdp_fork", max_steps=1, callbacks=[SaveAtEnd({"sharded": str(path)})]
+            ).fit(TinyGPT(), dataloader())
+    from lightning_vescale.checkpoint._trust import read_metadata
+
+    info = next(info for info in read_metadata(path).storage_data.values()
+                if info.relative_path == "__1_0.distcp")
+    data = bytearray((path / "__1_0.distcp").read_bytes())
+    data[info.offset + info.length - 8] ^= 0x20  # rank 0 reads this item: it reports it
+    (path / "__1_0.distcp").write_bytes(bytes(data))
+    with pytest.raises(Exception) as raised:
+        trainer("vescale_fsdp_fork", max_steps=2).fit(TinyGPT(), dataloader(),
+                                                      ckpt_path=str(path))
+    text = str(raised.value)  # the worker's whole traceback, causes included
+    assert "fails its CRC-32 check" in text, text
+    assert re.search(r"\[rank \d\] \[rank \d\]", text) is None, text
