@@ -63,7 +63,7 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
             (default: every child of every ``nn.ModuleList``, then the root).
             See design note [sharding-units].
         granularity: shard-bound granularity for ``fully_shard`` (elements, or ``"row"``,
-            ``"<k>rows"``); must be a multiple of ``optimizer_block_size`` if both are given.
+            ``"<k>rows"``, ``"matrix"``: each stacked expert whole on one rank); must be a multiple of ``optimizer_block_size`` if both are given.
         optimizer_block_size: block size of a block-wise optimizer (AdamW8bit: 256) that shard
             bounds of large tensors must align to; ``None`` disables the alignment.
         optimizer_min_block_numel: tensors smaller than this need no alignment (AdamW8bit's

@@ -128,7 +128,8 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
     Args:
         sharding_units: module classes or class names (``["Block"]``) that become sharding
             groups; ``None`` = every child of every ``nn.ModuleList``, then the root.
-        granularity: shard-bound granularity (elements, ``"row"`` or ``"<k>rows"``); an int must
+        granularity: shard-bound granularity (elements, ``"row"``, ``"<k>rows"`` or
+            ``"matrix"``: each expert of a stacked ``(E, out, in)`` weight whole); an int must
             be a multiple of ``optimizer_block_size``.
         optimizer_block_size: block size that the shard bounds of large tensors align to, so that
             block-wise optimizers (``lightning_vescale.optim.AdamW8bit``, block 256) need no

@@ -194,9 +194,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             no offload.
         ignored_params: parameters left alone: not sharded, not moved, gradients not reduced
             (FSDP2's meaning).
-        granularity: block size per parameter in elements, as one int/str for all, a dict
-            ``name -> int`` (names relative to ``module``) or a callable ``(name, param) ->
-            int``. Every rank's range of a parameter starts and ends on a block boundary.
+        granularity: per parameter, one int/str for all (``"row"``, ``"matrix"``: each expert of
+            ``(E, out, in)`` whole, ...), a dict ``name -> int/str`` (relative to ``module``) or
+            ``(name, param) -> int``. Rank ranges start and end on a block boundary.
             Default: the strategies' (element-wise, multiples of 256 for tensors of 4096+
             elements: ``AdamW8bit``'s blocks; the planner aligns shard sizes to 16 elements).
 

@@ -7,6 +7,8 @@ rank holds whole, and sends each sharded matrix to its owner rank (:class:`CommP
 same-shape matrices) while the next bucket is in flight, and sends the owner's result back the
 same way. It fills each update's ``result`` (this rank's part of the orthogonalised matrix) and
 returns what it cost (:class:`OrthogonalizeCost`); applying the results is the optimizer's.
+:func:`split_matrices` cuts a parameter's update into its matrices (one per expert of a stacked
+weight, design note [muon-stacked-experts] in ``_muon_groups.py``), each with its own ranges.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from lightning_vescale.optim._base import ShardLayout
 from lightning_vescale.optim._muon_plan import Bucket, CommPlan, build_plan
 from lightning_vescale.optim._newton_schulz import newton_schulz, newton_schulz_flops
 
-__all__ = ["NSArgs", "MatrixUpdate", "OrthogonalizeCost", "orthogonalize"]
+__all__ = ["NSArgs", "MatrixUpdate", "OrthogonalizeCost", "orthogonalize", "split_matrices"]
 
 
 class NSArgs(NamedTuple):
@@ -47,7 +49,45 @@ class MatrixUpdate:
     adjusted_lr: float
     ns_args: NSArgs  # of its group
     layout: ShardLayout | None = None  # the parameter's, when it is sharded over > 1 rank
+    ranges: tuple[tuple[int, int], ...] | None = None  # with layout: each rank's range of it
+    local: tuple[int, int] | None = None  # its slice of the param's flat local tensor; None: all
     result: Tensor | None = None  # bf16 NS output: local flat slice / whole matrix
+
+
+def split_matrices(update: Tensor, layout: ShardLayout | None, count: int, rows: int,
+                   cols: int) -> list[tuple[Tensor, tuple | None, tuple[int, int] | None]]:
+    """A parameter's bf16 local ``update`` as ``count`` consecutive ``rows x cols`` matrices:
+    per matrix ``(its update, every shard rank's range of it, its local slice)``.
+
+    Whole parameter (``layout`` ``None``): each update is the ``(rows, cols)`` matrix, ranges
+    ``None``, and the slice ``None`` for a single matrix. Sharded: each update is this rank's
+    flat part of the matrix (possibly empty), the ranges are in the matrix's own flat
+    coordinates (``[k*m, (k+1)*m)`` of the tensor clipped to each rank's range).
+    """
+    m = rows * cols
+    if layout is None:
+        if count == 1:
+            return [(update.reshape(rows, cols), None, None)]
+        stack = update.reshape(count, rows, cols)
+        return [(stack[k], None, (k * m, (k + 1) * m)) for k in range(count)]
+    flat, start = update.reshape(-1), layout.start
+    if count == 1:
+        return [(flat, layout.ranges, None)]
+    out = []
+    for k in range(count):
+        lo, hi = k * m, (k + 1) * m
+        ranges = tuple(_clip(s, e, lo, hi) for s, e in layout.ranges)
+        a, b = ranges[layout.rank]
+        here = a + lo - start
+        out.append((flat[here:here + b - a], ranges, (here, here + b - a)))
+    return out
+
+
+def _clip(start: int, end: int, lo: int, hi: int) -> tuple[int, int]:
+    """``[start, end)`` intersected with ``[lo, hi)``, shifted to start at ``lo``; empty ranges
+    keep a position inside ``[0, hi - lo]``."""
+    s = min(max(start, lo), hi)
+    return s - lo, max(min(max(end, lo), hi), s) - lo
 
 
 class OrthogonalizeCost(NamedTuple):
@@ -69,14 +109,14 @@ def orthogonalize(items: Sequence[MatrixUpdate], *, plans: dict[Any, CommPlan],
         cap_numel: bf16 elements of whole matrices per all-to-all bucket.
         batch: run same-shape matrices as one batched Newton–Schulz call.
     """
-    local = [it for it in items if it.layout is None]
+    local = [it for it in items if it.ranges is None]
     outs, flops = _newton_schulz_many([it.update for it in local], local, batch)
     for it, out in zip(local, outs):
         it.result = out
     comm = 0
     by_group: dict[Any, list[MatrixUpdate]] = {}
     for it in items:
-        if it.layout is not None:
+        if it.ranges is not None:
             by_group.setdefault(it.layout.mesh_info.shard_group, []).append(it)
     for group, dist_items in by_group.items():
         plan = _plan(plans, group, dist_items, cap_numel)
@@ -114,8 +154,7 @@ def _plan(plans: dict[Any, CommPlan], group: Any, items: Sequence[MatrixUpdate],
           cap_numel: int) -> CommPlan:
     info = items[0].layout.mesh_info
     steps = items[0].ns_args.steps
-    key = (tuple(id(it.param) for it in items), tuple(it.param.placements for it in items),
-           tuple(tuple(it.param.shape) for it in items), cap_numel, steps)
+    key = (tuple((id(it.param), it.rows, it.cols, it.ranges) for it in items), cap_numel, steps)
     plan = plans.get(group)
     if plan is None or plan.key != key:
         rank, world = info.shard_rank, info.shard_size
@@ -123,7 +162,7 @@ def _plan(plans: dict[Any, CommPlan], group: Any, items: Sequence[MatrixUpdate],
             raise ValueError(f"mesh coordinate {rank} differs from its process-group rank "
                              f"{dist.get_rank(group)}; build the mesh with ranks in order")
         plan = build_plan(key, [(it.rows, it.cols) for it in items],
-                          [it.layout.ranges for it in items], rank, world, steps, cap_numel)
+                          [it.ranges for it in items], rank, world, steps, cap_numel)
         plans[group] = plan
     return plan
 
@@ -156,6 +195,14 @@ def _orthogonalize_distributed(plan: CommPlan, group: Any, items: Sequence[Matri
 
     pending_scatter = None
     gather = launch_gather(plan.buckets[0]) if plan.buckets else None
+    # Matrices one rank holds whole: orthogonalised there while the first bucket moves.
+    for i in sorted(set(plan.whole) - set(plan.local_owned)):
+        items[i].result = items[i].update  # this rank holds none of it: nothing to apply
+    outs, ns_flops = _newton_schulz_many([items[i].update for i in plan.local_owned],
+                                         [items[i] for i in plan.local_owned], batch)
+    flops += ns_flops
+    for i, o in zip(plan.local_owned, outs):
+        items[i].result = o.reshape(-1)
     for k, b in enumerate(plan.buckets):
         work, recv = gather
         work.wait()

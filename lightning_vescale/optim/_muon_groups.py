@@ -4,7 +4,8 @@ Which parameters Muon orthogonalises and which go to its AdamW fallback (:class:
 :data:`DEFAULT_ADAMW_PATTERNS`); how a user's param group becomes complete groups of one kind
 each (:func:`resolve_groups`); the checks of each kind's hyper-parameters (``ValueError`` /
 ``TypeError`` naming the setting); and what the step reads off a Muon parameter: its 2-D view
-(:func:`matrix_shape`) and its adjusted learning rate (:func:`adjusted_lr`, as
+(:func:`matrix_shape`), the stack of matrices it is (:func:`matrix_stack`, design note
+[muon-stacked-experts]) and each matrix's adjusted learning rate (:func:`adjusted_lr`, as
 ``torch.optim.Muon``). Nothing here touches tensor data: shapes, names and settings only.
 """
 
@@ -26,6 +27,8 @@ __all__ = [
     "Router",
     "resolve_groups",
     "matrix_shape",
+    "matrix_stack",
+    "MATRIX_VIEWS",
     "adjusted_lr",
     "scalar",
     "check_muon_hparams",
@@ -52,9 +55,11 @@ DEFAULT_ADAMW_PATTERNS: tuple[str, ...] = (
 
 # The keys of a resolved group of each kind (besides "params", "param_names", "use_muon").
 _MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
-             "adjust_lr_fn")
+             "adjust_lr_fn", "matrix_view")
 _ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+#: The values of Muon's ``matrix_view`` (see :func:`matrix_stack`).
+MATRIX_VIEWS = ("auto", "stack", "flatten")
 
 NamedParams = list[tuple[str | None, Tensor]]
 
@@ -184,6 +189,41 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
     return int(shape[0]), math.prod(int(s) for s in shape[1:])
 
 
+def matrix_stack(shape: Sequence[int], view: str = "auto") -> tuple[int, int, int]:
+    """The matrices Muon orthogonalises for a parameter of ``shape``: ``(count, rows, cols)``,
+    ``count`` matrices of ``rows x cols`` consecutive in the flat row-major tensor.
+
+    Design note [muon-stacked-experts]
+    ----------------------------------
+    A mixture-of-experts layer often stores its experts as one ``(E, out, in)`` tensor. Each
+    expert is its own linear map, so Muon must orthogonalise each ``(out, in)`` matrix on its own
+    and scale its learning rate by that matrix's shape: exactly ``torch.optim.Muon`` on ``E``
+    separate 2-D parameters. Flattening the stack to ``(E * out, in)`` mixes the experts'
+    spectra (and scales the lr by ``E * out / in``): a different, wrong update. ``view``:
+
+    * ``"auto"`` (default): 2-D as is; 3-D as a stack of ``shape[0]`` matrices
+      ``(shape[1], shape[2])``; 4-D and more (convolutions ``(out, in, kh, kw)``) flattened to
+      ``(shape[0], prod(shape[1:]))`` as before;
+    * ``"stack"``: every leading dim is a stack dim: ``prod(shape[:-2])`` matrices
+      ``(shape[-2], shape[-1])``;
+    * ``"flatten"``: one ``(shape[0], prod(shape[1:]))`` matrix (the behaviour before stacks:
+      the whole stack orthogonalised together).
+
+    A param group's ``matrix_view`` key overrides the optimizer's default. Because the
+    matrices are consecutive, a sharded stack is a list of matrices with their own rank
+    ranges: under ``granularity="matrix"`` each lies whole on one rank and is orthogonalised
+    there without communication; otherwise the owner plan balances whole experts (not whole
+    stacks) across ranks (design note [distributed-muon] in ``muon.py``).
+    """
+    shape = tuple(int(s) for s in shape)
+    if view not in MATRIX_VIEWS:
+        raise ValueError(f"matrix_view must be one of {MATRIX_VIEWS}, got {view!r}")
+    if view == "stack" or (view == "auto" and len(shape) == 3):
+        return math.prod(shape[:-2]), shape[-2], shape[-1]
+    rows, cols = matrix_shape(shape)
+    return 1, rows, cols
+
+
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
     """torch.optim.Muon's learning-rate adjustment, on the 2-D (flattened) shape."""
     if adjust_lr_fn is None or adjust_lr_fn == "original":
@@ -213,6 +253,10 @@ def check_muon_hparams(h: dict[str, Any], *, where: str) -> None:
     if h["adjust_lr_fn"] not in _ADJUST_LR_FNS:
         raise ValueError(f"{where}: adjust_lr_fn must be one of {_ADJUST_LR_FNS}, got "
                          f"adjust_lr_fn={h['adjust_lr_fn']!r}")
+    if h.get("matrix_view", "auto") not in MATRIX_VIEWS:
+        raise ValueError(f"{where}: matrix_view must be one of {MATRIX_VIEWS}, got "
+                         f"matrix_view={h['matrix_view']!r} ('auto': a 3-D weight is a stack "
+                         "of experts, each orthogonalised on its own)")
     if not isinstance(h["nesterov"], bool):
         raise TypeError(f"{where}: nesterov must be a bool, got nesterov={h['nesterov']!r}")
     validate_ns_args(h["ns_coefficients"], h["ns_steps"], h["eps"])

@@ -25,8 +25,13 @@ def assign_owners(
     *,
     holdings: Sequence[Sequence[int]] | None = None,
     base_load: Sequence[int] | None = None,
+    fixed: Sequence[int | None] | None = None,
 ) -> list[int]:
     """Owner rank per item: LPT greedy (largest cost first, onto the least-loaded rank).
+
+    ``fixed[i]`` (when not ``None``) is item ``i``'s owner already (a matrix one rank holds
+    whole: it is orthogonalised there, without communication); its cost starts that rank's load
+    and the other items are balanced around it.
 
     Ties on load are broken by ``base_load[r]`` (work already assigned elsewhere, e.g. earlier
     buckets), then by ``holdings[i][r]`` (elements of item ``i`` rank ``r`` already holds), then
@@ -39,9 +44,16 @@ def assign_owners(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     base = list(base_load) if base_load is not None else [0] * world_size
     zero = [0] * world_size
-    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
-    load = [0] * world_size
+    fixed = list(fixed) if fixed is not None else [None] * len(costs)
+    order = sorted((i for i in range(len(costs)) if fixed[i] is None),
+                   key=lambda i: (-costs[i], i))
+    start = [0] * world_size
     owners = [0] * len(costs)
+    for i, o in enumerate(fixed):
+        if o is not None:
+            owners[i] = o
+            start[o] += costs[i]
+    load = list(start)
     for i in order:
         hold = holdings[i] if holdings is not None else zero
         best = min(range(world_size), key=lambda r: (load[r], base[r], -hold[r], r))
@@ -53,8 +65,8 @@ def assign_owners(
     # ranks where it still fits under LPT's makespan. Keep it only if the makespan is no worse
     # (so balance is never traded away) and fewer elements move.
     makespan = max(load)
-    load2 = [0] * world_size
-    owners2 = [0] * len(costs)
+    load2 = list(start)
+    owners2 = list(owners)
     for i in order:
         fits = [r for r in range(world_size) if load2[r] + costs[i] <= makespan]
         pool = fits or list(range(world_size))
@@ -115,6 +127,10 @@ class CommPlan:
     ranges: tuple[tuple[tuple[int, int], ...], ...]  # per item, per rank
     owners: tuple[int, ...]
     buckets: tuple[Bucket, ...]
+    #: items one rank holds whole (no communication; design note [muon-stacked-experts]) that
+    #: this rank holds, so orthogonalises; the other whole ones it skips (it holds none of them)
+    local_owned: tuple[int, ...] = ()
+    whole: tuple[int, ...] = ()  # every item one rank holds whole
 
     def numel(self, item: int, rank: int) -> int:
         """Elements of ``item`` that ``rank`` holds."""
@@ -135,11 +151,16 @@ def build_plan(key: tuple, shapes: Sequence[tuple[int, int]],
 
     Buckets take the matrices round-robin over owners (each owner's in parameter order), so
     every bucket gives every owner some Newton–Schulz work while the next bucket is in flight.
+    A matrix that one rank holds whole stays there (no bucket; its cost counts in that rank's
+    load), so a plan of such matrices only (``granularity="matrix"``) has no bucket at all.
     """
     costs = [newton_schulz_flops(r, c, ns_steps) for r, c in shapes]
     holds = [[e - s for s, e in rng] for rng in ranges]  # elements per item, per rank
-    owners = assign_owners(costs, world_size, holdings=holds)
-    per_owner = [[i for i in range(len(shapes)) if owners[i] == r] for r in range(world_size)]
+    fixed = [next((r for r, h in enumerate(hold) if h == rows * cols), None)
+             for hold, (rows, cols) in zip(holds, shapes)]
+    owners = assign_owners(costs, world_size, holdings=holds, fixed=fixed)
+    per_owner = [[i for i in range(len(shapes)) if owners[i] == r and fixed[i] is None]
+                 for r in range(world_size)]
     order = [i for column in itertools.zip_longest(*per_owner) for i in column if i is not None]
 
     buckets = []
@@ -156,4 +177,6 @@ def build_plan(key: tuple, shapes: Sequence[tuple[int, int]],
         ))
     return CommPlan(key=key, rank=rank, world_size=world_size,
                     ranges=tuple(tuple(r) for r in ranges), owners=tuple(owners),
-                    buckets=tuple(buckets))
+                    buckets=tuple(buckets),
+                    local_owned=tuple(i for i, o in enumerate(fixed) if o == rank),
+                    whole=tuple(i for i, o in enumerate(fixed) if o is not None))

@@ -32,7 +32,9 @@ rebuilt when the set of parameters with gradients changes. Contract: the set of 
 ``grad is not None`` is the same on every rank (true under data parallel / fully_shard).
 
 Steps 3-5 are ``_muon_dist.py``. Parameter routing (see :class:`Muon` and ``_muon_groups.py``):
-2-D and conv-style (viewed as ``(shape[0], -1)``) hidden weights go to Muon; 1-D parameters,
+2-D, stacked-expert 3-D (each ``(out, in)`` matrix on its own: design note
+[muon-stacked-experts] in ``_muon_groups.py``) and conv-style (viewed as ``(shape[0], -1)``)
+hidden weights go to Muon; 1-D parameters,
 embeddings and the model's output head (by name, see :data:`DEFAULT_ADAMW_PATTERNS`) go to an
 AdamW fallback with its own hyper-parameters; the AdamW fallback is element-wise and runs on
 local shards without communication. Optimizer states are stored with the parameter's type: for
@@ -61,14 +63,19 @@ from lightning_vescale.optim._base import (
     state_in_param_layout,
     state_like,
 )
-from lightning_vescale.optim._muon_dist import MatrixUpdate, NSArgs, orthogonalize
+from lightning_vescale.optim._muon_dist import (
+    MatrixUpdate,
+    NSArgs,
+    orthogonalize,
+    split_matrices,
+)
 from lightning_vescale.optim._muon_groups import (
     DEFAULT_ADAMW_PATTERNS,
     Router,
     adjusted_lr,
     check_adamw_hparams,
     check_muon_hparams,
-    matrix_shape,
+    matrix_stack,
     resolve_groups,
     scalar,
 )
@@ -85,7 +92,8 @@ __all__ = ["Muon"]
 
 #: Every key a resolved group may hold (either kind); anything else was added afterwards.
 _RESOLVED = frozenset(("params", "param_names", "use_muon", "lr", "weight_decay", "momentum",
-                       "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn", "betas",
+                       "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn",
+                       "matrix_view", "betas",
                        "foreach", "maximize", "capturable", "differentiable", "fused",
                        "decoupled_weight_decay"))
 
@@ -112,13 +120,21 @@ class Muon(ShardedOptimizer):
             recommended: names enable the embedding/head routing), or of param-group dicts.
             A group dict may set ``use_muon`` (bool) to route all its parameters explicitly and
             then uses the plain hyper-parameter keys of its kind (Muon: ``lr, weight_decay,
-            momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn``; AdamW: ``lr,
+            momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn, matrix_view``;
+            AdamW: ``lr,
             betas, eps, weight_decay``). A group without ``use_muon`` is routed per parameter and
             split in two; its plain keys override the Muon half and ``adamw_``-prefixed keys
             (``adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay``) the AdamW half.
         lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: as in
             ``torch.optim.Muon`` (``adjust_lr_fn``: ``None``/``"original"`` scales lr by
-            ``sqrt(max(1, rows/cols))``, ``"match_rms_adamw"`` by ``0.2 * sqrt(max(rows, cols))``).
+            ``sqrt(max(1, rows/cols))``, ``"match_rms_adamw"`` by ``0.2 * sqrt(max(rows, cols))``,
+            with ``rows, cols`` the shape of each matrix: of each expert for a stack).
+        matrix_view: which matrices a parameter is (design note [muon-stacked-experts]):
+            ``"auto"`` (default) orthogonalises each ``(out, in)`` expert of a 3-D
+            ``(E, out, in)`` weight on its own (``torch.optim.Muon`` on ``E`` separate 2-D
+            parameters) and flattens 4-D+ (conv) weights to ``(shape[0], -1)``; ``"stack"``
+            treats every leading dim as a stack; ``"flatten"`` one ``(shape[0], -1)`` matrix per
+            parameter (the whole stack together). A group key of the same name overrides it.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW fallback's defaults (as
             ``torch.optim.AdamW``'s ``lr, betas, eps, weight_decay``).
         muon_patterns: regexes (``re.search`` on the name) forcing a >= 2-D parameter to Muon;
@@ -165,6 +181,7 @@ class Muon(ShardedOptimizer):
         eps: float = DEFAULT_EPS,
         ns_steps: int = DEFAULT_NS_STEPS,
         adjust_lr_fn: str | None = None,
+        matrix_view: str = "auto",
         *,
         adamw_lr: float = 1e-3,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
@@ -177,7 +194,8 @@ class Muon(ShardedOptimizer):
     ) -> None:
         self._muon_defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
                                    nesterov=nesterov, ns_coefficients=tuple(ns_coefficients),
-                                   eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+                                   eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+                                   matrix_view=matrix_view)
         self._adamw_defaults = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
                                     weight_decay=adamw_weight_decay)
         check_muon_hparams(self._muon_defaults, where="Muon")
@@ -368,6 +386,11 @@ class Muon(ShardedOptimizer):
         self.ns_flops += cost.ns_flops
         for it in items:
             p = local_view(it.param)
+            if it.local is not None:  # one matrix of a stack: its slice of the local tensor
+                p = p.view(-1)[it.local[0]:it.local[1]]
+            if p.numel() == 0:
+                it.result = None
+                continue
             p.mul_(1 - it.lr * it.weight_decay)
             p.add_(it.result.reshape(p.shape), alpha=-it.adjusted_lr)
             it.result = None
@@ -396,14 +419,15 @@ class Muon(ShardedOptimizer):
                                  "gradient the parameter's placement)")
             buf.lerp_(grad, 1 - mu)
             update = grad.lerp(buf, mu) if group["nesterov"] else buf
-            rows, cols = matrix_shape(p.shape)
+            count, rows, cols = matrix_stack(p.shape, group.get(
+                "matrix_view", self._muon_defaults["matrix_view"]))
             update = update.bfloat16()  # exactly NS's first op; halves the bytes to move
-            out.append(MatrixUpdate(
-                param=p,
-                update=update.reshape(-1) if layout is not None else update.reshape(rows, cols),
-                rows=rows, cols=cols, lr=lr, weight_decay=group["weight_decay"],
-                adjusted_lr=adjusted_lr(lr, group["adjust_lr_fn"], rows, cols),
-                ns_args=ns_args, layout=layout))
+            adj = adjusted_lr(lr, group["adjust_lr_fn"], rows, cols)
+            for matrix, ranges, where in split_matrices(update, layout, count, rows, cols):
+                out.append(MatrixUpdate(
+                    param=p, update=matrix, rows=rows, cols=cols, lr=lr,
+                    weight_decay=group["weight_decay"], adjusted_lr=adj, ns_args=ns_args,
+                    layout=layout, ranges=ranges, local=where))
         return out
 
     @staticmethod

@@ -7,7 +7,7 @@ possible, and derives each tensor's :class:`~lightning_vescale.placement.RaggedS
 Modules (each imports only the ones above it in this list, and layer 0):
 
 * ``_granularity``: the granularity forms users write (``None``, elements, ``"element"``,
-  ``"row"``, ``"<k>rows"``): :func:`check_granularity` and :func:`resolve_granularity`, the one
+  ``"row"``, ``"<k>rows"``, ``"matrix"``): :func:`check_granularity` and :func:`resolve_granularity`, the one
   resolution every layer calls;
 * ``_spec``: :class:`TensorSpec` and input validation;
 * ``_search``: the search over shard sizes (design note [plan-search]);
@@ -24,6 +24,7 @@ from lightning_vescale.planner._granularity import (
     Granularity,
     check_granularity,
     default_granularity,
+    matrix_numel,
     resolve_granularity,
 )
 from lightning_vescale.planner._layout import (
@@ -54,6 +55,7 @@ __all__ = [
     "TransformerConfig",
     "check_granularity",
     "default_granularity",
+    "matrix_numel",
     "fsdp1_flat",
     "fsdp2_even_rowwise",
     "num_params",

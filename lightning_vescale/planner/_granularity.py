@@ -15,7 +15,12 @@ here, so the meaning of ``"row"`` cannot drift between layers:
 * ``"row"``: one row of the innermost matrix, ``shape[-1]`` elements for tensors with 2 or more
   dims (a stacked-expert ``(E, out, in)`` weight keeps its matrices' rows whole), 1 for 0-/1-D
   tensors (norm weights and biases are vectors of one-element rows);
-* ``"<k>rows"`` (e.g. ``"32rows"``): ``k`` such rows, the tile of a row-blocked quantizer.
+* ``"<k>rows"`` (e.g. ``"32rows"``): ``k`` such rows, the tile of a row-blocked quantizer;
+* ``"matrix"``: the innermost (trailing) 2-D matrix whole, ``shape[-2] * shape[-1]`` elements
+  for tensors with 2 or more dims: a whole 2-D weight, one expert of a stacked-expert
+  ``(E, out, in)`` weight (so every expert lies on one rank; Muon orthogonalises experts
+  there without communication), one ``kh x kw`` kernel of a conv weight. A 1-D tensor is one
+  ``(1, n)`` matrix, i.e. whole (a bias or norm weight on one rank); a 0-D tensor is 1.
 
 Strings are case-insensitive (``"elements"``, ``"rows"``, ``"32 rows"`` and ``"32-row"`` are
 read too). Two functions, in the order a caller needs them:
@@ -26,7 +31,7 @@ read too). Two functions, in the order a caller needs them:
   to a multiple of an optimizer's block (``multiple_of``).
 
 A result larger than the tensor's numel means "the whole tensor on one rank"; "whole matrix
-per rank" for Muon-style optimizers is ``granularity=numel``.
+per rank" for Muon-style optimizers is ``"matrix"`` (``granularity=numel`` for a 2-D tensor).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ __all__ = [
     "Granularity",
     "check_granularity",
     "default_granularity",
+    "matrix_numel",
     "resolve_granularity",
 ]
 
@@ -59,16 +65,19 @@ DEFAULT_BLOCK_MIN_NUMEL = 4096
 Granularity = int | str
 
 #: The valid forms, as error messages name them.
-GRANULARITY_FORMS = "an int >= 1 (elements), 'element', 'row' or '<k>rows' (e.g. '32rows')"
+GRANULARITY_FORMS = ("an int >= 1 (elements), 'element', 'row', '<k>rows' (e.g. '32rows') or "
+                     "'matrix'")
 
 _ROWS = re.compile(r"(\d+)\s*-?\s*rows?")
 
 
 class _Form(NamedTuple):
-    """A parsed granularity: ``count`` elements, or ``count`` rows of the innermost matrix."""
+    """A parsed granularity: ``count`` elements, ``count`` rows of the innermost matrix, or
+    (``matrix``) that whole matrix."""
 
     count: int
     rows: bool
+    matrix: bool = False
 
 
 @functools.lru_cache(maxsize=256)
@@ -78,6 +87,8 @@ def _parse_text(text: str) -> _Form | None:
         return _Form(count=1, rows=False)
     if text in ("row", "rows"):
         return _Form(count=1, rows=True)
+    if text in ("matrix", "matrices", "mat"):
+        return _Form(count=1, rows=False, matrix=True)
     match = _ROWS.fullmatch(text)
     if match and int(match.group(1)) >= 1:
         return _Form(count=int(match.group(1)), rows=True)
@@ -113,8 +124,8 @@ def check_granularity(
     """Validate a user's granularity before any shape is known; return it unchanged.
 
     Args:
-        granularity: ``None``, an ``int >= 1``, ``"element"``, ``"row"`` or ``"<k>rows"``
-            (see this module's docstring).
+        granularity: ``None``, an ``int >= 1``, ``"element"``, ``"row"``, ``"<k>rows"`` or
+            ``"matrix"`` (see this module's docstring).
         name: the argument's name in error messages (e.g. ``"--granularity"``).
 
     Raises:
@@ -145,7 +156,9 @@ def resolve_granularity(
             ``multiple_of`` that is not an ``int >= 1``.
     """
     form = _parse(granularity, name)
-    if form.rows:
+    if form.matrix:
+        elements = matrix_numel(shape)
+    elif form.rows:
         shape = tuple(shape)
         row = shape[-1] if len(shape) >= 2 else 1
         elements = max(form.count * row, 1)
@@ -156,6 +169,15 @@ def resolve_granularity(
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
         raise ValueError(f"multiple_of must be an int >= 1 or None, got {multiple_of!r}")
     return math.lcm(elements, multiple_of)
+
+
+def matrix_numel(shape: Sequence[int]) -> int:
+    """Elements of the innermost 2-D matrix of a tensor of ``shape`` (what ``"matrix"`` means):
+    ``shape[-2] * shape[-1]`` for 2+ dims, the whole tensor for 1-D, 1 for 0-D; at least 1
+    (an empty tensor's granularity is irrelevant, but must be valid)."""
+    shape = tuple(int(s) for s in shape)
+    inner = shape[-2:] if len(shape) >= 2 else shape
+    return max(math.prod(inner), 1)
 
 
 def default_granularity(shape: Sequence[int]) -> int:

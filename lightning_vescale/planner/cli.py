@@ -13,6 +13,8 @@ Examples::
     python -m lightning_vescale.planner --preset llama3-70b --world-size 1024 --granularity row
     python -m lightning_vescale.planner --preset deepseek-v3 --grouping model --world-size 10000
     python -m lightning_vescale.planner --model my_pkg.models:GPT --init-args '{"n_layer": 4}'
+    python -m lightning_vescale.planner --preset gpt-oss-120b --world-size 64 1024 10240 \
+        --expert-granularity matrix        # MoE: every expert whole on one rank
 
 The default ``--granularity`` is the one training uses (``fully_shard``'s and the strategies'
 default, :func:`~lightning_vescale.planner.default_granularity`: element-wise, and multiples of
@@ -55,7 +57,8 @@ from lightning_vescale.planner.presets import (
 if TYPE_CHECKING:
     import torch.nn as nn
 
-__all__ = ["PlanSummary", "build_parser", "main", "model_groups", "module_groups", "summarize"]
+__all__ = ["PlanSummary", "build_parser", "main", "model_groups", "module_groups", "summarize",
+           "with_expert_granularity"]
 
 Group = list[tuple[str, tuple[int, ...]]]
 
@@ -277,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks (several values print several tables)")
     p.add_argument("--granularity", type=_granularity_arg, default=None,
                    help=f"{GRANULARITY_FORMS} (default: {_DEFAULT_WORDS})")
+    p.add_argument("--expert-granularity", type=_granularity_arg, default=None,
+                   help="granularity of stacked-expert (3-D) tensors, overriding --granularity "
+                        "for them, e.g. 'matrix': every expert whole on one rank")
     p.add_argument("--align", type=int, default=DEFAULT_ALIGN,
                    help=f"collective alignment in elements (default {DEFAULT_ALIGN})")
     p.add_argument("--describe", action="store_true",
@@ -299,9 +305,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"model: {label}: {n_params:,} parameters, {n_tensors} tensors, {len(groups)} "
           f"group(s) ({args.grouping}); granularity="
           f"{_DEFAULT_WORDS if args.granularity is None else args.granularity}, align={args.align}")
+    if args.expert_granularity is not None:
+        print(f"stacked experts (3-D tensors): granularity={args.expert_granularity}")
+        groups = with_expert_granularity(groups, args.expert_granularity, args.granularity)
     for m in args.world_size:
         try:
-            plans, rows = summarize(groups, m, args.granularity, args.align)
+            plans, rows = summarize(groups, m, args.granularity if args.expert_granularity is None
+                                    else 1, args.align)  # (per-tensor granularities given)
         except ValueError as exc:
             parser.error(str(exc))
         largest = max(plans, key=lambda p: p.buffer_size)
@@ -314,6 +324,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.describe:
             print(_describe(largest))
     return 0
+
+
+def with_expert_granularity(groups: list[tuple[str, Group]], expert: Granularity,
+                            default: Granularity | None) -> list:
+    """``groups`` with ``expert`` as the granularity of every 3-D (stacked-expert) tensor and
+    ``default`` (``None``: the training default, resolved per tensor) for the others."""
+    def gran(shape: tuple[int, ...]) -> Granularity:
+        if len(shape) == 3:
+            return expert
+        return default_granularity(shape) if default is None else default
+    return [(name, [(n, s, gran(s)) for n, s in params]) for name, params in groups]
 
 
 def _describe(plan: LayoutPlan) -> str:

@@ -88,6 +88,14 @@ PRESETS: dict[str, TransformerConfig] = {
         v_head_dim=128, experts=256, moe_ffn=2048, shared_experts=1, first_dense_layers=3,
         router_score_bias=True,
     ),
+    # DeepSeek-V3's shapes with its 256 routed experts stacked into (E, out, in) tensors, as
+    # grouped-GEMM MoE implementations store them (the layout where "matrix" granularity matters)
+    "deepseek-v3-stacked": TransformerConfig(
+        hidden=7168, layers=61, heads=128, ffn=18432, vocab=129280, attention="mla",
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, experts=256, moe_ffn=2048, shared_experts=1, first_dense_layers=3,
+        router_score_bias=True, stacked_experts=True,
+    ),
 }
 
 

@@ -50,6 +50,8 @@ RUN = {
         "tests/lightning/test_hsdp_strategy.py (parsed; no GPUs here)",
     "examples/slurm_hsdp_2x8.sbatch": "tests/lightning/test_hsdp_strategy.py (bash -n)",
     "examples/multinode_trainer.py": "tests/lightning/test_hsdp_multinode.py (torchrun)",
+    "examples/moe.py": "tests/examples/test_moe_example.py (Trainer, 2 CPU processes)",
+    "examples/configs/moe_8gpu.yaml": "tests/examples/test_moe_example.py (toy size on CPU)",
 }
 
 

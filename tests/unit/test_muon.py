@@ -131,8 +131,12 @@ def test_single_process_bitwise_equals_torch(adjust_lr_fn, nesterov, wd):
     muon_kw = dict(lr=0.02, weight_decay=wd, momentum=0.9, nesterov=nesterov,
                    adjust_lr_fn=adjust_lr_fn)
     adamw_kw = dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.02)
-    opt = Muon(ours.named_parameters(), **muon_kw,
-               **{f"adamw_{k}": v for k, v in adamw_kw.items()})
+    # A Conv1d weight is 3-D, which Muon reads as a stack of matrices by default (design note
+    # [muon-stacked-experts]); its group asks for the conv's flattened (out, in * k) matrix.
+    named = list(ours.named_parameters())
+    opt = Muon([{"params": [x for x in named if x[0] != "conv.weight"]},
+                {"params": [x for x in named if x[0] == "conv.weight"], "matrix_view": "flatten"}],
+               **muon_kw, **{f"adamw_{k}": v for k, v in adamw_kw.items()})
     ref_opts, views = _torch_reference(ref, muon_kw, adamw_kw)
     _train(ours, [opt], 4)
     _train(ref, ref_opts, 4, views)
