@@ -29,7 +29,8 @@ for name, launcher in [("vescale_fsdp", "_SubprocessScriptLauncher"),
                        ("vescale_fsdp_fork", "VeScaleMultiProcessingLauncher")]:
     t = Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
     assert type(t.strategy).__name__ == "VeScaleFSDPStrategy", (name, t.strategy)
-    assert type(t.strategy.launcher).__name__ == launcher, (name, t.strategy.launcher)
+    assert launcher in [c.__name__ for c in type(t.strategy.launcher).__mro__], (
+        name, t.strategy.launcher)
 f = Fabric(strategy="vescale_fsdp", accelerator="cpu", devices=2)
 assert type(f.strategy).__name__ == "VeScaleFabricStrategy", f.strategy
 import lightning_vescale
