@@ -104,8 +104,8 @@ def test_a_model_without_module_list_is_one_group_and_says_how_to_choose_units(c
     (["--model", "examples.train_gpt:GPTModule", "--init-args", '{"n_layers": 4}'],
      ["unexpected keyword argument 'n_layers'", "--init-args '{\"n_layer\": 2}'"]),
     (["--preset", "llama3-70b", "--granularity", "rowz"],
-     ["granularity='rowz' is not understood; use an int >= 1 (elements), 'element', 'row' or "
-      "'<k>rows'"]),
+     ["granularity='rowz' is not understood; use an int >= 1 (elements), 'element', 'row', "
+      "'<k>rows' (e.g. '32rows') or 'matrix'"]),
 ])
 def test_planner_cli_errors_say_how_to_fix_them(capsys, args, match):
     with pytest.raises(SystemExit):
