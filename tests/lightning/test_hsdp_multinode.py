@@ -43,8 +43,15 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _launch(out: Path, tag: str, *, nodes: int, devices: int, args: list[str]) -> list[str]:
-    """Start ``nodes`` torchrun launchers side by side (one per "node"); return their outputs."""
+#: gloo's known abort while an interpreter exits ("terminate called without an active
+#: exception": a transport thread destroyed while joinable, after training and the result files
+#: are done). Seen in 2 of ~10 runs of this test on this machine, also on a quiet one; a launch
+#: that fails only that way, with every rank's results written, is started once more.
+_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _launch_once(out: Path, tag: str, *, nodes: int, devices: int,
+                 args: list[str]) -> tuple[list[int], list[str]]:
     port = str(_free_port())
     procs = []
     for node in range(nodes):
@@ -61,8 +68,22 @@ def _launch(out: Path, tag: str, *, nodes: int, devices: int, args: list[str]) -
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(o[-4000:] for o in outs)
-    return outs
+    return [p.returncode for p in procs], outs
+
+
+def _launch(out: Path, tag: str, *, nodes: int, devices: int, args: list[str]) -> list[str]:
+    """Start ``nodes`` torchrun launchers side by side (one per "node"); return their outputs."""
+    for attempt in range(2):
+        codes, outs = _launch_once(out, tag, nodes=nodes, devices=devices, args=args)
+        if all(c == 0 for c in codes):
+            return outs
+        finished = all((out / f"{tag}_rank{r}.pt").is_file() for r in range(nodes * devices))
+        if attempt == 0 and finished and any(_EXIT_ABORT in o for o in outs):
+            for r in range(nodes * devices):
+                (out / f"{tag}_rank{r}.pt").unlink()
+            continue
+        break
+    raise AssertionError("\n".join(o[-4000:] for o in outs))
 
 
 def _losses(out: Path, tag: str) -> list[list[float]]:
