@@ -26,6 +26,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from lightning.fabric.plugins.environments import LightningEnvironment
+
 __all__ = ["WAIT_MESSAGE_EVERY_S", "check_other_nodes_can_join", "waiting_for_other_nodes"]
 
 #: How often a process waiting for other nodes to join says so (seconds).
@@ -50,8 +52,6 @@ def check_other_nodes_can_join(cluster_environment: Any, *, num_nodes: int, devi
     """
     if num_nodes <= 1:
         return
-    from lightning.fabric.plugins.environments import LightningEnvironment
-
     if type(cluster_environment) is not LightningEnvironment:
         return  # a launcher or scheduler (torchrun, SLURM, LSF, ...) started and wired the ranks
     if cluster_environment.creates_processes_externally:

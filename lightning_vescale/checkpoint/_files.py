@@ -166,32 +166,25 @@ def discard(path: Path) -> None:
         pass
 
 
-def discard_dead_leftovers(path: Path) -> list[Path]:
+def discard_dead_leftovers(path: Path) -> None:
     """Remove the hidden ``.tmp-``/``.old-`` siblings of ``path`` whose saves are provably over
-    (:func:`is_dead_leftover`); a live writer's are left alone. Best effort; returns what it
-    removed.
+    (:func:`is_dead_leftover`); a live writer's are left alone. Best effort.
 
     Each is first renamed to a unique ``.<name>.dead-<token>`` and only that name is removed, so
     the removal never runs through a path that some writer could exchange into place meanwhile.
     """
-    removed = []
-    for stale in _hidden_siblings(path, "tmp") + _hidden_siblings(path, "old") + \
-            _hidden_siblings(path, "dead"):
-        if stale.name.startswith(f".{path.name}.dead-"):
-            if not is_dead_leftover(stale):
-                continue
-            doomed = stale
-        else:
-            if not is_dead_leftover(stale):
-                continue
+    for stale in (_hidden_siblings(path, "tmp") + _hidden_siblings(path, "old")
+                  + _hidden_siblings(path, "dead")):
+        if not is_dead_leftover(stale):
+            continue
+        doomed = stale  # a ".dead-" name is already unique to the removal that made it
+        if not stale.name.startswith(f".{path.name}.dead-"):
             doomed = _sibling(path, "dead", _new_token())
             try:
                 os.rename(stale, doomed)
             except OSError:
                 continue  # gone or moved meanwhile: not ours to chase
         discard(doomed)
-        removed.append(stale)
-    return removed
 
 
 def remove_checkpoint(path: Any) -> None:
