@@ -29,6 +29,7 @@ from lightning_vescale.planner import LayoutPlan, TensorSpec, plan_layout
 from lightning_vescale.dbuffer import DBuffer
 from lightning_vescale.fsdp import (
     CPUOffloadPolicy,
+    CommPolicy,
     MixedPrecisionPolicy,
     fully_shard,
     register_fsdp_forward_method,
@@ -72,6 +73,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "CPUOffloadPolicy",
+    "CommPolicy",
     "DBuffer",
     "LayoutPlan",
     "MemoryProfiler",

@@ -8,13 +8,17 @@ all-to-all plus one local sum (design note [dbuffer-collectives] in ``dbuffer``)
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-__all__ = ["CommHandle", "gloo_reduce_scatter_sum"]
+if TYPE_CHECKING:
+    from lightning_vescale.mesh import MeshInfo
+    from lightning_vescale.planner import LayoutPlan
+
+__all__ = ["CommHandle", "gloo_reduce_scatter_sum", "group_rank_and_size"]
 
 
 class _Finished:
@@ -75,7 +79,8 @@ def gloo_reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, *, rank: int, 
     """``out = sum over ranks of inp[rank slice]`` as an all-to-all plus one local sum (the
     fast form on gloo, design note [dbuffer-collectives]). Returns a work whose ``wait()``
     also sums (``None`` when ``async_op`` is false: done); ``inp`` must stay unchanged until
-    then. ``release`` runs once the input-sized temporary is no longer needed."""
+    then. ``release`` runs once the input-sized temporary is no longer needed. When ``out`` is
+    wider than ``inp`` (a wire dtype), the sum is taken in ``out``'s dtype."""
     W = world_size
     S = out.numel()
     received = torch.empty(W * S, dtype=inp.dtype, device=inp.device)
@@ -88,7 +93,10 @@ def gloo_reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, *, rank: int, 
     def finish() -> None:
         work.wait()
         parts = received.view(W, S)
-        torch.add(parts[order[0]], parts[order[1]], out=out)
+        if out.dtype == inp.dtype:
+            torch.add(parts[order[0]], parts[order[1]], out=out)
+        else:  # a narrower wire dtype: every partial sum in out's (wider) dtype
+            out.copy_(parts[order[0]]).add_(parts[order[1]])
         for k in order[2:]:
             out.add_(parts[k])
         release()
@@ -97,3 +105,27 @@ def gloo_reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, *, rank: int, 
         finish()
         return None
     return _Finished(finish)
+
+
+def group_rank_and_size(plan: "LayoutPlan", mesh_info: "MeshInfo | None", *, is_meta: bool,
+                        name: str) -> tuple[int, int]:
+    """This rank's index and the group size; the plan must be for that many ranks."""
+    if mesh_info is not None:
+        rank, size = mesh_info.shard_rank, mesh_info.shard_size
+    elif dist.is_initialized():
+        rank, size = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, size = 0, 1
+    if is_meta:  # planned without storage: no collective will run
+        size = plan.world_size
+    elif mesh_info is None and not dist.is_initialized() and plan.world_size != 1:
+        raise ValueError(
+            f"DBuffer {name!r}: plan.world_size={plan.world_size} needs an initialised "
+            "process group; call torch.distributed.init_process_group first."
+        )
+    if plan.world_size != size:
+        raise ValueError(
+            f"DBuffer {name!r}: plan.world_size={plan.world_size} does not match the "
+            f"process group size {size}; plan with world_size={size}."
+        )
+    return rank, size

@@ -55,6 +55,10 @@ Design note [dbuffer-collectives]
   the result is bitwise gloo's (checked at 2, 3 and 4 ranks, fp32 and bf16:
   ``tests/distributed/test_dbuffer_gloo_reduce_scatter.py``). NCCL keeps its native
   reduce-scatter.
+* ``wire_dtype`` (``CommPolicy.reduce_scatter_dtype``): gradients are cast to it once and always
+  take the all-to-all form (any backend), the local sum is taken in fp32, and AVG is a SUM then
+  a divide; so only the transport is narrow (NCCL's own bf16 reduce-scatter would round every
+  partial sum to bf16). HSDP's replica all-reduce then runs in the wire dtype too.
 * Gradient accumulation without sync (``set_requires_gradient_sync(False)``) in mixed
   precision: each backward's ``grad_full`` holds one micro-batch's gradient in ``param_dtype``;
   :meth:`accumulate_grad` adds it into ``grad_acc`` (``reduce_dtype``, e.g. fp32) and frees it,
@@ -91,7 +95,6 @@ handle, so callers can treat both alike.
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any
 
 import torch
@@ -104,35 +107,15 @@ from lightning_vescale._dbuffer_comm import (
     _reduce_scatter_flat,
     _resolve_op,
     gloo_reduce_scatter_sum,
+    group_rank_and_size,
 )
+from lightning_vescale._dbuffer_registry import dbuffer_of, live_dbuffers, register
+from lightning_vescale._dbuffer_quant import QuantizedGather
 from lightning_vescale.mesh import MeshInfo
 from lightning_vescale.placement import RaggedShard, local_slice
 from lightning_vescale.planner import LayoutPlan
 
 __all__ = ["DBuffer", "CommHandle", "dbuffer_of", "live_dbuffers"]
-
-_LIVE: "weakref.WeakSet[DBuffer]" = weakref.WeakSet()
-#: the attribute of a shard's storage object holding a weak reference to its DBuffer
-_OWNER = "_lightning_vescale_dbuffer"
-
-
-def live_dbuffers() -> list["DBuffer"]:
-    """Every ``DBuffer`` that is still alive in this process (for memory accounting: the
-    ``MemoryProfiler``'s ``engine_tensors(module=None)``; the engine itself never reads it)."""
-    return list(_LIVE)
-
-
-def dbuffer_of(t: torch.Tensor) -> "DBuffer | None":
-    """The live ``DBuffer`` whose owned ``shard`` storage ``t`` views (a ``fully_shard``
-    parameter's local tensor, its run of neighbours), else ``None``.
-
-    The link lives on the shard's storage object (torch keeps one Python object per storage
-    while the storage lives) as a weak reference: a tensor finds its own buffer without any
-    process-wide lookup, and the link never keeps the buffer alive.
-    """
-    ref = getattr(t.untyped_storage(), _OWNER, None)
-    return ref() if ref is not None else None
-
 
 def _storage_view(base: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor over ``base``'s storage at element ``offset`` with its own version counter.
@@ -168,6 +151,11 @@ class DBuffer:
             collectives live. See design note [dbuffer-offload].
         pin_memory: pin the offloaded CPU storage (when an accelerator exists), so that the
             copies to and from ``device`` can run asynchronously.
+        quantize: ``"int8"``/``"fp8"``: all-gather block-quantized codes and scales (design
+            note [quantized-all-gather] in ``_dbuffer_quant``); ``quant_block_size`` elements
+            per block, which the plan's granularities must keep whole on each rank.
+        wire_dtype: the dtype gradients travel in for the reduce-scatter (and HSDP's
+            all-reduce); the partial sums are added in fp32 (see [dbuffer-collectives]).
 
     See design notes [dbuffer-memory], [dbuffer-views] and [dbuffer-collectives].
     """
@@ -184,6 +172,9 @@ class DBuffer:
         name: str = "",
         offload: bool = False,
         pin_memory: bool = False,
+        quantize: str | None = None,
+        quant_block_size: int = 256,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
         self.plan = plan
         self.name = name
@@ -205,10 +196,16 @@ class DBuffer:
         # forward and backward, and the smaller group backward all-gathers it in
         self.partial: torch.Tensor | None = None
         self._partial_group: dist.ProcessGroup | None = None
-        self.rank, self.world_size = self._rank_and_size(plan, mesh_info)
+        self.rank, self.world_size = group_rank_and_size(plan, mesh_info, is_meta=self.is_meta,
+                                                          name=self.name)
         self.dtype = dtype
         self.param_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
+        self.wire_dtype = wire_dtype
+        self.quantized = (QuantizedGather(plan, rank=self.rank, fmt=quantize,
+                                          block_size=quant_block_size, device=self.device)
+                          if quantize is not None and not self.is_meta else None)
+        self.quantize = quantize
         S, N = plan.shard_size, plan.buffer_size
         self.shard_size, self.buffer_size = S, N
         self._shapes = {spec.name: tuple(spec.shape) for spec in plan.entries}
@@ -242,30 +239,7 @@ class DBuffer:
         self._gloo: bool | None = None  # the group's backend is gloo (see _on_gloo)
         self.free()
         self.free_grad()
-        setattr(self.shard.untyped_storage(), _OWNER, weakref.ref(self))  # see dbuffer_of
-        _LIVE.add(self)
-
-    def _rank_and_size(self, plan: LayoutPlan, mesh_info: MeshInfo | None) -> tuple[int, int]:
-        """This rank's index and the group size; the plan must be for that many ranks."""
-        if mesh_info is not None:
-            rank, size = mesh_info.shard_rank, mesh_info.shard_size
-        elif dist.is_initialized():
-            rank, size = dist.get_rank(), dist.get_world_size()
-        else:
-            rank, size = 0, 1
-        if self.is_meta:  # planned without storage: no collective will run
-            size = plan.world_size
-        elif mesh_info is None and not dist.is_initialized() and plan.world_size != 1:
-            raise ValueError(
-                f"DBuffer {self.name!r}: plan.world_size={plan.world_size} needs an initialised "
-                "process group; call torch.distributed.init_process_group first."
-            )
-        if plan.world_size != size:
-            raise ValueError(
-                f"DBuffer {self.name!r}: plan.world_size={plan.world_size} does not match the "
-                f"process group size {size}; plan with world_size={size}."
-            )
-        return rank, size
+        register(self)  # dbuffer_of, live_dbuffers
 
     # -- introspection ---------------------------------------------------------------------------
     def placement(self, name: str) -> RaggedShard:
@@ -461,6 +435,8 @@ class DBuffer:
         self.materialize()
         if partial is not None:  # after reshard_to: gather among the smaller group
             inp, group = partial, partial_group
+        elif self.quantized is not None:  # see [quantized-all-gather]
+            return self._quantized_all_gather(async_op)
         elif self.offload:
             # Offloaded shard: one host-to-device copy (and cast) of the whole shard, always a
             # copy (also when device is the CPU: the same code path everywhere).
@@ -478,6 +454,23 @@ class DBuffer:
         work = _all_gather_flat(self.full, inp, group=group, async_op=async_op)
 
         def epilogue(inp=inp) -> None:  # keep ``inp`` alive until the collective finished
+            self._comm_bytes -= extra
+
+        handle = CommHandle(work, epilogue)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def _quantized_all_gather(self, async_op: bool) -> CommHandle:
+        q = self.quantized
+        assert q is not None
+        src = self.shard.to(self.device, non_blocking=self._pin) if self.offload else self.shard
+        extra = q.recv.numel() if self.world_size > 1 else 0
+        self._comm_bytes += extra
+        work, finish = q.all_gather(src, self.full, group=self.group, async_op=async_op)
+
+        def epilogue(src=src) -> None:  # keep ``src`` alive until the collective finished
+            finish()
             self._comm_bytes -= extra
 
         handle = CommHandle(work, epilogue)
@@ -527,11 +520,19 @@ class DBuffer:
     def _reduce_scatter(self, async_op: bool, rop: dist.ReduceOp,
                         accumulate: bool, scale: float | None = None) -> CommHandle:
         ranks = self.world_size * self.replicate_size  # data-parallel ranks that are averaged
-        divide = rop == dist.ReduceOp.AVG and ranks > 1 and self._on_gloo()
+        wire = self.wire_dtype
+        divide = rop == dist.ReduceOp.AVG and ranks > 1 and (self._on_gloo() or wire is not None)
         if divide:
             rop = dist.ReduceOp.SUM
+        if wire is not None and rop != dist.ReduceOp.SUM:
+            raise ValueError(f"DBuffer {self.name!r}: a reduce_scatter_dtype supports op 'sum' "
+                             f"and 'avg' only, got {rop}")
+        # the partial sums: in reduce_dtype, or in fp32 (at least) with a wire dtype
+        sum_dtype = (self.reduce_dtype if wire is None
+                     else torch.promote_types(torch.float32, self.reduce_dtype))
         # offload: the collective writes on device; the epilogue copies the shard to the host
-        direct = not accumulate and self.reduce_dtype == self.dtype and not self.offload
+        direct = (not accumulate and self.reduce_dtype == self.dtype and not self.offload
+                  and wire is None)
         gs = self._ensure_grad_shard(zero=not direct)
         if self.grad_acc is not None:  # unsynced micro-batches, summed in reduce_dtype
             inp, self.grad_acc = self.grad_acc, None
@@ -540,8 +541,9 @@ class DBuffer:
             inp = self.grad_full
         else:
             inp = self.grad_full.to(self.reduce_dtype)  # one cast for the whole group
-        out = gs if direct else torch.empty(self.shard_size, dtype=self.reduce_dtype,
-                                            device=self.device)
+        if wire is not None and inp.dtype != wire:
+            inp = inp.to(wire)  # what travels
+        out = gs if direct else torch.empty(self.shard_size, dtype=sum_dtype, device=self.device)
         extra = 0
         if inp is not self.grad_full:
             extra += inp.numel() * inp.element_size()
@@ -549,7 +551,11 @@ class DBuffer:
             extra += out.numel() * out.element_size()
         self._comm_bytes += extra
 
+        wire_out: list[torch.Tensor] = []  # HSDP with a wire dtype: the all-reduced copy
+
         def epilogue(inp=inp, out=out) -> None:
+            if wire_out:
+                out.copy_(wire_out[0])
             if divide:
                 out.div_(ranks)
             if scale is not None:
@@ -564,7 +570,8 @@ class DBuffer:
         if self.world_size == 1:
             out.copy_(inp[: self.shard_size])
             work = None
-        elif rop == dist.ReduceOp.SUM and self._on_gloo():  # gloo: see [dbuffer-collectives]
+        elif rop == dist.ReduceOp.SUM and (self._on_gloo() or wire is not None):
+            # all-to-all + local sum (in out's dtype): see [dbuffer-collectives]
             work = self._gloo_reduce_scatter_sum(out, inp, async_op)
         else:
             work = _reduce_scatter_flat(out, inp, op=rop, group=self.group, async_op=async_op)
@@ -576,8 +583,11 @@ class DBuffer:
             if work is not None:
                 with record_function("vescale::comm_wait"):
                     work.wait()
+            red = out if wire is None else out.to(wire)
+            if wire is not None:
+                wire_out.append(red)
             with record_function("vescale::all_reduce"):
-                work = dist.all_reduce(out, op=rop, group=self.replicate_group,
+                work = dist.all_reduce(red, op=rop, group=self.replicate_group,
                                        async_op=async_op)
         handle = CommHandle(work, epilogue)
         if not async_op:

@@ -59,6 +59,8 @@ class CopyCommCounter(TorchDispatchMode):
         self.backend_copies = 0
         self.backend_copy_bytes = 0
         self.by_op: Counter[str] = Counter()
+        #: collective bytes (as :attr:`comm_bytes` counts them) per ``c10d`` op
+        self.comm_bytes_by_op: Counter[str] = Counter()
         self._depth = 0
         self._coll_outputs: set[int] = set()
 
@@ -75,6 +77,7 @@ class CopyCommCounter(TorchDispatchMode):
                 self.comms += 1
                 self.comm_bytes += big
                 self.by_op[f"{ns}.{name}"] += 1
+                self.comm_bytes_by_op[f"{ns}.{name}"] += big
             self._depth += 1
             try:
                 return func(*args, **kwargs)
@@ -101,4 +104,5 @@ class CopyCommCounter(TorchDispatchMode):
             "backend_copies": self.backend_copies,
             "backend_copy_bytes": self.backend_copy_bytes,
             "by_op": dict(self.by_op),
+            "comm_bytes_by_op": dict(self.comm_bytes_by_op),
         }

@@ -1,6 +1,7 @@
 """Layer 3: ``fully_shard`` (FSDP2-style API) over RaggedShard DTensors and zero-copy DBuffers.
 
 Public: :func:`fully_shard`, :class:`MixedPrecisionPolicy`, :class:`CPUOffloadPolicy`,
+:class:`CommPolicy` (quantized all-gather, gradient wire dtype),
 :class:`VeScaleFSDPModule` (a torch ``FSDPModule``), :func:`register_fsdp_forward_method`,
 :func:`materialize`, :func:`check_optimizer` / :func:`find_replaced` (an optimizer over
 parameters ``fully_shard`` replaced). Introspection for the strategy, optimizers and the memory
@@ -12,6 +13,8 @@ Design notes of layer 3 (the package's convention and the other layers' notes:
 ``lightning_vescale/NOTES.md``): each is a block in the docstring of the module it describes.
 
 * ``api.py``: [fsdp-api] (what ``fully_shard`` builds)
+* ``_comm_policy.py``: [comm-policy] (what the collectives carry: int8/fp8 all-gather, wire
+  dtype)
 * ``_reshard.py``: [fsdp-reshard-policy] (``reshard_after_forward``, decided once)
 * ``_managed_param.py``: [fsdp-param-objects] (the two parameter objects, swapping)
 * ``_param_group.py``: [fsdp-buffer-order] (matrices first; frozen parameters apart)
@@ -26,8 +29,8 @@ Design notes of layer 3 (the package's convention and the other layers' notes:
 
 Modules import one way: ``api`` -> ``_module`` / ``_collect`` / ``_state_dict`` / ``_subgroups``
 -> ``_materialize`` -> ``_state`` -> ``_root`` -> ``_param_group`` -> ``_param_group_grads`` ->
-``_managed_param``; below them ``_policy`` / ``_reshard`` / ``_training_state`` / ``_tree`` /
-``_replaced`` / ``_subgroups`` / ``_collective_check``.
+``_managed_param``; below them ``_comm_policy`` / ``_policy`` / ``_reshard`` /
+``_training_state`` / ``_tree`` / ``_replaced`` / ``_subgroups`` / ``_collective_check``.
 """
 
 from lightning_vescale.fsdp._training_state import TrainingState
@@ -38,6 +41,7 @@ from lightning_vescale.fsdp._reshard import ReshardPolicy, reshard_policy
 from lightning_vescale.fsdp._state import FSDPState, get_state
 from lightning_vescale.fsdp.api import (
     CPUOffloadPolicy,
+    CommPolicy,
     MixedPrecisionPolicy,
     VeScaleFSDPModule,
     dbuffers,
@@ -50,6 +54,7 @@ from lightning_vescale.fsdp.api import (
 
 __all__ = [
     "CPUOffloadPolicy",
+    "CommPolicy",
     "FSDPState",
     "ManagedParam",
     "MixedPrecisionPolicy",

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_vescale.dbuffer import CommHandle, DBuffer
 from lightning_vescale.fsdp._collective_check import check_collective
+from lightning_vescale.fsdp._comm_policy import CommPolicy
 from lightning_vescale.fsdp._collective_check import enabled as collective_check_on
 from lightning_vescale.fsdp._training_state import TrainingState
 from lightning_vescale.fsdp._managed_param import ManagedParam, Owner, set_param
@@ -62,12 +63,15 @@ class ParamGroup(GroupGradients):
             (design note [fsdp-reshard-policy]); ``set_reshard_after_forward`` replaces it.
         fqn: a label for buffer names and error messages.
         offload: ``CPUOffloadPolicy``: shards and sharded gradients in CPU memory.
+        comm_policy: what the collectives carry (design note [comm-policy]), its block size
+            resolved; ``quantized[name]``: whether the parameter all-gathers quantized.
     """
 
     def __init__(self, *, params: list[ManagedParam], mesh_info: MeshInfo,
                  mp_policy: MixedPrecisionPolicy, granularity: dict[str, int],
                  reshard_policy: ReshardPolicy, fqn: str = "",
-                 offload: CPUOffloadPolicy | None = None) -> None:
+                 offload: CPUOffloadPolicy | None = None, comm_policy: CommPolicy | None = None,
+                 quantized: dict[str, bool] | None = None) -> None:
         self.fqn = fqn
         self.params = params
         self.mesh_info = mesh_info
@@ -75,6 +79,8 @@ class ParamGroup(GroupGradients):
         self.granularity = granularity
         self.reshard_policy = reshard_policy
         self.offload = offload
+        self.comm_policy = comm_policy
+        self.quantized = quantized or {}
         self.reduce_grads = True  # set_requires_gradient_sync
         # FSDPModule setters (design note [fsdp-module] in _module.py)
         self.reshard_after_backward = True
@@ -84,8 +90,9 @@ class ParamGroup(GroupGradients):
         self.explicit_backward_prefetch: list[ParamGroup] | None = None
         # list groups: (the ``_apply`` function, modules of the list it reached) of the last pass
         self.applying: tuple[Any, set[int]] | None = None
-        # One DBuffer per (dtype, trainable at build time); see design note [fsdp-grads].
-        self.buffers: dict[tuple[torch.dtype, bool], DBuffer] = {}
+        # One DBuffer per (dtype, trainable at build time, quantized all-gather); see design
+        # notes [fsdp-grads] and [comm-policy].
+        self.buffers: dict[tuple[torch.dtype, bool, bool], DBuffer] = {}
         self.modules_hold_unsharded = False
         self._gather: list[CommHandle] | None = None  # in-flight all-gathers
         self._reduce: list[CommHandle] | None = None  # in-flight reduce-scatters
@@ -115,12 +122,13 @@ class ParamGroup(GroupGradients):
         """
         for mp in self.params:
             self._remove_grad_hooks(mp)
-        buckets: dict[tuple[torch.dtype, bool], list[ManagedParam]] = {}
+        buckets: dict[tuple[torch.dtype, bool, bool], list[ManagedParam]] = {}
         for mp in self.params:
-            buckets.setdefault((sources[mp.name].dtype, mp.requires_grad), []).append(mp)
+            key = (sources[mp.name].dtype, mp.requires_grad, self.quantized.get(mp.name, False))
+            buckets.setdefault(key, []).append(mp)
         self.buffers = {}
-        policy = self.mp_policy
-        for (dtype, trainable), mps in buckets.items():
+        policy, comm = self.mp_policy, self.comm_policy
+        for (dtype, trainable, quantized), mps in buckets.items():
             mps = sorted(mps, key=lambda mp: len(mp.shape) < 2)  # [fsdp-buffer-order]
             specs = [(mp.name, mp.shape, self.granularity[mp.name]) for mp in mps]
             plan = plan_layout(specs, self.mesh_info.shard_size)
@@ -129,12 +137,16 @@ class ParamGroup(GroupGradients):
                 rdt = policy.reduce_dtype if policy.reduce_dtype is not None else pdt
             else:  # integer/bool parameters (never trainable) keep their dtype: no cast
                 pdt = rdt = dtype
+            label = f"{dtype}{'' if trainable else ', frozen'}{', quantized' if quantized else ''}"
             buf = DBuffer(plan, dtype=dtype, device=device, mesh_info=self.mesh_info,
-                          param_dtype=pdt, reduce_dtype=rdt,
-                          name=f"{self.fqn or '<root>'}[{dtype}{'' if trainable else ', frozen'}]",
+                          param_dtype=pdt, reduce_dtype=rdt, name=f"{self.fqn or '<root>'}[{label}]",
                           offload=self.offload is not None,
-                          pin_memory=self.offload is not None and self.offload.pin_memory)
-            self.buffers[(dtype, trainable)] = buf
+                          pin_memory=self.offload is not None and self.offload.pin_memory,
+                          quantize=comm.all_gather if quantized and comm else None,
+                          quant_block_size=(comm.block_size or 0) if comm else 0,
+                          wire_dtype=(comm.reduce_scatter_dtype if comm and trainable
+                                      and dtype.is_floating_point else None))
+            self.buffers[(dtype, trainable, quantized)] = buf
             for mp in mps:
                 mp.buffer = buf
                 src = sources[mp.name]

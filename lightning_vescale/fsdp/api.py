@@ -26,6 +26,7 @@ forward) live on the group, the prefetch setting on the root context.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -44,6 +45,12 @@ from lightning_vescale.fsdp._collect import (
     remember_taken,
     resolve_granularities,
 )
+from lightning_vescale.fsdp._comm_policy import (
+    CommPolicy,
+    as_comm_policy,
+    quantized_granularities,
+    quantized_params,
+)
 from lightning_vescale.fsdp._module import VeScaleFSDPModule, register_fsdp_forward_method
 from lightning_vescale.fsdp._param_group import ManagedParam, ParamGroup
 from lightning_vescale.fsdp._policy import (
@@ -61,6 +68,7 @@ from lightning_vescale.mesh import MeshInfo, default_device_type, init_mesh
 
 __all__ = [
     "CPUOffloadPolicy",
+    "CommPolicy",
     "MixedPrecisionPolicy",
     "VeScaleFSDPModule",
     "fully_shard",
@@ -164,7 +172,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
                 mp_policy: MixedPrecisionPolicy | None = None,
                 offload_policy: Any = None,
                 ignored_params: set[nn.Parameter] | None = None,
-                granularity: GranularityArg = None) -> Any:
+                granularity: GranularityArg = None,
+                comm_policy: CommPolicy | dict[str, Any] | None = None) -> Any:
     """Shard ``module``'s parameters (those no inner group owns) as one group (FSDP2's API).
 
     Args:
@@ -199,6 +208,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             ``(name, param) -> int``. Rank ranges start and end on a block boundary.
             Default: the strategies' (element-wise, multiples of 256 for tensors of 4096+
             elements: ``AdamW8bit``'s blocks; the planner aligns shard sizes to 16 elements).
+        comm_policy: :class:`CommPolicy` (or a dict of its fields): int8/fp8 all-gather,
+            gradient wire dtype (design note [comm-policy]); ``None``: neither.
 
     Returns:
         ``module`` (or the list), whose class now also derives from :class:`VeScaleFSDPModule`
@@ -224,19 +235,47 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         device = _compute_device(mesh_info)
     group = None
     if collected:
+        named = [(c.name, c.param) for c in collected]
+        comm, quantized, grans = _comm_layout(comm_policy, granularity, named)
         group = ParamGroup(
             params=[_managed(c) for c in collected], mesh_info=mesh_info, mp_policy=policy,
-            granularity=resolve_granularities(granularity, [(c.name, c.param) for c in collected]),
-            reshard_policy=reshard, fqn=label, offload=offload)
-        group.build({c.name: c.param.detach() for c in collected}, device)
-        for k, m in enumerate(modules):
-            register_state_dict_hooks(m, group, k)
-        remember_taken(collected, label)
-        install_optimizer_check()
+            granularity=grans, reshard_policy=reshard, fqn=label, offload=offload,
+            comm_policy=comm, quantized=quantized)
+        _build_group(group, modules, collected, device, label)
     FSDPState(modules, group, mp_policy=policy)
     for m in modules:
         _wrap_class(m)
     return module
+
+
+def _build_group(group: ParamGroup, modules: list[nn.Module], collected: list[CollectedParam],
+                 device: torch.device, label: str) -> None:
+    """Build the group's buffers from the parameters' data and register what refers to it."""
+    group.build({c.name: c.param.detach() for c in collected}, device)
+    for k, m in enumerate(modules):
+        register_state_dict_hooks(m, group, k)
+    remember_taken(collected, label)
+    install_optimizer_check()
+
+
+def _comm_layout(comm_policy: Any, granularity: GranularityArg,
+                 named: list[tuple[str, nn.Parameter]]
+                 ) -> tuple[CommPolicy | None, dict[str, bool], dict[str, int]]:
+    """The group's comm policy (its block size resolved), which parameters it quantizes, and
+    the granularities with quantized tensors' aligned to the block (design note
+    [comm-policy]). Checked here, at ``fully_shard``, before any step."""
+    comm = as_comm_policy(comm_policy)
+    grans = resolve_granularities(granularity, named)
+    if comm is None or not comm.is_active:
+        return None, {n: False for n, _ in named}, grans
+    if comm.block_size is None:
+        comm = dataclasses.replace(comm, block_size=comm.resolved_block_size())
+    quantized = quantized_params(comm, named)
+    # a strategy's granularity policy without a user granularity counts as the default
+    user_given = granularity is not None and getattr(granularity, "granularity", 0) is not None
+    assert comm.block_size is not None
+    return comm, quantized, quantized_granularities(grans, quantized, block_size=comm.block_size,
+                                                    user_given=user_given)
 
 
 def _managed(c: CollectedParam) -> ManagedParam:

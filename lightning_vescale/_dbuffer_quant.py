@@ -1,0 +1,217 @@
+"""Layer 2: the block-quantized all-gather of a :class:`~lightning_vescale.dbuffer.DBuffer`.
+
+Design note [quantized-all-gather]
+----------------------------------
+With ``CommPolicy(all_gather="int8"|"fp8")`` (``fully_shard(comm_policy=...)``) a DBuffer that
+holds only quantized tensors all-gathers 1-byte *codes* plus one fp32 *scale* per block instead
+of its ``param_dtype`` values; the master shard is never changed.
+
+*Blocks.* A block is ``B`` (``block_size``) consecutive elements of one tensor, counted from the
+tensor's first element (the blocks of ``AdamW8bit``, design note [blockwise-quant]; a tensor's
+last block may be shorter). The group plans quantized tensors with a granularity that is a
+multiple of ``B``, so every rank's local range of a tensor is whole blocks and no block
+straddles two ranks: each rank quantizes its own shard without communication. The rank's shard
+is cut into *pieces* (a tensor's local range, or padding between them), each piece into blocks;
+padding blocks are zeros (scale 0, dequantized to exactly 0). Every rank derives every rank's
+blocks from the plan, so nothing about the layout travels.
+
+*Codes.* ``int8``: symmetric linear, ``scale = absmax / 127``, ``code = round(x / scale)``, so
+a dequantized value is within ``scale / 2`` (half a step) of the true one. ``fp8``:
+``float8_e4m3fn`` codes of ``x / scale`` with ``scale = absmax / 448`` (relative error
+``<= 2**-4``, absolute ``<= 2**-10 * scale`` near zero). The absmax is a plain ``amax``: a
+non-finite value makes its whole block non-finite (forward then sees NaN, as it would without
+quantization; nothing is hidden). (``optim/_quant.py``'s dynamic map is a layer above and is
+made for optimizer moments: weights want the uniform grid and its half-step bound.)
+
+*Message.* One contiguous ``uint8`` buffer per rank of ``P = S' + 4 K`` bytes: ``S`` codes
+(padded to ``S'``, a multiple of 4) then ``K`` fp32 scales, ``K`` the largest number of blocks
+any rank has. One ``all_gather`` moves ``W * P`` bytes (int8: ``~S * (1 + 4/B)`` per rank,
+0.254x fp32 at ``B = 256``); the send buffer is persistent (sharded), the receive buffer is
+allocated for the all-gather and freed after dequantization, as ``full`` is (it would otherwise
+hold a byte per parameter of the whole group). Dequantization writes ``code * scale`` straight
+into ``full`` in ``param_dtype``: one kernel per run of equal-length blocks, one for the whole
+buffer when every rank's shard is whole blocks of ``B`` (the common case: tensor sizes and
+``S`` multiples of ``B``).
+
+*Not quantized:* the re-gather of ``reshard_after_forward=<int>`` (it moves the kept chunk of
+already dequantized values among the smaller group, in ``param_dtype``), and a world of 1 (it
+still quantizes and dequantizes, so results do not depend on the world size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from lightning_vescale._dbuffer_comm import _all_gather_flat
+from lightning_vescale.planner import LayoutPlan
+
+__all__ = ["QUANT_FORMATS", "QuantizedGather", "Run", "fp8_dtype", "rank_runs"]
+
+#: ``all_gather`` format -> largest code magnitude (the scale is ``absmax / qmax``)
+QUANT_FORMATS = {"int8": 127.0, "fp8": 448.0}
+
+
+def fp8_dtype() -> torch.dtype | None:
+    """``torch.float8_e4m3fn`` if this torch build has it, else ``None``."""
+    return getattr(torch, "float8_e4m3fn", None)
+
+
+class Run(NamedTuple):
+    """``count`` blocks of ``length`` elements from shard element ``start``; their scales are
+    slots ``scale`` .. ``scale + count`` of the rank's ``K``."""
+
+    start: int
+    count: int
+    length: int
+    scale: int
+
+
+def _pieces(plan: LayoutPlan, rank: int) -> list[tuple[int, int]]:
+    """``(start, length)`` pieces covering the rank's shard ``[0, S)``: each tensor's local
+    range, and the padding between them, in order."""
+    S, lo = plan.shard_size, rank * plan.shard_size
+    cuts = []
+    for spec in plan.entries:
+        a, b = plan.local_range(spec.name, rank)
+        if b > a:
+            off = plan.offsets[spec.name]
+            cuts.append((off + a - lo, off + b - lo))
+    cuts.sort()
+    out, pos = [], 0
+    for a, b in cuts:
+        if a > pos:
+            out.append((pos, a - pos))
+        out.append((a, b - a))
+        pos = b
+    if pos < S:
+        out.append((pos, S - pos))
+    return out
+
+
+def rank_runs(plan: LayoutPlan, rank: int, block_size: int) -> list[Run]:
+    """The rank's blocks as runs of equal-length blocks (see [quantized-all-gather]);
+    neighbouring runs of the same length merge, so a shard of whole ``block_size`` blocks is
+    one run."""
+    runs: list[Run] = []
+    slot = 0
+    for start, length in _pieces(plan, rank):
+        full, tail = divmod(length, block_size)
+        for s, n, ln in ((start, full, block_size), (start + full * block_size, 1, tail)):
+            if n == 0 or ln == 0:
+                continue
+            last = runs[-1] if runs else None
+            if last is not None and last.length == ln and last.start + last.count * ln == s:
+                runs[-1] = last._replace(count=last.count + n)
+            else:
+                runs.append(Run(s, n, ln, slot))
+            slot += n
+    return runs
+
+
+class QuantizedGather:
+    """The persistent message buffers and block runs of one DBuffer's quantized all-gather.
+
+    Args:
+        plan: the buffer's layout; ``world_size`` ranks, this one is ``rank``.
+        fmt: ``"int8"`` or ``"fp8"``.
+        block_size: elements per block.
+        device: where the message buffers live (the DBuffer's compute device).
+    """
+
+    def __init__(self, plan: LayoutPlan, *, rank: int, fmt: str, block_size: int,
+                 device: torch.device) -> None:
+        if fmt not in QUANT_FORMATS:
+            raise ValueError(f"all_gather={fmt!r}: use 'int8' or 'fp8'")
+        self.fmt, self.qmax, self.block_size = fmt, QUANT_FORMATS[fmt], block_size
+        self.code_dtype = torch.int8 if fmt == "int8" else fp8_dtype()
+        if self.code_dtype is None:
+            raise RuntimeError("all_gather='fp8' needs torch.float8_e4m3fn (torch >= 2.1)")
+        self.world_size, self.rank = plan.world_size, rank
+        self.runs = [rank_runs(plan, r, block_size) for r in range(plan.world_size)]
+        self.num_scales = max((sum(run.count for run in rs) for rs in self.runs), default=0)
+        S = plan.shard_size
+        self.shard_size, self.code_bytes = S, -(-S // 4) * 4
+        self.message_bytes = self.code_bytes + 4 * self.num_scales
+        self.device = device
+        self.send = torch.zeros(self.message_bytes, dtype=torch.uint8, device=device)
+        self.recv = torch.empty(plan.world_size * self.message_bytes, dtype=torch.uint8,
+                                device=device)
+        self.recv.untyped_storage().resize_(0)
+        self._uniform = all(rs == [Run(0, S // block_size, block_size, 0)] for rs in self.runs) \
+            and S % block_size == 0 and S > 0
+
+    # -- views -------------------------------------------------------------------------------
+    def _codes(self, msg: torch.Tensor) -> torch.Tensor:
+        """``(ranks, S)`` code view of a message buffer (``send`` or ``recv``)."""
+        return msg.view(-1, self.message_bytes)[:, :self.shard_size].view(self.code_dtype)
+
+    def _scales(self, msg: torch.Tensor) -> torch.Tensor:
+        """``(ranks, K)`` fp32 scale view of a message buffer."""
+        return msg.view(-1, self.message_bytes)[:, self.code_bytes:].view(torch.float32)
+
+    # -- quantize / dequantize -----------------------------------------------------------------
+    def quantize_(self, src: torch.Tensor) -> None:
+        """Fill :attr:`send` from this rank's shard ``src`` (``S`` elements, any float dtype)."""
+        codes, scales = self._codes(self.send)[0], self._scales(self.send)[0]
+        with torch.no_grad():
+            for run in self.runs[self.rank]:
+                end = run.start + run.count * run.length
+                x = src[run.start:end].view(run.count, run.length)
+                s = scales[run.scale:run.scale + run.count]
+                torch.amax(x.abs(), dim=1, out=s)
+                s.div_(self.qmax)
+                safe = torch.where(s > 0, s, torch.ones_like(s))
+                q = torch.div(x, safe[:, None])
+                if self.fmt == "int8":
+                    q.round_()
+                codes[run.start:end].view(run.count, run.length).copy_(q)
+
+    def dequantize_(self, msg: torch.Tensor, full: torch.Tensor) -> None:
+        """``full = code * scale`` for every rank's part of the gathered ``msg``."""
+        W, S = msg.numel() // self.message_bytes, self.shard_size
+        codes, scales = self._codes(msg), self._scales(msg)
+        out = full.view(W, S)
+        with torch.no_grad():
+            if self._uniform:
+                n, B = S // self.block_size, self.block_size
+                self._mul(codes.view(W, n, B), scales[:, :n, None], out.view(W, n, B))
+                return
+            for r in range(W):
+                for run in self.runs[r]:
+                    end = run.start + run.count * run.length
+                    self._mul(codes[r, run.start:end].view(run.count, run.length),
+                              scales[r, run.scale:run.scale + run.count, None],
+                              out[r, run.start:end].view(run.count, run.length))
+
+    def _mul(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        if self.fmt == "fp8":  # float8 arithmetic is not implemented everywhere: widen first
+            codes = codes.to(torch.float32)
+        torch.mul(codes, scales, out=out)
+
+    # -- the collective ----------------------------------------------------------------------
+    def all_gather(self, src: torch.Tensor, full: torch.Tensor, *, group: Any,
+                   async_op: bool) -> tuple[Any, Callable[[], None]]:
+        """Quantize ``src``, start the all-gather of the messages, and return ``(work,
+        finish)``: ``finish()`` (after ``work.wait()``) dequantizes into ``full`` and frees
+        the receive buffer. A world of one dequantizes its own message."""
+        self.quantize_(src)
+        if self.world_size == 1:
+            return None, lambda: self.dequantize_(self.send, full)
+        storage = self.recv.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.recv.numel())
+        work = _all_gather_flat(self.recv, self.send, group=group, async_op=async_op)
+
+        def finish() -> None:
+            self.dequantize_(self.recv, full)
+            self.recv.untyped_storage().resize_(0)
+
+        return work, finish
+
+    def recv_bytes(self) -> int:
+        """Bytes of the receive buffer now allocated (communication memory)."""
+        return self.recv.untyped_storage().nbytes()
+
