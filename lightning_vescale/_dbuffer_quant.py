@@ -48,7 +48,8 @@ import torch
 from lightning_vescale._dbuffer_comm import _all_gather_flat
 from lightning_vescale.planner import LayoutPlan
 
-__all__ = ["QUANT_FORMATS", "QuantizedGather", "Run", "fp8_dtype", "rank_runs"]
+__all__ = ["QUANT_FORMATS", "QuantizedGather", "Run", "fp8_dtype", "message_bytes",
+           "rank_runs"]
 
 #: ``all_gather`` format -> largest code magnitude (the scale is ``absmax / qmax``)
 QUANT_FORMATS = {"int8": 127.0, "fp8": 448.0}
@@ -109,6 +110,14 @@ def rank_runs(plan: LayoutPlan, rank: int, block_size: int) -> list[Run]:
                 runs.append(Run(s, n, ln, slot))
             slot += n
     return runs
+
+
+def message_bytes(plan: LayoutPlan, block_size: int) -> int:
+    """Bytes of one rank's message (codes padded to 4 bytes, then the fp32 scales of the rank
+    with the most blocks): the all-gather moves ``world_size`` of them."""
+    blocks = max((sum(r.count for r in rank_runs(plan, k, block_size))
+                  for k in range(plan.world_size)), default=0)
+    return -(-plan.shard_size // 4) * 4 + 4 * blocks
 
 
 class QuantizedGather:

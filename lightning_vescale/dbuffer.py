@@ -205,7 +205,7 @@ class DBuffer:
         self.quantized = (QuantizedGather(plan, rank=self.rank, fmt=quantize,
                                           block_size=quant_block_size, device=self.device)
                           if quantize is not None and not self.is_meta else None)
-        self.quantize = quantize
+        self.quantize, self.quant_block_size = quantize, quant_block_size
         S, N = plan.shard_size, plan.buffer_size
         self.shard_size, self.buffer_size = S, N
         self._shapes = {spec.name: tuple(spec.shape) for spec in plan.entries}

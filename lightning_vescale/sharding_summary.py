@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Iterable
+from typing import Any
 
 from torch import nn
 
+from lightning_vescale._dbuffer_quant import message_bytes
 from lightning_vescale.fsdp import iter_param_groups
 
 __all__ = ["GroupSummary", "ShardingSummary", "sharding_summary"]
@@ -40,6 +43,13 @@ class GroupSummary:
     rank_elements: tuple[int, ...]  #: real elements each rank owns
     buffer_elements: int  #: flat buffer size summed over the group's buffers (world * shard)
     granularities: tuple[tuple[int, int], ...]  #: (granularity in elements, tensors), ascending
+    #: bytes of one all-gather of the group (the per-rank message as ``CopyCommCounter`` counts
+    #: it), with the group's ``CommPolicy`` and without (``param_dtype`` everywhere)
+    gather_bytes: int = 0
+    gather_bytes_unquantized: int = 0
+    #: bytes of one gradient reduce-scatter, with the policy's wire dtype and without
+    reduce_bytes: int = 0
+    reduce_bytes_unquantized: int = 0
 
     @property
     def padding_ratio(self) -> float:
@@ -60,6 +70,7 @@ class ShardingSummary:
     world_size: int
     groups: tuple[GroupSummary, ...]
     replicas: int = 1
+    comm_policy: str = ""  #: the ``CommPolicy`` in words (``""``: none)
 
     @property
     def elements(self) -> int:
@@ -110,7 +121,23 @@ class ShardingSummary:
             cells = [c.rjust(w) if rj else c.ljust(w) for c, w, rj in zip(r, widths, right)]
             return "  ".join(cells).rstrip()
 
-        return "\n".join([fmt(head), *(fmt(r) for r in rows)])
+        lines = [fmt(head), *(fmt(r) for r in rows)]
+        if self.comm_policy:
+            lines.append(self._comm_line())
+        return "\n".join(lines)
+
+    def _comm_line(self) -> str:
+        """The policy and the bytes it saves per all-gather / reduce-scatter of every group."""
+        def mb(n: int) -> str:
+            return f"{n / 2**20:,.2f} MiB"
+
+        g = sum(x.gather_bytes for x in self.groups)
+        g0 = sum(x.gather_bytes_unquantized for x in self.groups)
+        r = sum(x.reduce_bytes for x in self.groups)
+        r0 = sum(x.reduce_bytes_unquantized for x in self.groups)
+        return (f"comm policy: {self.comm_policy}; all-gather {mb(g)} instead of {mb(g0)} "
+                f"({g / g0 if g0 else 1:.2f}x), reduce-scatter {mb(r)} instead of {mb(r0)} "
+                f"({r / r0 if r0 else 1:.2f}x) per pass of every group")
 
     def __str__(self) -> str:
         return self.table()
@@ -123,8 +150,10 @@ def sharding_summary(module: nn.Module) -> ShardingSummary:
         ValueError: ``module`` has no ``fully_shard`` group (nothing was sharded).
     """
     groups: list[GroupSummary] = []
-    world, replicas = 0, 1
+    world, replicas, policy = 0, 1, ""
     for name, group in iter_param_groups(module):
+        if group.comm_policy is not None:
+            policy = group.comm_policy.describe()
         plans = [buf.plan for buf in group.buffers.values()]
         if not plans:
             continue
@@ -139,8 +168,29 @@ def sharding_summary(module: nn.Module) -> ShardingSummary:
             rank_elements=tuple(sum(load[r] for load in loads) for r in range(world)),
             buffer_elements=sum(plan.buffer_size for plan in plans),
             granularities=tuple(sorted(grans.items())),
+            **_comm_bytes(group.buffers.items()),
         ))
     if not groups:
         raise ValueError(f"sharding_summary: {type(module).__name__} has no fully_shard group; "
                          "call it after fully_shard (or after the strategy's setup).")
-    return ShardingSummary(world_size=world, groups=tuple(groups), replicas=replicas)
+    return ShardingSummary(world_size=world, groups=tuple(groups), replicas=replicas,
+                           comm_policy=policy)
+
+
+def _comm_bytes(buffers: Iterable[tuple[Any, Any]]) -> dict[str, int]:
+    """Bytes per all-gather / reduce-scatter of a group's buffers, with and without its
+    ``CommPolicy`` (design note [comm-policy]): int8/fp8 codes plus fp32 scales, and gradients in
+    the wire dtype; only trainable floating-point buffers are reduce-scattered."""
+    out = dict(gather_bytes=0, gather_bytes_unquantized=0, reduce_bytes=0,
+               reduce_bytes_unquantized=0)
+    for (_, trainable, _), buf in buffers:
+        n = buf.plan.buffer_size
+        plain = n * buf.param_dtype.itemsize
+        out["gather_bytes_unquantized"] += plain
+        out["gather_bytes"] += (buf.world_size * message_bytes(buf.plan, buf.quant_block_size)
+                                if buf.quantize else plain)
+        if trainable and buf.dtype.is_floating_point:
+            out["reduce_bytes_unquantized"] += n * buf.reduce_dtype.itemsize
+            out["reduce_bytes"] += n * (buf.wire_dtype or buf.reduce_dtype).itemsize
+    return out
+

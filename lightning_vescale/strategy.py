@@ -98,6 +98,7 @@ from lightning_vescale._lightning.sharding import (
     reshard_all,
 )
 from lightning_vescale import checkpoint as ckpt
+from lightning_vescale.fsdp import CommPolicy
 from lightning_vescale.precision import VeScalePrecision, to_vescale_precision
 
 if TYPE_CHECKING:
@@ -167,6 +168,10 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
             before sharding (default ``True``, as DDP does), so unseeded ranks start from one
             model; meta-device (``empty_init=True``) tensors are materialised per shard and not
             synchronised. See design note [sync-module-states].
+        comm_policy: :class:`~lightning_vescale.CommPolicy` or a dict of its fields (YAML:
+            ``comm_policy: {all_gather: int8, reduce_scatter_dtype: bf16}``): int8/fp8
+            block-quantized all-gather and the gradients' wire dtype, for every group
+            (``block_size`` defaults to ``optimizer_block_size``; design note [comm-policy]).
     """
 
     strategy_name = "vescale_fsdp"
@@ -191,6 +196,7 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
         device_mesh: DeviceMeshArg = None,
         flat_optimizer: bool = True,
         sync_module_states: bool = True,
+        comm_policy: Optional[Union[CommPolicy, dict[str, Any]]] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -208,7 +214,7 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
                         state_dict_type=state_dict_type,
                         process_group_backend=process_group_backend, timeout=timeout,
                         device_mesh=device_mesh, flat_optimizer=flat_optimizer,
-                        sync_module_states=sync_module_states)
+                        sync_module_states=sync_module_states, comm_policy=comm_policy)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be one of 'popen', 'spawn', 'fork', "
                              f"'forkserver', got {start_method!r}.")

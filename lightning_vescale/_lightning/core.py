@@ -56,6 +56,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_vescale._lightning.comm import validate_comm_policy
 from lightning_vescale._lightning.device_mesh import (
     build_device_mesh,
     check_world_size,
@@ -166,6 +167,7 @@ class VeScaleStrategyCore:
         device_mesh: Any = None,
         flat_optimizer: bool = True,
         sync_module_states: bool = True,
+        comm_policy: Any = None,
     ) -> None:
         """Validate and store the arguments both strategies take (errors name the parameter).
 
@@ -179,6 +181,7 @@ class VeScaleStrategyCore:
                                              optimizer_block_size=optimizer_block_size,
                                              min_block_numel=optimizer_min_block_numel)
         self._reshard_policy = validate_reshard_after_forward(reshard_after_forward)
+        self._comm_policy = validate_comm_policy(comm_policy, optimizer_block_size)
         self._state_dict_type = validate_state_dict_type(state_dict_type)
         self._process_group_backend = validate_process_group_backend(process_group_backend)
         self._timeout: Optional[timedelta] = validate_timeout(timeout)
@@ -319,7 +322,8 @@ class VeScaleStrategyCore:
                     device=self.root_device,
                     mp_policy=self._vescale_precision.mixed_precision_policy,
                     granularity=self._granularity,
-                    reshard_after_forward=self._reshard_policy)
+                    reshard_after_forward=self._reshard_policy,
+                    comm_policy=self._comm_policy)
         # AdamW8bit(block_size=None) built on these checks them against this block at once
         mark_sharded_for_block_size(module.parameters(), self._optimizer_block_size)
 

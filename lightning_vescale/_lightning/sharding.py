@@ -400,6 +400,7 @@ def shard_model(
     mp_policy: Any,
     granularity: Optional[Callable[[str, Tensor], Any]],
     reshard_after_forward: Union[bool, int, ReshardPolicy, None],
+    comm_policy: Any = None,
 ) -> None:
     """Apply ``fully_shard`` to the units of ``root``, then to ``root`` itself (the root group).
 
@@ -412,6 +413,8 @@ def shard_model(
         kwargs["mp_policy"] = mp_policy
     if granularity is not None:
         kwargs["granularity"] = granularity
+    if comm_policy is not None:
+        kwargs["comm_policy"] = comm_policy
     # The root keeps its parameters after forward (backward needs them first): the "auto"
     # policy (reshard_after_forward=None), whatever the units were given; the strategy's value
     # applies to the units (design note [fsdp-reshard-policy]).

@@ -179,6 +179,7 @@ def test_forward_sees_params_within_one_quantization_step(worlds, fmt):
 # -- bytes ------------------------------------------------------------------------------------------
 def _step_bytes(policy_kw: dict):
     from lightning_vescale import CommPolicy
+    from lightning_vescale.sharding_summary import sharding_summary
     from lightning_vescale.testing import CopyCommCounter
 
     model = _build("gpt")
@@ -191,15 +192,24 @@ def _step_bytes(policy_kw: dict):
     by = c.comm_bytes_by_op
     gather = sum(v for k, v in by.items() if "allgather" in k)
     reduce = sum(v for k, v in by.items() if "alltoall" in k or "reduce_scatter" in k)
-    return gather, reduce
+    with CopyCommCounter() as c, torch.no_grad():
+        model(x, y)  # one all-gather of every group
+    once = sum(v for k, v in c.comm_bytes_by_op.items() if "allgather" in k)
+    summary = sharding_summary(model)
+    predicted = (sum(g.gather_bytes for g in summary.groups),
+                 sum(g.reduce_bytes for g in summary.groups))
+    return gather, reduce, once, predicted, str(summary)
 
 
 def test_bytes_per_step_are_counted_and_cut(worlds):
     w = worlds(2)
-    g32, r32 = w.run(_step_bytes, {})[0]
-    g8, r8 = w.run(_step_bytes, dict(all_gather="int8"))[0]
-    gbf, rbf = w.run(_step_bytes, dict(reduce_scatter_dtype="bf16"))[0]
+    g32, r32, _, _, _ = w.run(_step_bytes, {})[0]
+    g8, r8, once8, predicted8, table = w.run(_step_bytes, dict(all_gather="int8"))[0]
+    gbf, rbf, _, predicted_bf, _ = w.run(_step_bytes, dict(reduce_scatter_dtype="bf16"))[0]
     assert g8 <= 0.30 * g32, (g8, g32)
+    # the sharding summary's figures are the counted ones
+    assert predicted8[0] == once8 and predicted_bf[1] == rbf
+    assert "comm policy: all-gather int8 (block 256)" in table and "0.2" in table
     assert abs(r8 - r32) <= 0.01 * r32  # (padding differs: quantized tensors plan apart)
     assert rbf <= 0.55 * r32, (rbf, r32)
     assert gbf == g32
