@@ -42,9 +42,19 @@ The model (stated in the printed header, overridable on the command line):
   adds to a step (both engines overlap it with compute); no NCCL tree/PAT algorithms, SHARP,
   congestion or kernel launch costs.
 
+With ``--quantized`` a second table adds ours with ``CommPolicy(all_gather="int8",
+reduce_scatter_dtype=bf16)`` (issue 25): every tensor the policy quantizes (2+ dims, 4,096+
+elements) all-gathers one byte per element plus an fp32 scale per 256, the rest bf16; gradients
+travel in bf16 (reduce-scatter and HSDP all-reduce); copies add the quantize (read the fp32
+shard, write codes) and the dequantize (read the codes, write bf16 parameters) instead of the
+cast. ZeRO++'s published volumes (Wang et al. 2023: 3M -> 0.75M per step against ZeRO-3 in
+fp16, i.e. qwZ int8 forward all-gather, hpZ intra-node backward all-gather, qgZ int4
+gradients) are printed beside it for scale; they are the paper's figures, not modelled here.
+
 Run from the repository root::
 
     python -m benchmarks.hsdp_network_model
+    python -m benchmarks.hsdp_network_model --quantized --markdown
     python -m benchmarks.hsdp_network_model --inter-bw-gbs 25 --inter-latency-us 15
 
 Results: ``benchmarks/RESULTS_hsdp.md``.
@@ -331,6 +341,87 @@ def report(rows: list[dict[str, StepComm]], net: Network, cfg_name: str, nparams
     return "\n".join(head + lines)
 
 
+# ------------------------------------------------------------------------------------------------
+# quantized communication (issue 25): CommPolicy(all_gather="int8", reduce_scatter_dtype=bf16)
+# ------------------------------------------------------------------------------------------------
+CODE_BYTES = 1  # int8 codes
+SCALE_BYTES = 4  # one fp32 scale per block
+QUANT_BLOCK = 256
+WIRE_BYTES = 2  # bf16 gradients on the wire
+#: ZeRO++ (Wang et al., 2023): per-step volume 0.75M against ZeRO-3's 3M (fp16)
+ZEROPP_VOLUME_RATIO = 0.75 / 3
+
+
+def quantized_numel(cfg: TransformerConfig, min_numel: int = DEFAULT_MIN_BLOCK_NUMEL) -> list[int]:
+    """Per group (as :func:`group_sizes`), the elements ``CommPolicy``'s default rule quantizes
+    (floating tensors of 2+ dims and ``min_numel``+ elements)."""
+    return [sum(math.prod(s) for _, s in params if len(s) >= 2 and math.prod(s) >= min_numel)
+            for _, params in transformer_groups(cfg, "block")]
+
+
+def model_step_quantized(layout: str, nodes: int, sizes: list[GroupSizes], qnumel: list[int],
+                         net: Network) -> StepComm:
+    """Ours with the int8 all-gather and bf16 gradients (see the module docstring); the same
+    per-rank shard sizes as unquantized (the quantized tensors' own plan pads alike)."""
+    base = model_step("ours", layout, nodes, sizes, net)
+    m, replicas = base.shard_ranks, base.replicas
+    bw, lat = net.link(m, spans_nodes=m > net.gpus_per_node)
+    ar_bw, ar_lat = net.link(replicas, spans_nodes=True)
+    ag_b = rs_b = copy_b = 0.0
+    ag_s = rs_s = ar_s = 0.0
+    ar_b = float(base.ar_bytes - sum(g.shard["ours"] for g in sizes) * REDUCE_BYTES
+                 * (replicas > 1))
+    for g, q in zip(sizes, qnumel):
+        s, frac = g.shard["ours"], q / g.numel if g.numel else 0.0
+        full, gathers = m * s, g.gathers["ours"]
+        per_elem = frac * (CODE_BYTES + SCALE_BYTES / QUANT_BLOCK) + (1 - frac) * PARAM_BYTES
+        ag_b += gathers * full * per_elem
+        ag_s += gathers * ring_all_gather_s(full * per_elem, m, bw, lat)
+        rs_b += full * WIRE_BYTES
+        rs_s += ring_reduce_scatter_s(full * WIRE_BYTES, m, bw, lat)
+        if replicas > 1:
+            ar_b += s * WIRE_BYTES
+            ar_s += ring_all_reduce_s(s * WIRE_BYTES, replicas, ar_bw, ar_lat)
+        # quantize (read fp32 shard, write codes) and dequantize (read codes, write bf16) per
+        # gather; the bf16 gradients travel as they are, summed into an fp32 shard
+        copy_b += gathers * (s * (MASTER_BYTES + per_elem) + full * (per_elem + PARAM_BYTES))
+        copy_b += full * WIRE_BYTES + s * REDUCE_BYTES
+    flags_s = base.ar_s - sum(  # keep the flags' all-reduce of the unquantized model
+        ring_all_reduce_s(g.shard["ours"] * REDUCE_BYTES, replicas, ar_bw, ar_lat)
+        for g in sizes) if replicas > 1 else base.ar_s
+    return StepComm(engine="ours int8", layout=layout, nodes=nodes, gpus=base.gpus,
+                    shard_ranks=m, replicas=replicas, shard_elems=base.shard_elems,
+                    real_elems=base.real_elems, ag_bytes=int(ag_b), rs_bytes=int(rs_b),
+                    ar_bytes=int(ar_b), copy_bytes=int(copy_b), ag_s=ag_s, rs_s=rs_s,
+                    ar_s=ar_s + flags_s, copy_s=copy_b / net.hbm_bw)
+
+
+def quantized_report(cfg: TransformerConfig, rows: list[dict[str, StepComm]],
+                     net: Network) -> str:
+    """Ours unquantized, ours int8 + bf16 wire and FSDP2 (bf16 all-gather, fp32 reduce) per
+    layout and node count: communication time and bytes per step per rank (a model)."""
+    cache: dict[int, list[GroupSizes]] = {}
+    qn = quantized_numel(cfg)
+    lines = ["", "Quantized communication (CommPolicy int8 all-gather + bf16 gradients; MODEL):",
+             "| layout | nodes | FSDP2 bf16 comm (ms) | ours comm (ms) | ours int8 comm (ms) | "
+             "int8 / FSDP2 comm | int8 / FSDP2 bytes | int8 total incl. copies (ms) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        o, f = r["ours"], r["fsdp2"]
+        m = o.shard_ranks
+        if m not in cache:
+            cache[m] = group_sizes(cfg, m)
+        q = model_step_quantized(o.layout, o.nodes, cache[m], qn, net)
+        fb = f.ag_bytes + f.rs_bytes + f.ar_bytes
+        qb = q.ag_bytes + q.rs_bytes + q.ar_bytes
+        lines.append(f"| {'full sharding' if o.layout == 'full' else 'HSDP'} | {o.nodes} | "
+                     f"{_ms(f.comm_s)} | {_ms(o.comm_s)} | {_ms(q.comm_s)} | "
+                     f"{q.comm_s / f.comm_s:.3f} | {qb / fb:.3f} | {_ms(q.total_s)} |")
+    lines.append(f"ZeRO++ (published, not modelled): {ZEROPP_VOLUME_RATIO:.2f}x ZeRO-3's fp16 "
+                 "volume per step (qwZ + hpZ + qgZ); qwZ alone halves the forward all-gather.")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="llama3-70b", choices=sorted(PRESETS))
@@ -342,6 +433,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--inter-latency-us", type=float, default=10.0)
     p.add_argument("--hbm-gbs", type=float, default=3000.0)
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    p.add_argument("--quantized", action="store_true",
+                   help="also model CommPolicy(all_gather='int8', reduce_scatter_dtype=bf16)")
     p.add_argument("--fsdp2-keeps-last-block", action="store_true",
                    help="FSDP2 with reshard_after_forward=False on the last block (torchtitan's "
                         "setting): the same all-gather count as ours")
@@ -353,6 +446,8 @@ def main(argv: list[str] | None = None) -> None:
     nparams = sum(math.prod(s) for _, g in transformer_groups(cfg, "model") for _, s in g)
     rows = model_table(cfg, tuple(a.nodes), net, fsdp2_keeps_last_block=a.fsdp2_keeps_last_block)
     print(report(rows, net, a.preset, nparams, a.markdown))
+    if a.quantized:
+        print(quantized_report(cfg, rows, net))
     if a.fsdp2_keeps_last_block:
         print("FSDP2 modelled with reshard_after_forward=False on the last block.")
 

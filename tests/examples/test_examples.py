@@ -34,6 +34,7 @@ RUN = {
     "examples/train_gpt.py": "test_readme (python examples/train_gpt.py) and the metric test here",
     "examples/cli.py": "test_readme (its commands) and test_cli_optimizers",
     "examples/fully_shard_torchrun.py": "test_readme (torchrun command)",
+    "examples/quantized_comm.py": "test_readme (torchrun command)",
     "examples/memory_profile.py": "test_readme (memory_profile command)",
     "examples/llama.py": "test_llama_config_runs_tiny_on_cpu and test_readme (planner, multi-node)",
     "examples/trainer_usage.py": "test_trainer_usage_runs",

@@ -184,6 +184,10 @@ COMMANDS: dict[str, object] = {
         Runs(extra=("--trainer.max_steps=4", "--trainer.enable_progress_bar=false")),
     "torchrun --nproc-per-node 2 examples/fully_shard_torchrun.py":
         Runs(extra=("--steps", "3"), check=lambda out, _: "fully_shard: 2 process(es)" in out),
+    "torchrun --nproc-per-node 2 examples/quantized_comm.py":
+        Runs(extra=("--steps", "3"),
+             check=lambda out, _: "quantized_comm: 2 process(es), int8" in out
+             and "comm policy: all-gather int8" in out),
     "torchrun --nproc-per-node 4 examples/fully_shard_torchrun.py --replicas 2":
         Runs(extra=("--steps", "3"),
              check=lambda out, _: "fully_shard: 4 process(es), HSDP (2, 2)" in out),
