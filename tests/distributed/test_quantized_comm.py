@@ -363,3 +363,33 @@ def test_bad_input_fails_at_fully_shard(worlds):
     assert len(msgs) == 2
     assert "block_size=256" in msgs[0] and "'w'" in msgs[0] and "768" in msgs[0]
     assert "'idx'" in msgs[1] and "torch.int64" in msgs[1]
+
+
+# -- torch.compile'd blocks: the engine's hooks (and the codec) stay eager ----------------------------
+def _compiled_vs_eager():
+    from lightning_vescale import CommPolicy, fully_shard
+
+    out = []
+    for compiled in (False, True):
+        model = _build("gpt")
+        for block in model.blocks:
+            fully_shard(block, comm_policy=CommPolicy(**INT8_BF16))
+            if compiled:
+                block.compile()
+        fully_shard(model, comm_policy=CommPolicy(**INT8_BF16))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for x, y in batches("gpt", 3, 4):
+            loss = model(micro(x, dist.get_rank(), 2), micro(y, dist.get_rank(), 2))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out.append(losses)
+    return out
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_eager(worlds):
+    for eager, compiled in worlds(2).run(_compiled_vs_eager, timeout=600):
+        assert eager == pytest.approx(compiled, rel=1e-5)
