@@ -183,7 +183,8 @@ def _comm_bytes(buffers: Iterable[tuple[Any, Any]]) -> dict[str, int]:
     the wire dtype; only trainable floating-point buffers are reduce-scattered."""
     out = dict(gather_bytes=0, gather_bytes_unquantized=0, reduce_bytes=0,
                reduce_bytes_unquantized=0)
-    for (_, trainable, _), buf in buffers:
+    for key, buf in buffers:
+        trainable = key[1]
         n = buf.plan.buffer_size
         plain = n * buf.param_dtype.itemsize
         out["gather_bytes_unquantized"] += plain

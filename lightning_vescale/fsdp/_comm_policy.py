@@ -7,8 +7,8 @@ changes what travels, never what is stored: the sharded master parameters, their
 optimizer states and checkpoints stay full precision.
 
 * ``all_gather="int8"|"fp8"``: the group's *quantized* parameters go into DBuffers of their own
-  (one more bucket key beside dtype and trainable, design note [fsdp-buffer-order] otherwise
-  holds), whose all-gather moves 1-byte codes plus one fp32 scale per ``block_size`` elements
+  (``group.buffers`` key ``(dtype, trainable, True)`` beside the usual ``(dtype, trainable)``;
+  design note [fsdp-buffer-order] holds inside each), whose all-gather moves 1-byte codes plus one fp32 scale per ``block_size`` elements
   (design note [quantized-all-gather] in ``lightning_vescale/_dbuffer_quant.py``) and
   dequantizes into the unsharded parameters in ``param_dtype``. Gradients flow to the master
   shards as usual (straight-through: the backward of ``W_hat`` is applied to ``W``).

@@ -90,9 +90,10 @@ class ParamGroup(GroupGradients):
         self.explicit_backward_prefetch: list[ParamGroup] | None = None
         # list groups: (the ``_apply`` function, modules of the list it reached) of the last pass
         self.applying: tuple[Any, set[int]] | None = None
-        # One DBuffer per (dtype, trainable at build time, quantized all-gather); see design
-        # notes [fsdp-grads] and [comm-policy].
-        self.buffers: dict[tuple[torch.dtype, bool, bool], DBuffer] = {}
+        # One DBuffer per (dtype, trainable at build time); see design note [fsdp-grads]. The
+        # tensors a CommPolicy quantizes get their own, keyed (dtype, trainable, True): see
+        # design note [comm-policy].
+        self.buffers: dict[tuple, DBuffer] = {}
         self.modules_hold_unsharded = False
         self._gather: list[CommHandle] | None = None  # in-flight all-gathers
         self._reduce: list[CommHandle] | None = None  # in-flight reduce-scatters
@@ -146,7 +147,7 @@ class ParamGroup(GroupGradients):
                           quant_block_size=(comm.block_size or 0) if comm else 0,
                           wire_dtype=(comm.reduce_scatter_dtype if comm and trainable
                                       and dtype.is_floating_point else None))
-            self.buffers[(dtype, trainable, quantized)] = buf
+            self.buffers[(dtype, trainable, True) if quantized else (dtype, trainable)] = buf
             for mp in mps:
                 mp.buffer = buf
                 src = sources[mp.name]
