@@ -136,3 +136,27 @@ def test_bench_counts_by_group_and_pairs_agree():
         assert p["losses"] == pytest.approx(ref, rel=1e-5), key
     text = hsdp.report(res)
     assert "full: step time vescale / fsdp2" in text and "hsdp: step time" in text
+
+
+def test_quantized_model_halves_the_bytes_of_fsdp2_bf16():
+    """CommPolicy(int8 all-gather, bf16 gradients) in the network model (issue 25): one byte
+    plus a scale per 256 elements for quantized tensors, bf16 elsewhere and for gradients."""
+    net = nm.Network()
+    qn = nm.quantized_numel(TOY)
+    groups = transformer_groups(TOY, "block")
+    assert qn == [sum(math.prod(s) for _, s in p if len(s) >= 2 and math.prod(s) >= 4096)
+                  for _, p in groups]
+    for layout in nm.LAYOUTS:
+        sizes = nm.group_sizes(TOY, 8 if layout == "hsdp" else 16)
+        q = nm.model_step_quantized(layout, 2, sizes, qn, net)
+        o = nm.model_step("ours", layout, 2, sizes, net)
+        assert q.rs_bytes == o.rs_bytes // 2  # bf16 instead of fp32 gradients
+        assert 0.5 < q.ag_bytes / o.ag_bytes < 0.55  # int8 + scales vs bf16, small tensors bf16
+        assert q.comm_s < o.comm_s
+
+
+@pytest.mark.slow  # plans LLaMA-3-70B (~5 s)
+def test_quantized_report_names_zeropp_as_published(capsys):
+    nm.main(["--nodes", "8", "--quantized", "--markdown"])
+    out = capsys.readouterr().out
+    assert "ours int8 comm (ms)" in out and "ZeRO++ (published, not modelled)" in out
