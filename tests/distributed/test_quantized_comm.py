@@ -70,7 +70,13 @@ def _train(kind, policy_kw: dict, steps: int = 3, *, shard_kw: dict | None = Non
     model = _build(kind)
     ref = copy.deepcopy(model)
     policy = CommPolicy(**policy_kw)
-    _shard(model, comm_policy=policy, **(shard_kw or {}))
+    shard_kw = dict(shard_kw or {})
+    prefetch = shard_kw.pop("prefetch", False)
+    _shard(model, comm_policy=policy, **shard_kw)
+    if prefetch:  # explicit prefetching: async quantized all-gathers, dequantized at wait
+        a, b = model.blocks
+        a.set_modules_to_forward_prefetch([b])
+        b.set_modules_to_backward_prefetch([a])
     opt = (opt_factory(model) if opt_factory is not None
            else LocalOpt(model.parameters(), torch.optim.SGD, **SGD))
     ref_opt = (ref_opt_factory(ref) if ref_opt_factory is not None
@@ -224,10 +230,10 @@ def _offload():
     return CPUOffloadPolicy(pin_memory=False)
 
 
-@pytest.mark.parametrize("option", ["keep", "reshard", "offload"])
-def test_with_reshard_forms_and_offload(worlds, option):
+@pytest.mark.parametrize("option", ["keep", "reshard", "offload", "prefetch"])
+def test_with_reshard_forms_prefetch_and_offload(worlds, option):
     kw = {"keep": dict(reshard_after_forward=False), "reshard": dict(reshard_after_forward=True),
-          "offload": dict(offload_policy=_offload())}[option]
+          "offload": dict(offload_policy=_offload()), "prefetch": dict(prefetch=True)}[option]
     _check(worlds(2).run(_train, "gpt", INT8_BF16, shard_kw=kw))
 
 
