@@ -399,7 +399,7 @@ class DBuffer:
             "param_unsharded": nbytes(self.full) + nbytes(self.partial),
             "grad_shard": nbytes(self.grad_shard),
             "grad_unsharded": nbytes(self.grad_full) + nbytes(self.grad_acc),
-            "comm": self._comm_bytes,
+            "comm": self._comm_bytes + (self.quantized.send.numel() if self.quantized else 0),
         }
 
     # -- loading ---------------------------------------------------------------------------------

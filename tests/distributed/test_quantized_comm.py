@@ -204,6 +204,10 @@ def _step_bytes(policy_kw: dict):
     summary = sharding_summary(model)
     predicted = (sum(g.gather_bytes for g in summary.groups),
                  sum(g.reduce_bytes for g in summary.groups))
+    from lightning_vescale.fsdp import dbuffers, memory_bytes
+    held = memory_bytes(model)["comm"]  # between steps: the persistent send buffers only
+    sends = sum(b.quantized.send.numel() for b in dbuffers(model) if b.quantized is not None)
+    assert held == sends and (sends > 0) == bool(policy_kw.get("all_gather"))
     return gather, reduce, once, predicted, str(summary)
 
 
