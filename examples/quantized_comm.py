@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> float:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         device = torch.device("cuda", torch.cuda.current_device())
     else:
-        device, _ = torch.device("cpu"), torch.set_num_threads(1)
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
