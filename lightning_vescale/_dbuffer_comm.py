@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from lightning_vescale.mesh import MeshInfo
     from lightning_vescale.planner import LayoutPlan
 
-__all__ = ["CommHandle", "gloo_reduce_scatter_sum", "group_rank_and_size"]
+__all__ = ["CommHandle", "gloo_reduce_scatter_sum", "group_rank_and_size",
+           "wire_all_reduce_sum"]
 
 
 class _Finished:
@@ -129,3 +130,35 @@ def group_rank_and_size(plan: "LayoutPlan", mesh_info: "MeshInfo | None", *, is_
             f"process group size {size}; plan with world_size={size}."
         )
     return rank, size
+
+
+def wire_all_reduce_sum(out: torch.Tensor, wire: torch.dtype, *, group: Any, size: int,
+                        async_op: bool) -> _Finished | None:
+    """``out`` (fp32) summed over the ``size`` ranks of ``group``, moving ``wire``-dtype bytes
+    and adding in ``out``'s dtype: an all-to-all of ``out`` cast to ``wire`` (each rank gets its
+    ``1/size`` chunk from every rank), a local sum, then an all-gather of the summed chunks in
+    ``wire``. The same bytes as a ring all-reduce in ``wire``; the total is rounded to ``wire``
+    once instead of every partial sum (HSDP's replica stage with a ``reduce_scatter_dtype``).
+    Returns a work whose ``wait()`` finishes it (``None`` when ``async_op`` is false: done)."""
+    n = out.numel()
+    chunk = -(-n // size)
+    send = torch.zeros(size * chunk, dtype=wire, device=out.device)
+    send[:n].copy_(out)
+    received = torch.empty_like(send)
+    work = dist.all_to_all_single(received, send, group=group, async_op=True)
+
+    def finish() -> None:
+        work.wait()
+        parts = received.view(size, chunk)
+        total = parts[0].to(out.dtype)
+        for k in range(1, size):
+            total.add_(parts[k])
+        gathered = torch.empty_like(send)
+        _all_gather_flat(gathered, total.to(wire), group=group)
+        out.copy_(gathered[:n])
+
+    if not async_op:
+        finish()
+        return None
+    return _Finished(finish)
+

@@ -58,7 +58,8 @@ Design note [dbuffer-collectives]
 * ``wire_dtype`` (``CommPolicy.reduce_scatter_dtype``): gradients are cast to it once and always
   take the all-to-all form (any backend), the local sum is taken in fp32, and AVG is a SUM then
   a divide; so only the transport is narrow (NCCL's own bf16 reduce-scatter would round every
-  partial sum to bf16). HSDP's replica all-reduce then runs in the wire dtype too.
+  partial sum to bf16). HSDP's replica all-reduce moves the wire dtype too, as an all-to-all,
+  an fp32 sum and an all-gather (``wire_all_reduce_sum``): one rounding, of the total.
 * Gradient accumulation without sync (``set_requires_gradient_sync(False)``) in mixed
   precision: each backward's ``grad_full`` holds one micro-batch's gradient in ``param_dtype``;
   :meth:`accumulate_grad` adds it into ``grad_acc`` (``reduce_dtype``, e.g. fp32) and frees it,
@@ -108,6 +109,7 @@ from lightning_vescale._dbuffer_comm import (
     _resolve_op,
     gloo_reduce_scatter_sum,
     group_rank_and_size,
+    wire_all_reduce_sum,
 )
 from lightning_vescale._dbuffer_registry import dbuffer_of, live_dbuffers, register
 from lightning_vescale._dbuffer_quant import QuantizedGather
@@ -551,11 +553,7 @@ class DBuffer:
             extra += out.numel() * out.element_size()
         self._comm_bytes += extra
 
-        wire_out: list[torch.Tensor] = []  # HSDP with a wire dtype: the all-reduced copy
-
         def epilogue(inp=inp, out=out) -> None:
-            if wire_out:
-                out.copy_(wire_out[0])
             if divide:
                 out.div_(ranks)
             if scale is not None:
@@ -583,12 +581,11 @@ class DBuffer:
             if work is not None:
                 with record_function("vescale::comm_wait"):
                     work.wait()
-            red = out if wire is None else out.to(wire)
-            if wire is not None:
-                wire_out.append(red)
             with record_function("vescale::all_reduce"):
-                work = dist.all_reduce(red, op=rop, group=self.replicate_group,
-                                       async_op=async_op)
+                work = (dist.all_reduce(out, op=rop, group=self.replicate_group,
+                                        async_op=async_op) if wire is None else
+                        wire_all_reduce_sum(out, wire, group=self.replicate_group,
+                                            size=self.replicate_size, async_op=async_op))
         handle = CommHandle(work, epilogue)
         if not async_op:
             handle.wait()

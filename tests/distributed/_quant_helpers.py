@@ -41,25 +41,36 @@ def default_quantized(model: nn.Module, min_numel: int = 4096) -> set[str]:
 
 def reference_step(ref: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
                    y: torch.Tensor, *, world: int, fmt: str | None, block: int,
-                   quantized: set[str], wire: torch.dtype | None = None) -> float:
-    """One step of the reference (see the module docstring); returns the mean loss."""
+                   quantized: set[str], wire: torch.dtype | None = None,
+                   replicas: int = 1) -> float:
+    """One step of the reference (see the module docstring); returns the mean loss.
+
+    ``replicas > 1`` (HSDP, consecutive ranks form a shard group) with a ``wire`` dtype: each
+    shard group's fp32 sum is rounded to ``wire`` once more before the replicas' fp32 sum, whose
+    total is rounded to ``wire`` (the engine's replica all-reduce)."""
     names = [n for n, _ in ref.named_parameters()]
     params = dict(ref.named_parameters())
     used = {n: (fake_quant(p, fmt, block) if fmt and n in quantized else p.detach())
             for n, p in params.items()}
     grads = {n: torch.zeros_like(p) for n, p in params.items()}
+    groups = [dict(grads) for _ in range(replicas)]
     b = x.shape[0] // world
     total = 0.0
     for r in range(world):
+        grads = groups[r // (world // replicas)]
         leaf = {n: t.clone().requires_grad_() for n, t in used.items()}
         loss = functional_call(ref, leaf, (x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]))
         gs = torch.autograd.grad(loss, [leaf[n] for n in names], allow_unused=True)
         for n, g in zip(names, gs):
             if g is not None:
-                grads[n] += g.to(wire).float() if wire is not None else g
+                grads[n] = grads[n] + (g.to(wire).float() if wire is not None else g)
         total += loss.item()
     for n, p in params.items():
-        p.grad = grads[n] / world
+        if replicas > 1 and wire is not None:
+            summed = sum(grp[n].to(wire).float() for grp in groups).to(wire).float()
+        else:
+            summed = sum(grp[n] for grp in groups)
+        p.grad = summed / world
     opt.step()
     opt.zero_grad()
     return total / world
