@@ -78,3 +78,41 @@ def test_trainer_trains_like_the_plain_run(tmp_path):
         assert abs(p - q) <= 0.02 * abs(p), (plain, quant)
     assert plain[0] != quant[0]  # the policy was applied
     assert "comm policy: all-gather int8" in (tmp_path / "int8_summary.txt").read_text()
+
+
+def _fabric_run(policy):
+    import torch.distributed as dist
+    from lightning.fabric import Fabric
+
+    from examples.gpt import GPT
+    from lightning_vescale.fsdp import dbuffers
+    from lightning_vescale.sharding_summary import sharding_summary
+    from tests.lightning._lit import CONFIG
+
+    fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(),
+                    strategy=VeScaleFabricStrategy(comm_policy=policy))
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(GPT(CONFIG))
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        x = torch.randint(0, CONFIG.vocab_size, (2, CONFIG.block_size), generator=g)
+        loss = model(x, x)
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    quantized = sum(b.quantize == "int8" for b in dbuffers(model))
+    return losses, quantized, str(sharding_summary(model))
+
+
+def test_fabric_trains_like_the_plain_run(worlds):
+    w = worlds(2)
+    plain, q0, _ = w.run(_fabric_run, None)[0]
+    quant, q8, table = w.run(_fabric_run, {"all_gather": "int8", "min_numel": 1024,
+                                           "reduce_scatter_dtype": "bf16"})[0]
+    assert q0 == 0 and q8 > 0 and "comm policy: all-gather int8" in table
+    for p, q in zip(plain, quant):
+        assert abs(p - q) <= 0.02 * abs(p), (plain, quant)
