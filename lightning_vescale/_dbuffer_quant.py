@@ -195,10 +195,13 @@ class QuantizedGather:
                               scales[r, run.scale:run.scale + run.count, None],
                               out[r, run.start:end].view(run.count, run.length))
 
-    def _mul(self, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
-        if self.fmt == "fp8":  # float8 arithmetic is not implemented everywhere: widen first
-            codes = codes.to(torch.float32)
-        torch.mul(codes, scales, out=out)
+    @staticmethod
+    def _mul(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
+        # Widen in place, then scale: codes are exact in any float param_dtype (|int8| <= 127,
+        # e4m3's 3 mantissa bits), so this is code * scale rounded once, as a mixed-dtype mul,
+        # at ~2x its speed on CPU (and float8 arithmetic is not implemented everywhere).
+        out.copy_(codes)
+        out.mul_(scales)
 
     # -- the collective ----------------------------------------------------------------------
     def all_gather(self, src: torch.Tensor, full: torch.Tensor, *, group: Any,
