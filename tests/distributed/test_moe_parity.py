@@ -19,7 +19,13 @@ Two levels:
   per expert). Tolerance ``atol=2e-3, rtol=1e-3``: TESTING.md measures reduction-order noise after
   3 steps at up to ~1e-4 (AdamW) and ~2e-4 (Muon, bf16 Newton–Schulz) and a wrong slice or a
   skipped shard at ~1e-2; 8-bit states round the noise to a quantization step (lr * ~1e-2 at
-  most), so the bound sits between noise and a real error. Checkpoints saved at one world load at
+  most), so the bound sits between noise and a real error. Muon is compared after 2 steps: its
+  difference to the reference grows per step (3 ranks: ~3e-4, 1e-3, 8e-3) and that is Muon's own
+  sensitivity, not the engine's: in ONE process, only changing the reduction order (3 per-rank
+  backwards, gradients summed then divided, as data parallelism does) gives 1.2e-5, 3.3e-4,
+  1.6e-3, 7.5e-3 after steps 1-4, and one ulp on every gradient of step 0 alone 1.7e-4 ..
+  7.3e-3 (bf16 Newton–Schulz rounds a 1-ulp change to a bf16 step, top-k routing amplifies
+  it); AdamW under the same changes stays at ~1e-5 (measured 2026-11-27). Checkpoints saved at one world load at
   another and continue to the reference.
 """
 
