@@ -18,9 +18,9 @@ optimizer states and checkpoints stay full precision.
   parameter, as ``granularity`` does: a dict ``name -> bool`` (names relative to the
   ``fully_shard`` module; others keep the default) or a callable ``(name, param) -> bool``.
 * Blocks never straddle ranks: a quantized tensor's granularity must be a multiple of
-  ``block_size``. ``granularity=None`` (``fully_shard``'s default) is rounded up to one; a
-  granularity the user gave that is not a multiple is an error, as is quantizing an integer
-  parameter. ``block_size=None``: 256, or the strategy's ``optimizer_block_size`` (one block
+  ``block_size``. ``granularity=None`` (``fully_shard``'s default) and a callable's results
+  (the strategies' policy) are rounded up to one; an int, str or dict granularity that is not a
+  multiple is an error, as is quantizing an integer parameter. ``block_size=None``: 256, or the strategy's ``optimizer_block_size`` (one block
   for ``AdamW8bit``'s states and the all-gather).
 * ``reduce_scatter_dtype`` (e.g. ``torch.bfloat16`` or ``"bf16"``): every trainable buffer's
   gradients travel in it and are summed in fp32 (design note [dbuffer-collectives]),

@@ -271,8 +271,9 @@ def _comm_layout(comm_policy: Any, granularity: GranularityArg,
     if comm.block_size is None:
         comm = dataclasses.replace(comm, block_size=comm.resolved_block_size())
     quantized = quantized_params(comm, named)
-    # a strategy's granularity policy without a user granularity counts as the default
-    user_given = granularity is not None and getattr(granularity, "granularity", 0) is not None
+    # a granularity the user wrote (int, str, dict) must fit the blocks; computed ones (None,
+    # a callable such as the strategies' policy) are rounded up to them
+    user_given = granularity is not None and not callable(granularity)
     assert comm.block_size is not None
     return comm, quantized, quantized_granularities(grans, quantized, block_size=comm.block_size,
                                                     user_given=user_given)
