@@ -29,13 +29,14 @@ any rank has. One ``all_gather`` moves ``W * P`` bytes (int8: ``~S * (1 + 4/B)``
 0.254x fp32 at ``B = 256``); the send buffer is persistent (sharded), the receive buffer is
 allocated for the all-gather and freed after dequantization, as ``full`` is (it would otherwise
 hold a byte per parameter of the whole group). Dequantization writes ``code * scale`` straight
-into ``full`` in ``param_dtype``: one kernel per run of equal-length blocks, one for the whole
-buffer when every rank's shard is whole blocks of ``B`` (the common case: tensor sizes and
-``S`` multiples of ``B``).
+into ``full`` in ``param_dtype`` (the codes widened in place, then scaled: exact codes, one
+rounding): two kernels per run of equal-length blocks, two for the whole buffer when every
+rank's shard is whole blocks of ``B`` (the common case: tensor sizes and ``S`` multiples of
+``B``). A world of one moves nothing but still quantizes and dequantizes, so results do not
+depend on the world size.
 
 *Not quantized:* the re-gather of ``reshard_after_forward=<int>`` (it moves the kept chunk of
-already dequantized values among the smaller group, in ``param_dtype``), and a world of 1 (it
-still quantizes and dequantizes, so results do not depend on the world size).
+already dequantized values among the smaller group, in ``param_dtype``).
 """
 
 from __future__ import annotations

@@ -121,3 +121,22 @@ def test_block_runs_follow_tensors_and_merge():
     assert covered == 8 * plan.shard_size
     tails = [r for rs in runs for r in rs if r.length == 1728 % 256]
     assert len(tails) == 1
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_codec_one_rank_half_step_and_non_finite_blocks(fmt):
+    from lightning_vescale._dbuffer_quant import QuantizedGather
+
+    plan = plan_layout([("w", (4, 256), 256)], 1)
+    q = QuantizedGather(plan, rank=0, fmt=fmt, block_size=256, device=torch.device("cpu"))
+    x = torch.randn(plan.shard_size)
+    x[3] = float("nan")  # block 0 becomes NaN (never hidden); blocks 1-3 keep their codes
+    full = torch.empty(plan.shard_size)
+    work, finish = q.all_gather(x, full, group=None, async_op=False)
+    assert work is None
+    finish()
+    assert bool(full[:256].isnan().all())
+    rest, true = full[256:1024].view(3, 256), x[256:1024].view(3, 256)
+    step = true.abs().amax(dim=1, keepdim=True) / (127 if fmt == "int8" else 448)
+    bound = 0.5 * step if fmt == "int8" else true.abs() * 2**-4 + step * 2**-9
+    assert bool(((rest - true).abs() <= bound * (1 + 1e-6)).all())
