@@ -1,4 +1,4 @@
-"""``CommPolicy``: what a group's collectives carry (block-quantized all-gather, gradient wire dtype).
+"""``CommPolicy``: what a group's collectives carry (quantized all-gather, gradient wire dtype).
 
 Design note [comm-policy]
 -------------------------
@@ -8,9 +8,10 @@ optimizer states and checkpoints stay full precision.
 
 * ``all_gather="int8"|"fp8"``: the group's *quantized* parameters go into DBuffers of their own
   (``group.buffers`` key ``(dtype, trainable, True)`` beside the usual ``(dtype, trainable)``;
-  design note [fsdp-buffer-order] holds inside each), whose all-gather moves 1-byte codes plus one fp32 scale per ``block_size`` elements
-  (design note [quantized-all-gather] in ``lightning_vescale/_dbuffer_quant.py``) and
-  dequantizes into the unsharded parameters in ``param_dtype``. Gradients flow to the master
+  design note [fsdp-buffer-order] holds inside each), whose all-gather moves 1-byte codes plus
+  one fp32 scale per ``block_size`` elements (design note [quantized-all-gather] in
+  ``lightning_vescale/_dbuffer_quant.py``) and dequantizes into the unsharded parameters in
+  ``param_dtype``. Gradients flow to the master
   shards as usual (straight-through: the backward of ``W_hat`` is applied to ``W``).
 * Which parameters: by default every floating-point tensor of 2+ dims with at least
   ``min_numel`` (4096, ``AdamW8bit``'s ``min_8bit_size``) elements; norms, biases and small
@@ -20,8 +21,8 @@ optimizer states and checkpoints stay full precision.
 * Blocks never straddle ranks: a quantized tensor's granularity must be a multiple of
   ``block_size``. ``granularity=None`` (``fully_shard``'s default) and a callable's results
   (the strategies' policy) are rounded up to one; an int, str or dict granularity that is not a
-  multiple is an error, as is quantizing an integer parameter. ``block_size=None``: 256, or the strategy's ``optimizer_block_size`` (one block
-  for ``AdamW8bit``'s states and the all-gather).
+  multiple is an error, as is quantizing an integer parameter. ``block_size=None``: 256, or the
+  strategy's ``optimizer_block_size`` (one block for ``AdamW8bit``'s states and the all-gather).
 * ``reduce_scatter_dtype`` (e.g. ``torch.bfloat16`` or ``"bf16"``): every trainable buffer's
   gradients travel in it and are summed in fp32 (design note [dbuffer-collectives]),
   independently of ``MixedPrecisionPolicy.reduce_dtype`` (which still decides the dtype

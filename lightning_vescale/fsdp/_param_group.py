@@ -140,7 +140,8 @@ class ParamGroup(GroupGradients):
                 pdt = rdt = dtype
             label = f"{dtype}{'' if trainable else ', frozen'}{', quantized' if quantized else ''}"
             buf = DBuffer(plan, dtype=dtype, device=device, mesh_info=self.mesh_info,
-                          param_dtype=pdt, reduce_dtype=rdt, name=f"{self.fqn or '<root>'}[{label}]",
+                          param_dtype=pdt, reduce_dtype=rdt,
+                          name=f"{self.fqn or '<root>'}[{label}]",
                           offload=self.offload is not None,
                           pin_memory=self.offload is not None and self.offload.pin_memory,
                           quantize=comm.all_gather if quantized and comm else None,

@@ -182,7 +182,7 @@ def test_forward_sees_params_within_one_quantization_step(worlds, fmt):
         torch.testing.assert_close(seen, fake_quant(true, fmt, 256), rtol=0, atol=0)
 
 
-# -- bytes ------------------------------------------------------------------------------------------
+# -- bytes -----------------------------------------------------------------------------------------
 def _step_bytes(policy_kw: dict):
     from lightning_vescale import CommPolicy
     from lightning_vescale.sharding_summary import sharding_summary
@@ -225,7 +225,7 @@ def test_bytes_per_step_are_counted_and_cut(worlds):
     assert gbf == g32
 
 
-# -- everything that exists, with int8 + bf16 wire ---------------------------------------------------
+# -- everything that exists, with int8 + bf16 wire -------------------------------------------------
 INT8_BF16 = dict(all_gather="int8", reduce_scatter_dtype="bf16")
 
 
@@ -320,7 +320,7 @@ def test_with_mixed_precision(worlds):
         assert abs(q - p) <= 0.01 * abs(p)
 
 
-# -- checkpoints hold the full-precision shards ------------------------------------------------------
+# -- checkpoints hold the full-precision shards ----------------------------------------------------
 def _state_dict_is_master():
     from lightning_vescale import CommPolicy
 
@@ -349,7 +349,7 @@ def test_state_dict_holds_full_precision(worlds):
     assert same
 
 
-# -- errors before training ---------------------------------------------------------------------------
+# -- errors before training ------------------------------------------------------------------------
 def _errors():
     from lightning_vescale import CommPolicy, fully_shard
 
@@ -378,7 +378,7 @@ def test_bad_input_fails_at_fully_shard(worlds):
     assert "'idx'" in msgs[1] and "torch.int64" in msgs[1]
 
 
-# -- torch.compile'd blocks: the engine's hooks (and the codec) stay eager ----------------------------
+# -- torch.compile'd blocks: the engine's hooks (and the codec) stay eager -------------------------
 def _compiled_vs_eager():
     from lightning_vescale import CommPolicy, fully_shard
 

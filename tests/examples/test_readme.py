@@ -148,6 +148,25 @@ def _consolidate(tmp_path: Path) -> None:
     assert "wrote full checkpoint" in out and (tmp_path / "gpt_full.ckpt").is_file()
 
 
+def _quantized_comm(tmp_path: Path) -> None:
+    """The command at 3 steps; started once more if it failed only by gloo's known abort at
+    interpreter exit ("terminate called without an active exception", after the output was
+    printed: 1 of 13 runs here; see tests/lightning/test_hsdp_multinode.py)."""
+    argv = _argv("torchrun --nproc-per-node 2 examples/quantized_comm.py",
+                 ("--steps", "3", "--master-port", str(_free_port())))
+    argv = argv[:3] + argv[-2:] + argv[3:-2]  # --master-port is the launcher's option
+    for attempt in (1, 2):
+        proc = subprocess.run(argv, cwd=ROOT, env=env(), capture_output=True, text=True,
+                              timeout=300)
+        out = proc.stdout + proc.stderr
+        done = ("quantized_comm: 2 process(es), int8" in out
+                and "comm policy: all-gather int8" in out)
+        if proc.returncode == 0 and done:
+            return
+        if not (done and "terminate called without an active exception" in out) or attempt == 2:
+            raise AssertionError(out[-4000:])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -184,10 +203,7 @@ COMMANDS: dict[str, object] = {
         Runs(extra=("--trainer.max_steps=4", "--trainer.enable_progress_bar=false")),
     "torchrun --nproc-per-node 2 examples/fully_shard_torchrun.py":
         Runs(extra=("--steps", "3"), check=lambda out, _: "fully_shard: 2 process(es)" in out),
-    "torchrun --nproc-per-node 2 examples/quantized_comm.py":
-        Runs(extra=("--steps", "3"),
-             check=lambda out, _: "quantized_comm: 2 process(es), int8" in out
-             and "comm policy: all-gather int8" in out),
+    "torchrun --nproc-per-node 2 examples/quantized_comm.py": Custom(_quantized_comm),
     "torchrun --nproc-per-node 4 examples/fully_shard_torchrun.py --replicas 2":
         Runs(extra=("--steps", "3"),
              check=lambda out, _: "fully_shard: 4 process(es), HSDP (2, 2)" in out),
