@@ -11,8 +11,8 @@ optimizer states and checkpoints stay full precision.
   design note [fsdp-buffer-order] holds inside each), whose all-gather moves 1-byte codes plus
   one fp32 scale per ``block_size`` elements (design note [quantized-all-gather] in
   ``lightning_vescale/_dbuffer_quant.py``) and dequantizes into the unsharded parameters in
-  ``param_dtype``. Gradients flow to the master
-  shards as usual (straight-through: the backward of ``W_hat`` is applied to ``W``).
+  ``param_dtype``. Gradients flow to the master shards as usual (straight-through: the
+  backward of ``W_hat`` is applied to ``W``).
 * Which parameters: by default every floating-point tensor of 2+ dims with at least
   ``min_numel`` (4096, ``AdamW8bit``'s ``min_8bit_size``) elements; norms, biases and small
   tensors stay exact (they cost little and suffer most). ``quantize`` overrides it per
