@@ -21,6 +21,9 @@ storage            elements   dtype            lifetime
                                                ``reduce_dtype != param_dtype``: the unsharded
                                                gradients of the unsynced backwards, summed in
                                                the reduce dtype (:meth:`accumulate_grad`)
+``quantized``      ``~S``,    ``uint8``        ``CommPolicy(all_gather=...)`` only: the codes
+                   ``~W*S``                    and scales sent (persistent) and received
+                                               (during an all-gather): [quantized-all-gather]
 =================  =========  ===============  ==============================================
 
 The owned slice is separate storage (not a slice of ``full``), so freeing ``full`` never frees
