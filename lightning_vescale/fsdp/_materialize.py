@@ -36,6 +36,11 @@ taken back at the root's lazy init, with its new value, as FSDP2's ``reset_shard
 (``ParamGroup.adopt_replaced_params``): a materialised group copies the rank's range of it into
 its shard; a group still on the meta device whose parameters were all replaced is built on the
 new parameters' device. The shape must stay; a DTensor value is gathered first.
+
+Buffers: ``to_empty`` re-creates them too; those that were on a real device keep their values,
+those that were on meta are recomputed (design note [fsdp-meta-buffers]). ``init_params=False``
+allocates without initialising parameters (their values are loaded next, e.g. by
+``lightning_vescale.checkpoint.load_safetensors``), buffers are still recomputed.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from torch import nn
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_vescale.fsdp import _meta_buffers
 from lightning_vescale.fsdp._param_group import ParamGroup, set_param
 from lightning_vescale.fsdp._state import get_state, states_in
 from lightning_vescale.mesh import MeshInfo
@@ -125,27 +131,37 @@ def _on_device_type(mesh: DeviceMesh, device_type: str) -> DeviceMesh:
 
 
 def materialize(module: nn.Module, device: torch.device | str,
-                init_fn: Callable[[nn.Module], None] | None = None) -> nn.Module:
+                init_fn: Callable[[nn.Module], None] | None = None, *,
+                init_params: bool = True) -> nn.Module:
     """Allocate a (meta-)sharded module's DBuffers on ``device`` and initialise it.
 
     Args:
-        module: a module whose groups were created with ``fully_shard`` (on meta or not).
+        module: a module whose groups were created with ``fully_shard`` (on meta or not), or a
+            plain module.
         device: target device.
         init_fn: called once with ``module`` while every managed parameter is a full-size plain
             tensor. Runs under ``torch.no_grad()``. Default: ``reset_parameters()`` of every
             submodule that defines it, in ``module.modules()`` order (what Lightning does), run
             group by group so that only the groups the current submodule touches hold full-size
             temporaries.
+        init_params: ``False``: allocate only (parameters hold uninitialised memory until they
+            are loaded); buffers are recomputed all the same.
 
     Returns:
-        ``module``. See design note [fsdp-materialize].
+        ``module``. See design notes [fsdp-materialize] and [fsdp-meta-buffers].
     """
     device = torch.device(device)
+    on_meta = _meta_buffers.meta_buffers(module)
+    real = _meta_buffers.save_real_buffers(module)
     module.to_empty(device=device)
+    _meta_buffers.restore_real_buffers(real)
+    _meta_buffers.poison(on_meta)
     groups = [st.group for st in states_in(module) if st.group is not None]
     try:
         with torch.no_grad():
-            if init_fn is None:
+            if not init_params:
+                pass
+            elif init_fn is None:
                 _default_init_group_by_group(module, groups, device)
             else:
                 temps = [_swap_in_temporaries(g, device) for g in groups]
@@ -155,6 +171,7 @@ def materialize(module: nn.Module, device: torch.device | str,
     finally:
         for g in groups:
             g.swap(sharded=True)
+    _meta_buffers.recompute(module, on_meta, reset_ran=init_params and init_fn is None)
     return module
 
 
