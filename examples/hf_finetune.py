@@ -26,7 +26,7 @@ What happens:
    memory, no host ever holds the full model.
 2. ``VeScaleFSDPStrategy(pretrained_weights=--model)`` shards it (each decoder layer a group),
    materialises each rank's shards (the rotary ``inv_freq`` buffers are recomputed, design note
-   [fsdp-meta-buffers]) and loads the checkpoint: each rank reads only the byte ranges of its own
+   [meta-buffers]) and loads the checkpoint: each rank reads only the byte ranges of its own
    shards (``lightning_vescale.checkpoint.load_safetensors``), before the optimizer is built.
 3. Training as usual. At the end, :class:`SaveHFWeights` writes the model with
    ``save_safetensors`` (every rank writes its own ranges; no gather) plus ``config.json``, so

@@ -11,7 +11,7 @@ its own shards, so no host ever holds the full model when the model is built on 
 (``configure_model`` under ``torch.device("meta")``, or ``init_module(empty_init=True)``). A meta
 model is first materialised as usual (design note [fsdp-materialize]: parameters initialised
 group by group, non-persistent buffers such as rotary ``inv_freq`` recomputed, design note
-[fsdp-meta-buffers]), then overwritten by the checkpoint.
+[meta-buffers]), then overwritten by the checkpoint.
 
 The checkpoint's keys are the Hugging Face model's own (``model.layers.0...``), while the
 LightningModule usually holds that model as an attribute (``self.model``): the keys are matched

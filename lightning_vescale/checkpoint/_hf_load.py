@@ -22,9 +22,9 @@ the checkpoint, as ``save_pretrained`` writes them. ``strict`` raises on missing
 keys, naming them; a shape mismatch always raises, naming the key and both shapes.
 
 Meta device: a module whose parameters (or ``fully_shard`` buffers) are on meta is first
-materialised on ``device`` without initialising parameters (``fsdp.materialize(...,
-init_params=False)``), which also recomputes its non-persistent buffers (design note
-[fsdp-meta-buffers]); then the weights are loaded.
+given storage on ``device`` without initialising parameters (``_meta_buffers.allocate``: what
+``fsdp.materialize(..., init_params=False)`` does, without importing layer 3), which also
+recomputes its non-persistent buffers (design note [meta-buffers]); then the weights are loaded.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_vescale._meta_buffers import allocate
 from lightning_vescale.checkpoint._hf_files import OpenCheckpoint, open_checkpoint
 from lightning_vescale.checkpoint._safetensors_format import TensorEntry, read_range
 from lightning_vescale.checkpoint._state_dicts import _copy_full_into, _is_ragged
@@ -105,9 +106,7 @@ def _default_device(module: nn.Module) -> torch.device:
 
 
 def _materialize(module: nn.Module, device: Optional[torch.device]) -> None:
-    from lightning_vescale.fsdp import materialize  # layer 3: only for modules built on meta
-
-    materialize(module, device or _default_device(module), init_params=False)
+    allocate(module, device or _default_device(module))
 
 
 def _load_one(ckpt: OpenCheckpoint, entry: TensorEntry, target: Tensor) -> None:

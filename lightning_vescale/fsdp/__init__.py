@@ -21,8 +21,7 @@ Design notes of layer 3 (the package's convention and the other layers' notes:
 * ``_root.py``: [fsdp-final-callback] (the end of a backward, the gradient flags)
 * ``_collective_check.py``: [fsdp-collective-check] (opt-in: every rank runs the same group)
 * ``_training_state.py``: [fsdp-training-state]
-* ``_materialize.py``: [fsdp-materialize]; ``_meta_buffers.py``: [fsdp-meta-buffers] (buffers of
-  a model built on meta); ``_state_dict.py``: [fsdp-state-dict];
+* ``_materialize.py``: [fsdp-materialize]; ``_state_dict.py``: [fsdp-state-dict];
   ``_module.py``: [fsdp-module]; ``_replaced.py``: [fsdp-replaced]
 
 Modules import one way: ``api`` -> ``_module`` / ``_collect`` / ``_state_dict`` / ``_subgroups``

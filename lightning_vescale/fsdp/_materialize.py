@@ -38,7 +38,7 @@ its shard; a group still on the meta device whose parameters were all replaced i
 new parameters' device. The shape must stay; a DTensor value is gathered first.
 
 Buffers: ``to_empty`` re-creates them too; those that were on a real device keep their values,
-those that were on meta are recomputed (design note [fsdp-meta-buffers]). ``init_params=False``
+those that were on meta are recomputed (design note [meta-buffers]). ``init_params=False``
 allocates without initialising parameters (their values are loaded next, e.g. by
 ``lightning_vescale.checkpoint.load_safetensors``), buffers are still recomputed.
 """
@@ -53,7 +53,7 @@ from torch import nn
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_vescale.fsdp import _meta_buffers
+from lightning_vescale import _meta_buffers
 from lightning_vescale.fsdp._param_group import ParamGroup, set_param
 from lightning_vescale.fsdp._state import get_state, states_in
 from lightning_vescale.mesh import MeshInfo
@@ -148,7 +148,7 @@ def materialize(module: nn.Module, device: torch.device | str,
             are loaded); buffers are recomputed all the same.
 
     Returns:
-        ``module``. See design notes [fsdp-materialize] and [fsdp-meta-buffers].
+        ``module``. See design notes [fsdp-materialize] and [meta-buffers].
     """
     device = torch.device(device)
     on_meta = _meta_buffers.meta_buffers(module)

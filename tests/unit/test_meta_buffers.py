@@ -1,4 +1,4 @@
-"""``fsdp.materialize`` and buffers (design note [fsdp-meta-buffers]): a buffer built on a real
+"""``fsdp.materialize`` and buffers (design note [meta-buffers]): a buffer built on a real
 device keeps its value, one built on meta is recomputed by ``reset_parameters()`` or a Hugging
 Face model's ``_init_weights``, and a non-persistent one nothing recomputes is named in a
 warning instead of silently holding garbage."""

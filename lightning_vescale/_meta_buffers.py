@@ -1,7 +1,11 @@
-"""Buffers of a module built on the meta device: what ``materialize`` does with them.
+"""Buffers of a module built on the meta device: what materialising it does with them.
 
-Design note [fsdp-meta-buffers]
--------------------------------
+Torch-only (no layer of this package below it), used by ``fsdp.materialize`` (layer 3) and by
+``checkpoint.load_safetensors`` (beside layer 2, which must not import layer 3):
+:func:`allocate` is ``materialize(..., init_params=False)`` for both.
+
+Design note [meta-buffers]
+--------------------------
 ``module.to_empty(device=...)`` gives *every* tensor fresh, uninitialised storage. For
 parameters that is the point (they are initialised or loaded next); buffers are different: a
 *non-persistent* buffer (the rotary ``inv_freq`` of Llama-style models, a causal mask) is in no
@@ -30,8 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["MetaBuffer", "meta_buffers", "poison", "recompute", "restore_real_buffers",
-           "save_real_buffers"]
+__all__ = ["MetaBuffer", "allocate", "meta_buffers", "poison", "recompute",
+           "restore_real_buffers", "save_real_buffers"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,7 +109,7 @@ def _hf_init_owner(root: nn.Module, buffer: MetaBuffer) -> nn.Module | None:
 
 @torch.no_grad()
 def recompute(root: nn.Module, buffers: list[MetaBuffer], *, reset_ran: bool) -> None:
-    """Recompute the buffers that were on meta (design note [fsdp-meta-buffers]).
+    """Recompute the buffers that were on meta (design note [meta-buffers]).
 
     ``reset_ran``: the default parameter init already called every ``reset_parameters()``.
     """
@@ -130,4 +134,17 @@ def recompute(root: nn.Module, buffers: list[MetaBuffer], *, reset_ran: bool) ->
             f"materialize: the non-persistent buffer(s) {missed} were created on the meta device "
             "and nothing recomputed them, so they hold NaN (no checkpoint has them). Give their "
             "module a reset_parameters() that sets them, or build the model with its buffers on "
-            "a real device (design note [fsdp-meta-buffers]).", stacklevel=3)
+            "a real device (design note [meta-buffers]).", stacklevel=3)
+
+
+def allocate(module: nn.Module, device: torch.device) -> nn.Module:
+    """Storage on ``device`` for every tensor of ``module`` (``to_empty``; a ``fully_shard``
+    module re-creates its DBuffers there), parameters left uninitialised (to be loaded next),
+    buffers kept or recomputed as the design note says."""
+    on_meta = meta_buffers(module)
+    real = save_real_buffers(module)
+    module.to_empty(device=device)
+    restore_real_buffers(real)
+    poison(on_meta)
+    recompute(module, on_meta, reset_ran=False)
+    return module
