@@ -12,10 +12,13 @@ written by ``save_pretrained`` in 200 MB shards) is loaded by, each rank a fresh
 * ``naive_sharded``: the same sharded model, every rank ``load_file``-s the whole checkpoint
   and ``load_state_dict``-s it (our full-state-dict path cuts each tensor to the rank's range).
 
-Memory: ``/proc/self/clear_refs`` (5) resets the high-water mark just before the load phase;
-``VmHWM`` after it is the peak RSS of the phase. The figure reported is that peak minus the RSS
-before anything was built (the ~0.4 GB torch + transformers runtime), i.e. what the model and the
-load cost. Time: wall clock of the load phase. The shards are read once before the runs (page
+Phases, each timed (wall clock; the slowest rank of a run, the best of ``--repeats`` runs):
+*build* makes the storage the rank will hold (plain: ``LlamaForCausalLM(config)``, the whole model
+initialised as ``transformers`` does; the others: meta, ``fully_shard``, each rank's shards
+allocated, first touch of the pages included) and *load* fills it from the checkpoint.
+Memory: ``/proc/self/clear_refs`` (5) resets the high-water mark after the imports; ``VmHWM``
+after the load is the peak RSS of build + load, reported minus the RSS before the build (the
+~0.4 GB torch + transformers runtime), i.e. what the model and its loading cost. The shards are read once before the runs (page
 cache warm for every method). ``--fake-world N --rank r`` runs one rank of an ``N``-rank layout in
 one process (torch's fake process group: no peers, no collectives; ``load_safetensors`` needs
 none), to measure a rank's memory for a model many times larger than its shard on two cores.
@@ -90,59 +93,61 @@ def _load_plain(model, ckpt: Path) -> None:
 
 
 def _load_dcp(model, ckpt: Path) -> None:
-    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from lightning_vescale._meta_buffers import allocate
-
-    allocate(model, torch.device("cpu"))
     alone = dist.get_backend() == "fake"  # DCP plans with collectives: one rank plans alone
     dcp.load(model.state_dict(), storage_reader=dcp.HuggingFaceStorageReader(str(ckpt)),
              no_dist=alone)
 
 
-def rank_main(args: argparse.Namespace) -> dict:
-    """One rank: build (untimed), then the timed, memory-measured load phase."""
+def _build(args: argparse.Namespace):
+    """The model with storage for what this rank holds (plain: the whole model, initialised as
+    ``transformers`` does; sharded: built on meta, sharded, each rank's shards allocated)."""
     import torch
-    import torch.distributed as dist
     from transformers import LlamaForCausalLM
 
-    from lightning_vescale.checkpoint import load_safetensors
+    from lightning_vescale._meta_buffers import allocate
     from lightning_vescale.mesh import init_mesh
 
-    torch.set_num_threads(1)
-    base = _status("VmRSS")
-    ckpt, cfg = Path(args.ckpt), _config(args)
     if args.method == "plain":
-        model = LlamaForCausalLM(cfg)
-    else:
-        if args.fake_world:
-            from torch.testing._internal.distributed.fake_pg import FakeStore
+        return LlamaForCausalLM(_config(args))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(_config(args))
+    return allocate(_shard(model, init_mesh("cpu")), torch.device("cpu"))
 
-            dist.init_process_group("fake", store=FakeStore(), rank=args.rank,
-                                    world_size=args.fake_world)
-        else:
-            dist.init_process_group("gloo")
-        with torch.device("meta"):
-            model = LlamaForCausalLM(cfg)
-        model = _shard(model, init_mesh("cpu"))
-        if args.method == "naive_sharded":
-            from lightning_vescale._meta_buffers import allocate
 
-            allocate(model, torch.device("cpu"))
-    load = {"plain": _load_plain, "naive_sharded": _load_plain, "dcp_hf": _load_dcp,
-            "ours": lambda m, c: load_safetensors(m, c)}[args.method]
-    before = _status("VmRSS")
+def rank_main(args: argparse.Namespace) -> dict:
+    """One rank: the build phase, then the load phase, each timed; the peak RSS over both."""
+    import safetensors.torch  # noqa: F401  (every import before the baseline: runtime, not model)
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint  # noqa: F401
+    from transformers import LlamaForCausalLM  # noqa: F401
+
+    import lightning_vescale.fsdp  # noqa: F401
+    from lightning_vescale.checkpoint import load_safetensors
+
+    torch.set_num_threads(1)
+    if args.method != "plain" and args.fake_world:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=args.rank,
+                                world_size=args.fake_world)
+    elif args.method != "plain":
+        dist.init_process_group("gloo")
+    base = _status("VmRSS")
     _reset_peak()
     t0 = time.perf_counter()
-    load(model, ckpt)
-    seconds = time.perf_counter() - t0
-    peak = _status("VmHWM")
-    params = sum(p.numel() for p in model.parameters())
+    model = _build(args)
+    t1 = time.perf_counter()
+    load = {"plain": _load_plain, "naive_sharded": _load_plain, "dcp_hf": _load_dcp,
+            "ours": lambda m, c: load_safetensors(m, c)}[args.method]
+    load(model, Path(args.ckpt))
+    t2 = time.perf_counter()
     return {"method": args.method, "rank": int(os.environ.get("RANK", args.rank)),
-            "seconds": seconds, "peak_minus_base": peak - base, "before_load": before - base,
-            "params": params}
+            "build": t1 - t0, "seconds": t2 - t1, "peak_minus_base": _status("VmHWM") - base,
+            "params": sum(p.numel() for p in model.parameters())}
 
 
 def _free_port() -> int:
@@ -193,10 +198,12 @@ def _runs(args: argparse.Namespace) -> list[tuple[str, int, int | None]]:
 
 
 def _row(method: str, world: int, fake: int | None, results: list[dict]) -> str:
-    secs = min(r["seconds"] for r in results)  # best of the repeats (worst rank of each run)
+    build = min(r["build"] for r in results)  # best of the repeats (slowest rank of each run)
+    secs = min(r["seconds"] for r in results)
     peak = max(r["peak_minus_base"] for r in results)
     where = f"rank {fake} of {world} (fake group)" if fake is not None else f"world {world}"
-    return f"| {method} | {where} | {secs:.2f} s | {peak / 2**20:,.0f} MiB |"
+    return (f"| {method} | {where} | {build:.2f} s | {secs:.2f} s | {build + secs:.2f} s | "
+            f"{peak / 2**20:,.0f} MiB |")
 
 
 def driver(args: argparse.Namespace) -> None:
@@ -205,14 +212,17 @@ def driver(args: argparse.Namespace) -> None:
     for f in ckpt.glob("*.safetensors"):
         f.read_bytes()  # page cache warm for every method
     print(f"checkpoint {ckpt}: {size / 2**20:,.0f} MiB")
-    print("| method | ranks | load time (best) | peak RSS over runtime, max rank |")
-    print("| --- | --- | --- | --- |")
+    print("| method | ranks | build | load | build + load | peak RSS over the runtime, max "
+          "rank |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for method, world, fake in _runs(args):
         results = []
         for _ in range(args.repeats):
             run = launch(args, ckpt, method, world, fake)
-            worst = max(run, key=lambda r: r["seconds"])
-            results.append({**worst, "peak_minus_base": max(r["peak_minus_base"] for r in run)})
+            results.append({"build": max(r["build"] for r in run),
+                            "seconds": max(r["seconds"] for r in run),
+                            "peak_minus_base": max(r["peak_minus_base"] for r in run),
+                            "params": run[0]["params"]})
         print(_row(method, world, fake, results), flush=True)
     print(f"parameters: {results[0]['params']:,}")
 

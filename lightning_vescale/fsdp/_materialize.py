@@ -80,6 +80,7 @@ def apply_to_group(module: nn.Module, super_apply: Callable[..., Any], fn: Calla
             return super_apply(fn, recurse)
         group.applying = (fn, {id(module)})
     group.reshard()
+    was_meta = all(b.is_meta for b in group.buffers.values())
     temps: dict[str, nn.Parameter] = {}
     for mp in group.params:
         assert mp.buffer is not None
@@ -108,19 +109,24 @@ def apply_to_group(module: nn.Module, super_apply: Callable[..., Any], fn: Calla
             if not same_storage or t.dtype != old_dtype[mp.name]:
                 changed = True
         if changed:
-            _rebuild(group, {n: t.detach() for n, t in new.items()})
+            _rebuild(group, {n: t.detach() for n, t in new.items()}, from_meta=was_meta)
         else:
             group.swap(sharded=True)
     return ret
 
 
-def _rebuild(group: ParamGroup, locals_: dict[str, torch.Tensor]) -> None:
+def _rebuild(group: ParamGroup, locals_: dict[str, torch.Tensor], *, from_meta: bool) -> None:
+    """Re-create ``group``'s DBuffers on the device of ``locals_`` with their values. From meta
+    (``to_empty``) there are no values: the new tensors are uninitialised, so nothing is copied
+    (the shard is allocated zeroed, and each page is touched once, not three times)."""
     device = next(iter(locals_.values())).device
+    if from_meta:
+        locals_ = {n: t.to("meta") for n, t in locals_.items()}
     if group.offload is not None and device.type == "cpu" and group.buffers:
         device = next(iter(group.buffers.values())).device  # offloaded: compute device stays
     if device.type != "meta" and device.type != group.mesh_info.device_type:
         group.mesh_info = MeshInfo.from_mesh(_on_device_type(group.mesh_info.mesh, device.type))
-    group.build(locals_, device, local_sources=True)
+    group.build(locals_, device, local_sources=True)  # meta sources: nothing is copied
 
 
 def _on_device_type(mesh: DeviceMesh, device_type: str) -> DeviceMesh:
