@@ -179,3 +179,48 @@ def test_each_rank_reads_about_its_share(worlds, tmp_path):
     read = worlds(2).run(_read_bytes_body, str(tmp_path))
     assert all(r < 0.7 * data for r in read), (read, data)
     assert sum(read) < 1.1 * data, (read, data)
+
+
+def _load_save_body(src: str, dst: str, hsdp: bool, fail_rank: int | None):
+    from lightning_vescale.checkpoint import _hf_save, load_safetensors, save_safetensors
+    from lightning_vescale.mesh import init_mesh
+
+    model = _shard_llama(_build(True, False), init_mesh("cpu", replicas=2) if hsdp else None)
+    load_safetensors(model, src)
+    original = _hf_save._write_owned
+    if fail_rank == dist.get_rank():
+        def broken(*args, **kwargs):
+            raise OSError("No space left on device (simulated)")
+
+        _hf_save._write_owned = broken
+    try:
+        save_safetensors(model, dst, max_shard_size="16KB")
+    except (OSError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
+    finally:
+        _hf_save._write_owned = original  # the forked ranks outlive this test
+    return None
+
+
+def test_hsdp_save_writes_each_range_once(worlds, tmp_path):
+    """On a (2, 2) mesh only the first replica writes; the files equal the source's tensors."""
+    from safetensors.torch import load_file
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    write_reference(str(src))
+    assert worlds(4).run(_load_save_body, str(src), str(dst), True, None) == [None] * 4
+    ref, got = {}, {}
+    for d, out in ((src, ref), (dst, got)):
+        for name in os.listdir(d):
+            if name.endswith(".safetensors"):
+                out.update(load_file(d / name))
+    assert sorted(ref) == sorted(got)
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+def test_a_failing_rank_fails_every_rank_and_leaves_nothing(worlds, tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    write_reference(str(src))
+    errors = worlds(2).run(_load_save_body, str(src), str(dst), False, 1)
+    assert "simulated" in errors[1] and "failed on rank(s) [1]" in errors[0], errors
+    assert sorted(os.listdir(dst)) == [], "the temporary files are removed"
