@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -85,17 +86,35 @@ def _read_index(root: Path) -> tuple[list[str], dict[str, str]]:
     return sorted(set(weight_map.values())), weight_map
 
 
-def _check_size(root: Path, name: str, size: int, manifest: dict[str, Any] | None) -> None:
+def _check_file(root: Path, name: str, stream: IO[bytes], size: int,
+                manifest: dict[str, Any] | None, verify: bool) -> None:
+    """The file's size against the manifest (always), its CRC-32 too with ``verify``."""
     expected = (manifest or {}).get("files", {}).get(name)
+    if verify and expected is None:
+        raise CheckpointLoadError(
+            f"load_safetensors(verify=True): {str(root / name)!r} has no checksum (the directory "
+            f"has no {INTEGRITY_FILENAME} naming it; save_safetensors writes one). Pass "
+            "verify=False to load it unverified.")
     if expected is not None and expected["size"] != size:
         raise CheckpointLoadError(
             f"{str(root / name)!r} fails its integrity check ({size:,} bytes, expected "
             f"{expected['size']:,} by {INTEGRITY_FILENAME}): the file is truncated or damaged; "
             "restore it or use another checkpoint.")
+    if verify:
+        crc = 0
+        stream.seek(0)
+        while chunk := stream.read(16 << 20):
+            crc = zlib.crc32(chunk, crc)
+        if crc & 0xFFFFFFFF != expected["crc32"]:
+            raise CheckpointLoadError(
+                f"{str(root / name)!r} fails its integrity check (CRC-32 {crc & 0xFFFFFFFF:#010x},"
+                f" expected {expected['crc32']:#010x}): the file is damaged; restore it or use "
+                "another checkpoint.")
 
 
-def open_checkpoint(path: str | os.PathLike) -> OpenCheckpoint:
-    """Open and validate the checkpoint at ``path`` (see the module docstring).
+def open_checkpoint(path: str | os.PathLike, *, verify: bool = False) -> OpenCheckpoint:
+    """Open and validate the checkpoint at ``path`` (see the module docstring); ``verify``: also
+    check every file's CRC-32 against ``.integrity.json`` (reads every file once, in chunks).
 
     Raises:
         FileNotFoundError: ``path`` (or a shard the index names) does not exist.
@@ -114,7 +133,7 @@ def open_checkpoint(path: str | os.PathLike) -> OpenCheckpoint:
                     f"The safetensors file {str(root / name)!r} is missing"
                     f"{f' (named by {INDEX_NAME})' if weight_map else ''}.") from None
             ckpt.streams[root / name] = stream
-            _check_size(root, name, size, manifest)
+            _check_file(root, name, stream, size, manifest, verify)
             entries, _ = read_header(stream, size, root / name)
             for key, entry in entries.items():
                 if key in ckpt.entries:

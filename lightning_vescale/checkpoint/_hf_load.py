@@ -138,7 +138,8 @@ def _shape_errors(pairs: list[tuple[str, TensorEntry, Tensor]]) -> list[str]:
 @torch.no_grad()
 def load_safetensors(module: nn.Module, path: Union[str, os.PathLike], *, strict: bool = True,
                      key_map: KeyMap = None,
-                     device: Optional[Union[torch.device, str]] = None) -> IncompatibleKeys:
+                     device: Optional[Union[torch.device, str]] = None,
+                     verify: bool = False) -> IncompatibleKeys:
     """Load a Hugging Face safetensors checkpoint into ``module`` (sharded or plain).
 
     Args:
@@ -152,6 +153,9 @@ def load_safetensors(module: nn.Module, path: Union[str, os.PathLike], *, strict
         key_map: rename checkpoint keys to module keys: a dict (unlisted keys unchanged) or a
             callable returning the new name or ``None`` to skip the tensor.
         device: where a meta module is materialised (default: its mesh's device type).
+        verify: check each file's CRC-32 against the directory's ``.integrity.json`` (what
+            ``save_safetensors`` writes) first: every rank then reads every file once. Without
+            it, each file's size is still checked against the manifest when there is one.
 
     Returns:
         The missing and unexpected keys (empty under ``strict``).
@@ -164,7 +168,7 @@ def load_safetensors(module: nn.Module, path: Union[str, os.PathLike], *, strict
     """
     if _needs_materialize(module):
         _materialize(module, torch.device(device) if device is not None else None)
-    with open_checkpoint(path) as ckpt:
+    with open_checkpoint(path, verify=verify) as ckpt:
         renamed = _apply_key_map(sorted(ckpt.entries), key_map)
         targets = module.state_dict()
         aliases = _aliases(module)

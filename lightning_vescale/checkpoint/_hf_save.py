@@ -92,8 +92,8 @@ def _items(module_or_sd: Union[nn.Module, dict[str, Tensor]], dtype: Optional[to
         for n, t in itertools.chain(module_or_sd.named_parameters(remove_duplicate=False),
                                     module_or_sd.named_buffers(remove_duplicate=False)):
             first.setdefault(id(t), n)
-        keep = set(first.values())
-        sd = {k: v for k, v in sd.items() if k in keep or k not in _all_names(module_or_sd)}
+        keep, aliases = set(first.values()), _all_names(module_or_sd)
+        sd = {k: v for k, v in sd.items() if k in keep or k not in aliases}
     else:
         sd = module_or_sd
     out = []
@@ -207,7 +207,9 @@ def _create_files(root: Path, headers: dict[str, bytes], sizes: dict[str, int],
 
 def _publish(root: Path, headers: dict[str, bytes], items: list[_Item], token: str,
              crcs: dict[str, dict[str, int]]) -> list[Path]:
-    """Rank 0: rename, index, stale shards, manifest (step 3)."""
+    """Rank 0: rename, index, stale shards, manifest (step 3). The old manifest goes first, so
+    an interrupted publish leaves files without one (loaded unverified), never a wrong one."""
+    (root / INTEGRITY_FILENAME).unlink(missing_ok=True)
     for name in headers:
         os.replace(root / f".{name}.tmp-{token}", root / name)
     total = sum(it.tensor.numel() * it.dtype.itemsize for it in items)

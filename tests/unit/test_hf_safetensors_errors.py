@@ -213,3 +213,18 @@ def test_save_arguments(tmp_path):
     loaded = load_file(tmp_path / "model.safetensors")
     assert sorted(loaded) == ["x.lin.bias", "x.lin.weight"]
     assert loaded["x.lin.weight"].dtype == torch.float16
+
+
+def test_verify_checks_every_crc(tmp_path):
+    save_safetensors(Tiny(), tmp_path, max_shard_size=100)
+    load_safetensors(Tiny(), tmp_path, verify=True)
+    shard = sorted(tmp_path.glob("*.safetensors"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x40  # a flipped bit in a tensor: same size, header fine
+    shard.write_bytes(bytes(data))
+    load_safetensors(Tiny(), tmp_path)  # unverified: loads
+    with pytest.raises(CheckpointLoadError, match=rf"{shard.name}.*CRC-32"):
+        load_safetensors(Tiny(), tmp_path, verify=True)
+    (tmp_path / ".integrity.json").unlink()
+    with pytest.raises(CheckpointLoadError, match="has no checksum"):
+        load_safetensors(Tiny(), tmp_path, verify=True)
