@@ -195,6 +195,9 @@ def _runs(args: argparse.Namespace) -> list[tuple[str, int, int | None]]:
     if args.fake_world:
         for method in ("ours", "dcp_hf", "naive_sharded"):
             runs += [(method, args.fake_world, 0), (method, args.fake_world, args.fake_world - 1)]
+    if args.only:  # e.g. "ours:2,dcp_hf:2": rerun some rows
+        wanted = {tuple(item.split(":")) for item in args.only.split(",")}
+        runs = [r for r in runs if (r[0], str(r[1])) in wanted]
     return runs
 
 
@@ -237,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dir", default=str(ROOT / "benchmarks" / "out"))
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--fake-world", type=int, default=8)
+    p.add_argument("--only", help="run only these METHOD:WORLD rows, e.g. 'ours:2,dcp_hf:2'")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--method", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
