@@ -116,6 +116,17 @@ def test_hf_finetune_example_runs(tmp_path):
     assert any(not torch.equal(start[k], tuned[k]) for k in start)  # trained, then saved
 
 
+@pytest.mark.slow  # fresh processes: the second CI step
+def test_hf_load_benchmark_runs_tiny(tmp_path):
+    """``benchmarks/hf_load.py`` at toy size: ours at 1, 2 and 1-of-4 ranks, DCP's reader."""
+    out = run([sys.executable, "-m", "benchmarks.hf_load", "--layers", "1", "--hidden", "64",
+               "--mlp", "128", "--vocab", "256", "--repeats", "1", "--fake-world", "4",
+               "--only", "ours:1,ours:2,ours:4,dcp_hf:2", "--dir", str(tmp_path)])
+    rows = [line for line in out.splitlines() if line.startswith("| ours") or
+            line.startswith("| dcp_hf")]
+    assert len(rows) == 5, out
+
+
 @pytest.mark.slow  # a script in a fresh process: the second CI step
 def test_hf_transformers_example(tmp_path):
     if subprocess.run([sys.executable, "-c", "import transformers"],
