@@ -9,8 +9,9 @@ reads exactly that range and copies it into its shard, converting dtype (and dev
 No full tensor is built for a sharded parameter; a rank's peak extra memory is its largest local
 shard in the file's dtype (none when the dtypes match and the shard is a CPU tensor: the bytes
 are read straight into it). Plain tensors (buffers, parameters of an unsharded module) are read
-whole; a ``DTensor`` with another placement (``Shard``/``Replicate``) is read whole and cut to
-its local part (one full tensor at a time).
+whole; a ``DTensor`` of another placement whose local block is one contiguous range (torch's
+FSDP2 ``Shard(0)``) reads that range only, any other is read whole and cut to its local part
+(one full tensor at a time).
 
 No collective runs: every rank validates every header the same way, so a bad checkpoint raises
 the same error on every rank, and no rank waits for another.
@@ -30,6 +31,7 @@ recomputes its non-persistent buffers (design note [meta-buffers]); then the wei
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import NamedTuple, Optional, Union
@@ -37,6 +39,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_vescale._meta_buffers import allocate
 from lightning_vescale.checkpoint._hf_files import OpenCheckpoint, open_checkpoint
@@ -122,11 +125,34 @@ def _load_one(ckpt: OpenCheckpoint, entry: TensorEntry, target: Tensor) -> None:
         else:
             local.copy_(read_range(stream, entry, start, end))
         return
-    full = read_range(stream, entry).view(entry.shape)
     if isinstance(target, DTensor):
-        _copy_full_into(target, full, entry.name)
+        span = _contiguous_block(target)
+        if span is not None:  # e.g. torch's FSDP2 Shard(0): the local rows are one range
+            local = target.to_local()
+            local.copy_(read_range(stream, entry, *span).view(local.shape))
+            return
+        _copy_full_into(target, read_range(stream, entry).view(entry.shape), entry.name)
     else:
-        target.copy_(full)
+        target.copy_(read_range(stream, entry).view(entry.shape))
+
+
+def _contiguous_block(target: DTensor) -> Optional[tuple[int, int]]:
+    """The flat range of ``target``'s local block when it is contiguous in the row-major full
+    tensor (``Shard(0)``, ``Replicate``: leading dims of size 1, then one partial dim, then full
+    dims), else ``None``."""
+    shape = tuple(target.shape)
+    local, offset = compute_local_shape_and_global_offset(shape, target.device_mesh,
+                                                          target.placements)
+    if tuple(target.to_local().shape) != tuple(local):
+        return None
+    partial = [i for i, (n, g) in enumerate(zip(local, shape)) if n != g]
+    if partial and any(local[i] != 1 for i in range(partial[-1])):
+        return None  # rows of several slabs: not one range
+    start, stride = 0, 1
+    for i in range(len(shape) - 1, -1, -1):
+        start += offset[i] * stride
+        stride *= shape[i]
+    return start, start + math.prod(local)
 
 
 def _shape_errors(pairs: list[tuple[str, TensorEntry, Tensor]]) -> list[str]:

@@ -224,3 +224,41 @@ def test_a_failing_rank_fails_every_rank_and_leaves_nothing(worlds, tmp_path):
     errors = worlds(2).run(_load_save_body, str(src), str(dst), False, 1)
     assert "simulated" in errors[1] and "failed on rank(s) [1]" in errors[0], errors
     assert sorted(os.listdir(dst)) == [], "the temporary files are removed"
+
+
+def _torch_fsdp2_body(directory: str):
+    """torch's own FSDP2 (Shard(0) DTensors): each rank reads only its rows."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from lightning_vescale.checkpoint import _safetensors_format as fmt
+    from lightning_vescale.checkpoint import load_safetensors
+
+    model = _build(False, False)
+    for layer in model.model.layers:
+        torch_fully_shard(layer)
+    torch_fully_shard(model)
+    counted, original = [0], fmt._read_exactly
+
+    def counting(stream, view, entry):
+        counted[0] += len(view)
+        return original(stream, view, entry)
+
+    fmt._read_exactly = counting
+    try:
+        load_safetensors(model, directory)
+    finally:
+        fmt._read_exactly = original
+    x = torch.arange(2 * 10).reshape(2, 10) % VOCAB
+    with torch.no_grad():
+        logits = model(x).logits
+    return logits, reference_logits(directory, x), counted[0]
+
+
+def test_torch_fsdp2_model_reads_its_rows(worlds, tmp_path):
+    write_reference(str(tmp_path))
+    data = sum(os.path.getsize(tmp_path / n) for n in os.listdir(tmp_path)
+               if n.endswith(".safetensors"))
+    results = worlds(2).run(_torch_fsdp2_body, str(tmp_path))
+    for logits, ref, _ in results:
+        torch.testing.assert_close(logits, ref, rtol=0, atol=0)
+    assert sum(r[2] for r in results) < 1.1 * data, [r[2] for r in results]
