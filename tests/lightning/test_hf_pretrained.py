@@ -111,3 +111,13 @@ def test_find_prefix():
 def test_bad_pretrained_weights_argument(cls):
     with pytest.raises(TypeError, match="pretrained_weights must be a path"):
         cls(pretrained_weights=3)
+
+
+def test_a_checkpoint_of_another_model_is_named(tmp_path):
+    from safetensors.torch import save_file
+
+    from lightning_vescale._lightning.pretrained import load_pretrained
+
+    save_file({"encoder.weight": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match=r"none of its 1 tensors.*Linear.*'encoder\.weight'"):
+        load_pretrained(torch.nn.Linear(2, 2), tmp_path / "other.safetensors", strict=True)
