@@ -57,19 +57,26 @@ def _step_losses(model, device, steps: int, *, sharded: bool, accumulate: int = 
 def check_offload_accumulate(device: torch.device, steps: int = 3,
                              tol: float = 1e-5) -> dict[str, Any]:
     """CPU offload with two synced backwards per step and kept (zeroed) gradients: the reduced
-    shard is added on the host (a device mismatch on CUDA before issue 28)."""
+    shard is added on the host (a device mismatch on CUDA before issue 28); then a full state
+    dict, whose gathers of CPU shards go through the GPU on NCCL."""
+    from lightning_vescale.checkpoint._state_dicts import model_state
     from lightning_vescale.fsdp import CPUOffloadPolicy
 
     g = _g()
-    name = "CPU offload + gradient accumulation"
-    ref = _step_losses(g._small(device), device, steps, sharded=False, accumulate=2)
+    name = "CPU offload + gradient accumulation + full state dict"
+    ref_model = g._small(device)
+    ref = _step_losses(ref_model, device, steps, sharded=False, accumulate=2)
     model = g._shard(g._small(device), "vescale", device, offload_policy=CPUOffloadPolicy())
     got = _step_losses(model, device, steps, sharded=True, accumulate=2)
     d = g._rel(got, ref)
     on_cpu = all(p.to_local().device.type == "cpu" for p in model.parameters())
-    ok = d <= tol and on_cpu
+    full = model_state(model, full=True)  # a collective: every rank; rank 0 gets the tensors
+    want = {k: v.detach().float().cpu() for k, v in ref_model.state_dict().items()}
+    sd_diff = max((float((full[k].float() - want[k]).abs().max()) for k in full), default=0.0)
+    ok = d <= tol and on_cpu and sd_diff <= 1e-4
     return g._row(name, PASS if ok else FAIL, f"max relative loss difference {d:.2e} vs single "
-                  f"device (tolerance {tol:g}); shards on the CPU: {on_cpu}", max_rel=d)
+                  f"device (tolerance {tol:g}); shards on the CPU: {on_cpu}; full state dict "
+                  f"vs single device: max abs difference {sd_diff:.1e}", max_rel=d)
 
 
 def check_cpu_built(device: torch.device, steps: int = 3, tol: float = 1e-5) -> dict[str, Any]:
