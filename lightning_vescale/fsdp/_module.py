@@ -246,7 +246,8 @@ class VeScaleFSDPModule(FSDPModule):
         if not isinstance(event, torch.Event):
             raise TypeError(f"set_post_optim_event(event=...) must be a torch.Event, got "
                             f"{type(event).__name__}")
-        self._own_state().ctx.post_optim_event = event
+        if event.device.type != "cpu":  # CPU work is ordered already (and has no events)
+            self._own_state().ctx.post_optim_event = event
 
     def set_custom_all_gather(self, comm: Any) -> None:
         raise _not_supported("set_custom_all_gather", "the all-gather runs in place on the "

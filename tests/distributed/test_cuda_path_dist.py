@@ -65,6 +65,8 @@ def test_offload_with_gradient_accumulation(worlds):
 class _Event(torch.Event):
     """A stand-in for a CUDA event recorded after an optimizer step on a side stream."""
 
+    device = torch.device("cuda")
+
     def __init__(self) -> None:
         self.waits = 0
 
@@ -87,6 +89,7 @@ def _post_optim_event_body():
 
 
 def test_set_post_optim_event_is_waited_on(worlds):
+    """Waited on once, at the next root pre-forward (before the fix: never)."""
     assert worlds(2).run(_post_optim_event_body) == [1, 1]
 
 
