@@ -121,22 +121,23 @@ def gradient_divide_factors(ranks: int, reduce_dtype: torch.dtype,
 
 
 def reduce_factors(rop: dist.ReduceOp, scale: float | None, *, ranks: int,
-                   reduce_dtype: torch.dtype,
-                   gloo: bool) -> tuple[dist.ReduceOp, float | None, float | None]:
-    """``(op, pre, post)`` of a gradient reduce-scatter over ``ranks`` data-parallel ranks: the
-    collectives' op and the divisions before and after it (``None``: none).
+                   reduce_dtype: torch.dtype, gloo: bool
+                   ) -> tuple[dist.ReduceOp, float | None, float | None, float | None]:
+    """``(op, pre, post, scale)`` of a gradient reduce-scatter over ``ranks`` data-parallel
+    ranks: the collectives' op, the divisions before and after it and a multiplier after
+    (``None``: none).
 
-    fp16 divides before and after a SUM (:func:`gradient_divide_factors`); gloo has no native
-    AVG, so it sums and divides after (bitwise gloo's own AVG); otherwise the op as given, and
-    ``scale`` (a multiplier, from a divide factor) as one division after."""
+    fp16 divides before and after a SUM (:func:`gradient_divide_factors`; a divide factor's
+    ``scale`` too); gloo has no native AVG, so it sums and divides after (bitwise gloo's own
+    AVG); otherwise the op as given, and ``scale`` after."""
     fp16 = gradient_divide_factors(ranks, reduce_dtype)[0] is not None
     if rop == dist.ReduceOp.AVG and (fp16 or (ranks > 1 and gloo)):
         pre, post = gradient_divide_factors(ranks, reduce_dtype)
-        return dist.ReduceOp.SUM, pre, post
+        return dist.ReduceOp.SUM, pre, post, None
     if rop == dist.ReduceOp.SUM and scale is not None and fp16:
         pre, post = gradient_divide_factors(ranks, reduce_dtype, 1.0 / scale)
-        return rop, pre, post
-    return rop, None, None if scale is None else 1.0 / scale
+        return rop, pre, post, None
+    return rop, None, None, scale
 
 
 def offload_copy(gs: torch.Tensor, out: torch.Tensor, *, accumulate: bool,

@@ -539,8 +539,9 @@ class DBuffer:
 
     def _reduce_scatter(self, async_op: bool, rop: dist.ReduceOp,
                         accumulate: bool, scale: float | None = None) -> CommHandle:
-        rop, pre, post = reduce_factors(rop, scale, ranks=self.world_size * self.replicate_size,
-                                        reduce_dtype=self.reduce_dtype, gloo=self._on_gloo())
+        rop, pre, post, scale = reduce_factors(
+            rop, scale, ranks=self.world_size * self.replicate_size,
+            reduce_dtype=self.reduce_dtype, gloo=self._on_gloo())
         # offload: the collective writes on device; the epilogue copies the shard to the host
         direct = not accumulate and self.reduce_dtype == self.dtype and not self.offload
         gs = self._ensure_grad_shard(zero=accumulate)  # a copy overwrites every element
@@ -562,6 +563,8 @@ class DBuffer:
         def epilogue(inp=inp, out=out) -> None:
             if post is not None and post != 1:
                 out.div_(post)
+            if scale is not None:
+                out.mul_(scale)
             if out is not gs:
                 if self.offload:
                     self._offload_event = offload_copy(gs, out, accumulate=accumulate,
@@ -580,9 +583,8 @@ class DBuffer:
         else:
             work = _reduce_scatter_flat(out, inp, op=rop, group=self.group, async_op=async_op)
         if self.replicate_group is not None:
-            # HSDP: the cross-replica all-reduce of the reduce-scatter's output, ordered after
-            # it on a side stream (accelerators) or after finishing it (gloo); with AVG each
-            # stage averages over its own group.
+            # HSDP: all-reduce the output across replicas, after the reduce-scatter (on a side
+            # stream on accelerators); with AVG each stage averages over its own group.
             work = replica_all_reduce(work, out, op=rop, group=self.replicate_group,
                                       async_op=async_op)
         handle = CommHandle(work, epilogue)
@@ -591,10 +593,8 @@ class DBuffer:
         return handle
 
     def wait_offload(self) -> None:
-        """Block until the asynchronous device-to-host copy of the last reduced gradient shard
-        finished (offload with pinned memory; design note [dbuffer-offload]). The root's final
-        callback calls it once per buffer and backward: one host wait per backward, after
-        every reduce-scatter was issued, instead of one blocking copy per group."""
+        """Wait for the asynchronous copy of the reduced gradient shard to the host (offload,
+        pinned; [dbuffer-offload]): the root's final callback does, once per backward."""
         event, self._offload_event = self._offload_event, None
         if event is not None:
             event.synchronize()

@@ -41,19 +41,22 @@ def test_fp32_bf16_divide_once_after(dtype):
 
 def test_reduce_factors():
     # fp16: SUM with a division before and after, whatever the backend
-    op, pre, post = reduce_factors(AVG, None, ranks=1024, reduce_dtype=torch.float16, gloo=False)
-    assert op == SUM and pre == 32 and post == 32
+    op, pre, post, scale = reduce_factors(AVG, None, ranks=1024, reduce_dtype=torch.float16,
+                                          gloo=False)
+    assert (op, pre, post, scale) == (SUM, 32, 32, None)
     # a divide factor (scale = 1/factor) on fp16 splits too
-    op, pre, post = reduce_factors(SUM, 1 / 64, ranks=8, reduce_dtype=torch.float16, gloo=False)
-    assert op == SUM and pre * post == pytest.approx(64) and pre > 1
+    op, pre, post, scale = reduce_factors(SUM, 1 / 64, ranks=8, reduce_dtype=torch.float16,
+                                          gloo=False)
+    assert op == SUM and pre * post == pytest.approx(64) and pre > 1 and scale is None
     # fp32 on NCCL: the collective's AVG, no division of ours
     assert reduce_factors(AVG, None, ranks=8, reduce_dtype=torch.float32, gloo=False) == (
-        AVG, None, None)
+        AVG, None, None, None)
     # gloo: SUM and one division after (bitwise gloo's AVG)
     assert reduce_factors(AVG, None, ranks=4, reduce_dtype=torch.float32, gloo=True) == (
-        SUM, None, 4.0)
+        SUM, None, 4.0, None)
+    # bf16/fp32 with a divide factor: SUM, then the multiplier as before
     assert reduce_factors(SUM, 0.25, ranks=4, reduce_dtype=torch.bfloat16, gloo=False) == (
-        SUM, None, 4.0)
+        SUM, None, None, 0.25)
 
 
 def test_fp16_sum_of_large_gradients_stays_finite():
