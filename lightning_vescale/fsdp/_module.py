@@ -243,10 +243,12 @@ class VeScaleFSDPModule(FSDPModule):
         offloaded-shard copies issued from then on read the updated shards; the event is then
         dropped (set a new one each iteration). Without one, work issued on the current stream
         follows whatever the optimizer enqueued there."""
-        if not isinstance(event, torch.Event):
-            raise TypeError(f"set_post_optim_event(event=...) must be a torch.Event, got "
-                            f"{type(event).__name__}")
-        if event.device.type != "cpu":  # CPU work is ordered already (and has no events)
+        # torch.Event, or a device event class (torch.cuda.Event) that provides wait()
+        if not isinstance(event, torch.Event) and not callable(getattr(event, "wait", None)):
+            raise TypeError(f"set_post_optim_event(event=...) must be a torch.Event (e.g. "
+                            f"stream.record_event()), got {type(event).__name__}")
+        device = getattr(event, "device", None)
+        if device is None or torch.device(device).type != "cpu":  # CPU work is ordered already
             self._own_state().ctx.post_optim_event = event
 
     def set_custom_all_gather(self, comm: Any) -> None:

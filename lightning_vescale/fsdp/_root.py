@@ -17,7 +17,9 @@ groups; whether a group reduces, at its structural completion or in the final ca
 decided by :meth:`ParamGroup.should_reduce` alone. Then one small all-reduce (MAX) of the
 "received a gradient" flags tells every rank which parameters received one on *any* rank:
 exactly those get a sharded gradient, as in single-process training over the global batch
-(:meth:`RootContext._publish_grads`). Forward and backward orders are recorded on the first
+(:meth:`RootContext._publish_grads`). A rank whose flags are all set already knows the answer:
+it leaves that all-reduce in flight (no host sync at the end of backward) and finishes it at the
+next root pre-forward, where a ``set_post_optim_event`` event is also waited on. Forward and backward orders are recorded on the first
 iteration. A forward that runs *inside* backward (activation-checkpointing recompute,
 detected with ``torch._C._current_graph_task_id()``) leaves the group unsharded and registers
 nothing. No-grad/inference forwards reshard every group at the root's post-forward.

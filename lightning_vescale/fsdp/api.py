@@ -242,7 +242,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     device = _device_for(mesh_info, _params_device(collected, label))
     reshard = reshard_policy(reshard_after_forward, mesh_info.shard_size)
     _create_process_groups(mesh_info, reshard)
-    _move_buffers(modules, device)
+    _move_buffers(modules, mesh_device(mesh_info.mesh))  # never to meta: buffers keep values
     group = None
     if collected:
         group = ParamGroup(

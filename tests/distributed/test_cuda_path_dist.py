@@ -85,7 +85,13 @@ def _post_optim_event_body():
     model.set_post_optim_event(event)
     model(x).sum().backward()  # the root's pre-forward waits on it, then drops it
     model(x).sum().backward()
-    return event.waits
+    model.set_post_optim_event(torch.Event())  # a CPU event: CPU work is ordered, not kept
+    model(x).sum().backward()
+    try:
+        model.set_post_optim_event(3)
+    except TypeError:
+        return event.waits
+    return "no TypeError"
 
 
 def test_set_post_optim_event_is_waited_on(worlds):
