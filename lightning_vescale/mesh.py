@@ -229,17 +229,17 @@ def init_mesh(device_type: str, world_size: int | None = None, *,
 def default_device_type() -> str:
     """The device type of the default data-parallel mesh, from the default process group.
 
-    FSDP2's rule (``_init_default_mesh``: the current accelerator's type), checked against the
-    backend: the accelerator's type when an accelerator exists and the default group can run
-    collectives on it (``nccl``, ``cpu:gloo,cuda:nccl``, and gloo, which takes CUDA tensors
-    too), else ``"cpu"``. Never from the parameters: a model built on the CPU and sharded under
-    NCCL must get a CUDA mesh (design note [mesh-device]).
+    The accelerator's type when one exists and the default group's backend is an accelerator
+    backend that runs there (``nccl``, ``cpu:gloo,cuda:nccl``: FSDP2's rule, checked against
+    the backend), else ``"cpu"`` (plain ``gloo`` is the CPU backend, even on a GPU machine).
+    Never from the parameters: a model built on the CPU and sharded under NCCL gets a CUDA
+    mesh (design note [mesh-device]).
     """
     acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if not dist.is_initialized():
         return acc.type if acc is not None else "cpu"
     kinds = group_device_types(None)
-    if acc is not None and (not kinds or acc.type in kinds):
+    if acc is not None and dist.get_backend() != "gloo" and (not kinds or acc.type in kinds):
         return acc.type
     return "cpu"
 

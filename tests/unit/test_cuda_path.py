@@ -119,9 +119,12 @@ def test_default_device_type_follows_the_backend(monkeypatch):
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: cuda)
     monkeypatch.setattr(mesh_mod.dist, "is_initialized", lambda: True)
-    for kinds, want in (({"cuda"}, "cuda"), ({"cpu", "cuda"}, "cuda"), ({"cpu"}, "cpu")):
+    for backend, kinds, want in (("nccl", {"cuda"}, "cuda"),
+                                 ("cpu:gloo,cuda:nccl", {"cpu", "cuda"}, "cuda"),
+                                 ("gloo", {"cpu", "cuda"}, "cpu")):  # gloo: the CPU backend
+        monkeypatch.setattr(mesh_mod.dist, "get_backend", lambda group=None, b=backend: b)
         monkeypatch.setattr(mesh_mod, "group_device_types", lambda group, k=kinds: k)
-        assert mesh_mod.default_device_type() == want, kinds
+        assert mesh_mod.default_device_type() == want, backend
 
 
 def test_collective_device():
