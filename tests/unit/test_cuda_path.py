@@ -202,3 +202,42 @@ def test_memory_profiler_keeps_the_users_recording(tmp_path, monkeypatch):
     fit, calls = _profiler(tmp_path, monkeypatch, user_recording=True)
     fit()
     assert calls["record"] == []  # neither restarted with our settings nor switched off
+
+
+# -- HSDP: the replica all-reduce is ordered on a side stream, not on the current one ------------
+def test_replica_all_reduce_waits_on_a_side_stream(monkeypatch):
+    import lightning_vescale._dbuffer_comm as comm
+
+    log = []
+
+    class _Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_stream(self, other) -> None:
+            log.append(f"{self.name} waits for {other.name}")
+
+        def __enter__(self):
+            log.append(f"enter {self.name}")
+
+        def __exit__(self, *exc):
+            log.append(f"exit {self.name}")
+
+    class _Work:
+        def wait(self) -> None:
+            log.append("reduce-scatter waited")
+
+    def all_reduce(t, op=None, group=None, async_op=False):
+        log.append(f"all-reduce (async={async_op})")
+        return "ar-work"
+
+    with FakeTensorMode():
+        out = torch.empty(4, device="cuda")
+    monkeypatch.setitem(comm._ALL_REDUCE_STREAMS, out.device, _Stream("side"))
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: _Stream("cur"))
+    monkeypatch.setattr(comm.dist, "all_reduce", all_reduce)
+    work = comm.replica_all_reduce(_Work(), out, op=AVG, group=None, async_op=True)
+    assert work == "ar-work"
+    # before issue 28 the current stream waited for the reduce-scatter, then the all-reduce ran
+    assert log == ["side waits for cur", "enter side", "reduce-scatter waited",
+                   "all-reduce (async=True)", "exit side"]
