@@ -63,7 +63,10 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
             (default: every child of every ``nn.ModuleList``, then the root).
             See design note [sharding-units].
         granularity: shard-bound granularity for ``fully_shard`` (elements, or ``"row"``,
-            ``"<k>rows"``, ``"matrix"``: each stacked expert whole on one rank); must be a multiple of ``optimizer_block_size`` if both are given.
+            ``"<k>rows"``, ``"matrix"``: each stacked expert whole on one rank); must be a
+            multiple of ``optimizer_block_size`` if both are given. Or a mapping of
+            parameter-name patterns to forms, first match wins (``{"*.experts.*": "matrix"}``;
+            design note [granularity-rules]).
         optimizer_block_size: block size of a block-wise optimizer (AdamW8bit: 256) that shard
             bounds of large tensors must align to; ``None`` disables the alignment.
         optimizer_min_block_numel: tensors smaller than this need no alignment (AdamW8bit's
@@ -104,7 +107,7 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
     def __init__(
         self,
         sharding_units: Optional[list[Union[str, type[Module]]]] = None,
-        granularity: Optional[Union[int, str]] = None,
+        granularity: Optional[Union[int, str, dict[str, Optional[Union[int, str]]]]] = None,
         optimizer_block_size: Optional[int] = DEFAULT_OPTIMIZER_BLOCK_SIZE,
         optimizer_min_block_numel: int = DEFAULT_MIN_BLOCK_NUMEL,
         reshard_after_forward: Optional[Union[bool, int]] = None,

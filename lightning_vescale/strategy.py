@@ -130,7 +130,9 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
             groups; ``None`` = every child of every ``nn.ModuleList``, then the root.
         granularity: shard-bound granularity (elements, ``"row"``, ``"<k>rows"`` or
             ``"matrix"``: each expert of a stacked ``(E, out, in)`` weight whole); an int must
-            be a multiple of ``optimizer_block_size``.
+            be a multiple of ``optimizer_block_size``. Or a mapping of parameter-name patterns
+            to forms, first match wins (``{"*.experts.*": "matrix"}``: experts whole, the
+            rest the default; design note [granularity-rules]).
         optimizer_block_size: block size that the shard bounds of large tensors align to, so that
             block-wise optimizers (``lightning_vescale.optim.AdamW8bit``, block 256) need no
             communication; ``None`` disables the alignment.
@@ -187,7 +189,7 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
     def __init__(
         self,
         sharding_units: Optional[list[Union[str, type[Module]]]] = None,
-        granularity: Optional[Union[int, str]] = None,
+        granularity: Optional[Union[int, str, dict[str, Optional[Union[int, str]]]]] = None,
         optimizer_block_size: Optional[int] = DEFAULT_OPTIMIZER_BLOCK_SIZE,
         optimizer_min_block_numel: int = DEFAULT_MIN_BLOCK_NUMEL,
         reshard_after_forward: Optional[Union[bool, int]] = None,

@@ -64,6 +64,7 @@ from lightning_vescale._lightning.device_mesh import (
 from lightning_vescale._lightning.exception_agreement import ExceptionAgreement
 from lightning_vescale._lightning.sharding import (
     ShardGranularity,
+    parse_granularity,
     remap_optimizer_params,
     shard_model,
     validate_flat_optimizer,
@@ -174,6 +175,7 @@ class VeScaleStrategyCore:
         Every argument is checked here, in the constructor: a mistake in a YAML config fails
         before any process is started, not after the launch (design note [strategy-core]).
         """
+        granularity = parse_granularity(granularity)
         self._sharding_units = validate_sharding_args(
             sharding_units, granularity, optimizer_block_size, optimizer_min_block_numel)
         self._optimizer_block_size = optimizer_block_size

@@ -39,7 +39,7 @@ import difflib
 import importlib
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
@@ -60,6 +60,10 @@ from lightning_vescale.fsdp import (
     reshard_policy,
 )
 from lightning_vescale.optim import DEFAULT_BLOCK_SIZE, DEFAULT_MIN_8BIT_SIZE
+from lightning_vescale._lightning.granularity_rules import (
+    GranularityRules,
+    check_matrix_fits_block,
+)
 from lightning_vescale.planner import check_granularity, resolve_granularity
 
 __all__ = [
@@ -167,7 +171,24 @@ def validate_sharding_args(sharding_units: Any, granularity: Any, optimizer_bloc
             f"optimizer_min_block_numel must be an int >= 0, got {optimizer_min_block_numel!r}; "
             f"e.g. {DEFAULT_MIN_BLOCK_NUMEL} (AdamW8bit keeps smaller tensors in fp32)."
         )
-    check_granularity(granularity)
+    forms = (granularity.forms() if isinstance(granularity, GranularityRules)
+             else (check_granularity(granularity),))
+    for form in forms:
+        _check_multiple_of_block(form, optimizer_block_size, optimizer_min_block_numel)
+    return units
+
+
+def parse_granularity(granularity: Any) -> Union[int, str, None, GranularityRules]:
+    """The strategies' ``granularity`` argument: one form for every parameter, or a mapping of
+    name patterns to forms (design note [granularity-rules])."""
+    if isinstance(granularity, Mapping):
+        return GranularityRules.parse(granularity)
+    return granularity
+
+
+def _check_multiple_of_block(granularity: Any, optimizer_block_size: Optional[int],
+                             optimizer_min_block_numel: int) -> None:
+    """An explicit element count must be a multiple of the optimizer's block."""
     elements = granularity if isinstance(granularity, int) else (
         int(granularity) if isinstance(granularity, str) and granularity.strip().isdigit()
         else None)
@@ -182,7 +203,6 @@ def validate_sharding_args(sharding_units: Any, granularity: Any, optimizer_bloc
             f"tensors of {optimizer_min_block_numel}+ elements: the least padding), or "
             "optimizer_block_size=None if the optimizer is not block-wise."
         )
-    return units
 
 
 def validate_reshard_after_forward(reshard_after_forward: Any) -> ReshardPolicy:
@@ -267,13 +287,18 @@ class ShardGranularity:
     form resolves to elements here, once, through the planner's ``resolve_granularity``.
     """
 
-    granularity: Union[int, str, None]
+    granularity: Union[int, str, None, GranularityRules]
     optimizer_block_size: Optional[int]
     min_block_numel: int
 
     def explain(self) -> str:
         """The rule, in words: which tensors get which granularity and why (for reports)."""
         g = self.granularity
+        if isinstance(g, GranularityRules):
+            rules = ", ".join(f"{p!r}: {f!r}" for p, f in g.rules)
+            return (f"parameters by name, first matching rule ({rules}); unmatched and "
+                    f"None: the default. Each rule's granularity as follows. "
+                    + dataclasses.replace(self, granularity=None).explain())
         own = ("element-wise" if g is None or g in (1, "element", "elements")
                else f"granularity={g!r}")
         if self.optimizer_block_size is None:
@@ -288,11 +313,28 @@ class ShardGranularity:
                 f"(AdamW8bit keeps their states in fp32, so they need no alignment and "
                 f"{'pad the least' if own == 'element-wise' else 'keep your granularity'}).")
 
+    def form_for(self, fqn: str) -> Union[int, str, None]:
+        """The user's granularity for the parameter named ``fqn`` (a rule's, design note
+        [granularity-rules], or the one form given for all)."""
+        g = self.granularity
+        return g.form_for(fqn) if isinstance(g, GranularityRules) else g
+
     def __call__(self, name: str, param: Tensor) -> int:
         shape = tuple(param.shape)
         large = self.optimizer_block_size is not None and math.prod(shape) >= self.min_block_numel
-        return resolve_granularity(self.granularity, shape,
+        form = self.form_for(name)
+        if large and isinstance(form, str) and form.strip().lower() in ("matrix", "matrices",
+                                                                         "mat"):
+            check_matrix_fits_block(name, shape, self.optimizer_block_size)
+        return resolve_granularity(form, shape,
                                    multiple_of=self.optimizer_block_size if large else None)
+
+    def bound(self, prefix: str) -> Callable[[str, Tensor], int]:
+        """This policy for the parameters of the module at ``prefix`` (``fully_shard`` names
+        them relative to the module; the rules match fully qualified names)."""
+        if not prefix:
+            return self
+        return lambda name, param: self(f"{prefix}.{name}", param)
 
 
 def _qualified_class(name: str) -> Optional[type]:
@@ -413,8 +455,15 @@ def shard_model(
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    if granularity is not None:
-        kwargs["granularity"] = granularity
+    prefixes = {id(m): name for name, m in root.named_modules()}
+
+    def granularity_at(module: Module) -> dict[str, Any]:
+        # fully_shard names parameters relative to the module; a policy that matches fully
+        # qualified names (design note [granularity-rules]) is bound to the module's prefix
+        if granularity is None:
+            return {}
+        bound = getattr(granularity, "bound", None)
+        return {"granularity": bound(prefixes.get(id(module), "")) if bound else granularity}
     # The root keeps its parameters after forward (backward needs them first): the "auto"
     # policy (reshard_after_forward=None), whatever the units were given; the strategy's value
     # applies to the units (design note [fsdp-reshard-policy]).
@@ -424,14 +473,17 @@ def shard_model(
         if not isinstance(root, VeScaleFSDPModule):  # the user sharded units: add the root only
             if not is_meta:
                 _move_unsharded(root, device)
-            fully_shard(root, **root_kwargs)
+            fully_shard(root, **root_kwargs, **granularity_at(root))
     else:
         chosen = resolve_sharding_units(root, units)
         if not is_meta:
             root.to(device)
         for unit in chosen:
-            fully_shard(unit, **kwargs)
-        fully_shard(root, **root_kwargs)
+            fully_shard(unit, **kwargs, **granularity_at(unit))
+        fully_shard(root, **root_kwargs, **granularity_at(root))
+        rules = getattr(granularity, "granularity", None)
+        if isinstance(rules, GranularityRules):  # every parameter met the rules: a typo shows
+            rules.check_all_used([n for n, _ in root.named_parameters()])
     if is_meta:
         materialize(root, device)
     _move_unsharded(root, device)

@@ -9,8 +9,9 @@ Two levels:
   a separate 2-D parameter (+ ``torch.optim.AdamW`` for the rest), in one process: **bitwise**
   (momentum and the update are element-wise on local slices, Newton–Schulz runs on the whole
   bf16 matrix, and moving bf16 over gloo is exact). The shapes that break other FSDPs are here:
-  96 rows over 5 ranks, 18 x 2304-like (18 x 96) over 8 ranks, 6 experts over 4 ranks, ranks that
-  hold nothing. Under ``"matrix"`` Muon's step runs no collective (counted).
+  96 rows over 5 ranks, 18 x 2304 over 8 ranks, 6 experts over 4 ranks, ranks that
+  hold nothing (Muon against ``torch.optim.Muon``; ``AdamW8bit`` and ``torch.optim.AdamW``
+  against themselves on whole tensors, bitwise). Under ``"matrix"`` Muon's step runs no collective (counted).
 * *Model level, data parallel.* ``examples/moe.py``'s MoE GPT, ``fully_shard`` per block with
   ``expert_granularity`` (experts whole), each rank its own micro-batch, against one process on
   the same micro-batches (loss averaged over them, which is data parallelism's loss also for the
@@ -18,7 +19,13 @@ Two levels:
   per expert). Tolerance ``atol=2e-3, rtol=1e-3``: TESTING.md measures reduction-order noise after
   3 steps at up to ~1e-4 (AdamW) and ~2e-4 (Muon, bf16 Newton–Schulz) and a wrong slice or a
   skipped shard at ~1e-2; 8-bit states round the noise to a quantization step (lr * ~1e-2 at
-  most), so the bound sits between noise and a real error. Checkpoints saved at one world load at
+  most), so the bound sits between noise and a real error. Muon is compared after 2 steps: its
+  difference to the reference grows per step (3 ranks: ~3e-4, 1e-3, 8e-3) and that is Muon's own
+  sensitivity, not the engine's: in ONE process, only changing the reduction order (3 per-rank
+  backwards, gradients summed then divided, as data parallelism does) gives 1.2e-5, 3.3e-4,
+  1.6e-3, 7.5e-3 after steps 1-4, and one ulp on every gradient of step 0 alone 1.7e-4 ..
+  7.3e-3 (bf16 Newton–Schulz rounds a 1-ulp change to a bf16 step, top-k routing amplifies
+  it); AdamW under the same changes stays at ~1e-5 (measured 2026-11-27). Checkpoints saved at one world load at
   another and continue to the reference.
 """
 
@@ -48,7 +55,7 @@ MOE = {
     "blocks.0.ln.weight": (8,),
 }
 ROWS96 = {"w96": (96, 8), "experts96": (2, 96, 4), "b": (5,)}  # 96 rows over 5 ranks
-DION = {"w18": (18, 96), "experts18": (2, 18, 96)}  # the 18 x 2304 case, inner dim 96
+DION = {"w18": (18, 2304), "experts18": (2, 18, 2304)}  # microsoft/dion #74's 18 x 2304
 EMPTY = {"experts": (2, 4, 4), "w": (3, 4)}  # 2 experts over 4 ranks: two ranks hold nothing
 
 
@@ -186,6 +193,53 @@ def test_18_rows_over_8_ranks(worlds, kind):
 def test_ranks_that_hold_nothing(worlds, kind):
     outs = worlds(4).run(_muon_body, EMPTY, kind, 2)
     _assert_all_equal(outs)
+
+
+def _elementwise_body(shapes, kind: str, optimizer: str, steps: int):
+    """``AdamW8bit`` or ``torch.optim.AdamW`` on this rank's shards against the same optimizer
+    on the whole tensors in one process: every element's update depends only on its own values
+    (and, for 8-bit states, its 256-element block, which the layouts keep on one rank)."""
+    from lightning_vescale.optim import AdamW8bit
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    layouts = _layouts(shapes, world, kind)
+    full = _initial(shapes)
+    make = (lambda ps: AdamW8bit(ps, **ADAMW_HP)) if optimizer == "adamw8bit" else (
+        lambda ps: torch.optim.AdamW(ps, **ADAMW_HP, foreach=False))
+    params, plain = {}, {n: torch.nn.Parameter(full[n].clone()) for n in shapes}
+    for n, s in shapes.items():
+        a, b = layouts[n].local_range(s, rank)
+        params[n] = torch.nn.Parameter(ragged_from_local(full[n].reshape(-1)[a:b].clone(), mesh,
+                                                         layouts[n], s))
+    opt, ref = make(list(params.values())), make(list(plain.values()))
+    for step in range(steps):
+        for n, g in _grads(shapes, step).items():
+            a, b = layouts[n].local_range(shapes[n], rank)
+            params[n].grad = ragged_from_local(g.reshape(-1)[a:b].clone(), mesh, layouts[n],
+                                               shapes[n])
+            plain[n].grad = g.clone()
+        opt.step()
+        ref.step()
+    equal = {}
+    for n, s in shapes.items():
+        a, b = layouts[n].local_range(s, rank)
+        equal[n] = bool(torch.equal(params[n].detach().to_local(),
+                                    plain[n].detach().reshape(-1)[a:b]))
+    return (equal,)
+
+
+# 8-bit states need shard bounds on 256-element blocks for tensors of 4096+ elements: "matrix"
+# and "row" of the 18 x 2304 weights are multiples of 256; the smaller shapes keep fp32 states.
+@pytest.mark.parametrize("optimizer", ["adamw8bit", "adamw"])
+@pytest.mark.parametrize("shapes, world, kind", [
+    (ROWS96, 5, "row"), (ROWS96, 5, "random"), (DION, 8, "matrix"), (DION, 8, "row"),
+    (MOE, 4, "matrix"), (EMPTY, 4, "matrix"), (EMPTY, 4, "random"),
+], ids=["96rows-5-row", "96rows-5-random", "18x2304-8-matrix", "18x2304-8-row",
+        "6experts-4-matrix", "empty-4-matrix", "empty-4-random"])
+def test_hard_shapes_with_elementwise_optimizers(worlds, shapes, world, kind, optimizer):
+    _assert_all_equal(worlds(world).run(_elementwise_body, shapes, kind, optimizer, 2,
+                                        timeout=240))
 
 
 # ------------------------------------------------------------------------------------------------
