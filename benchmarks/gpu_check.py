@@ -12,10 +12,17 @@ NCCL) and, when there are several GPUs, all of them (one process per GPU, spawne
    run with prefetch off must give the same losses and parameters bitwise.
 4. **CPU offload**: the same parity with ``offload_policy=CPUOffloadPolicy()`` if this branch's
    ``fully_shard`` takes it (else the row says it was skipped and why).
-5. **MemoryProfiler snapshot**: a Lightning ``Trainer`` with ``VeScaleFSDPStrategy`` and
+5. **the CUDA path** (issue 28, ``benchmarks/_gpu_cuda_path.py``): offload with gradient
+   accumulation, a CPU-built model sharded without a mesh (mesh and tensors on the GPU),
+   ``set_post_optim_event`` with the optimizer on a side stream behind a sleep kernel (losses
+   bitwise equal), fp16 with ``ShardedGradScaler``, ``clip_grad_norm_`` and offload; with 2+
+   GPUs, reduce-scatter kernels overlapping backward GEMMs in a profiler trace and HSDP on a
+   ``(1, N)`` and an ``(N/2, 2)`` mesh (``(2, 1)`` at N=2) against single-device training.
+   At world 1 every collective takes the local shortcut: the NCCL rows need 2+ GPUs.
+6. **MemoryProfiler snapshot**: a Lightning ``Trainer`` with ``VeScaleFSDPStrategy`` and
    ``MemoryProfiler(snapshot_dir=..., snapshot_at_step=1)`` on one GPU must write a loadable
    allocator snapshot.
-6. **throughput**: a ~1.2B-parameter GPT (24 layers, width 2048, sequence 1024, bf16 compute,
+7. **throughput**: a ~1.2B-parameter GPT (24 layers, width 2048, sequence 1024, bf16 compute,
    fused AdamW) per engine (vescale, vescale with its AdamW wrapped in ``FlatParamOptimizer``
    as the Lightning strategies do by default, FSDP2): tokens/s, step time, the optimizer step
    alone, MFU (model FLOPs: 6 N + 12 L d T per token, over the GPU's dense bf16 peak) and peak
@@ -48,6 +55,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from benchmarks._gpu_cuda_path import CHECKS as CUDA_PATH_CHECKS
 from examples.gpt import GPT, GPTConfig
 
 RESULTS = Path(__file__).with_name("RESULTS_gpu.md")
@@ -307,7 +315,7 @@ def throughput(engine: str, cfg: ThroughputConfig, device: torch.device) -> dict
 def run_checks(device: torch.device, cfg: ThroughputConfig | None) -> dict[str, Any]:
     """Every rank-side check in this world; a failing check is a row, never an abort."""
     rows = []
-    for fn in (check_parity, check_bf16, check_async, check_offload):
+    for fn in (check_parity, check_bf16, check_async, check_offload, *CUDA_PATH_CHECKS):
         try:
             rows.append(fn(device))
         except Exception:  # noqa: BLE001 - report it and go on with the other checks

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from lightning_vescale.mesh import MeshInfo
     from lightning_vescale.planner import LayoutPlan
 
-__all__ = ["CommHandle", "gloo_reduce_scatter_sum", "group_rank_and_size",
+__all__ = ["CommHandle", "gloo_reduce_scatter_sum", "gradient_divide_factors",
+           "group_rank_and_size", "offload_copy", "reduce_factors", "replica_all_reduce",
            "wire_all_reduce_sum"]
 
 
@@ -162,3 +163,103 @@ def wire_all_reduce_sum(out: torch.Tensor, wire: torch.dtype, *, group: Any, siz
         return None
     return _Finished(finish)
 
+
+# -- reduce-scatter pieces (design notes [dbuffer-collectives], [dbuffer-offload]) ----------------
+def gradient_divide_factors(ranks: int, reduce_dtype: torch.dtype,
+                            factor: float | None = None) -> tuple[float | None, float]:
+    """``(pre, post)``: divide the reduce input by ``pre`` and the output by ``post`` so that a
+    SUM reduction over ``ranks`` gives the sum divided by ``factor`` (default ``ranks``).
+
+    FSDP2's ``_get_gradient_divide_factors``: fp16 (any dtype but fp32/bf16) risks overflow in
+    a SUM over many ranks, so it divides by about ``sqrt(factor)`` (the largest power of two
+    that divides it and stays below its square root) before and by the rest after; fp32 and
+    bf16 divide once, after (``pre`` is ``None``).
+    """
+    factor = float(ranks if factor is None else factor)
+    if reduce_dtype in (torch.float32, torch.bfloat16, torch.float64):
+        return None, factor
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    return float(pre), factor / pre
+
+
+def reduce_factors(rop: dist.ReduceOp, scale: float | None, *, ranks: int,
+                   reduce_dtype: torch.dtype, gloo: bool
+                   ) -> tuple[dist.ReduceOp, float | None, float | None, float | None]:
+    """``(op, pre, post, scale)`` of a gradient reduce-scatter over ``ranks`` data-parallel
+    ranks: the collectives' op, the divisions before and after it and a multiplier after
+    (``None``: none).
+
+    fp16 divides before and after a SUM (:func:`gradient_divide_factors`; a divide factor's
+    ``scale`` too); gloo has no native AVG, so it sums and divides after (bitwise gloo's own
+    AVG); otherwise the op as given, and ``scale`` after."""
+    fp16 = gradient_divide_factors(ranks, reduce_dtype)[0] is not None
+    if rop == dist.ReduceOp.AVG and (fp16 or (ranks > 1 and gloo)):
+        pre, post = gradient_divide_factors(ranks, reduce_dtype)
+        return dist.ReduceOp.SUM, pre, post, None
+    if rop == dist.ReduceOp.SUM and scale is not None and fp16:
+        pre, post = gradient_divide_factors(ranks, reduce_dtype, 1.0 / scale)
+        return rop, pre, post, None
+    return rop, None, None, scale
+
+
+def offload_copy(gs: torch.Tensor, out: torch.Tensor, *, accumulate: bool,
+                 non_blocking: bool) -> "torch.Event | None":
+    """Write a reduced gradient shard ``out`` (on the compute device) into the offloaded
+    ``gs`` (CPU): copy, or with ``accumulate`` add (design note [dbuffer-offload]).
+
+    A copy into pinned memory from an accelerator is asynchronous (``non_blocking``): the
+    returned event is recorded after it, and must be synchronised before anyone reads ``gs``
+    (the root's final callback does, as FSDP2 does with its ``grad_offload_event``). Adding
+    needs the values on the host: ``out`` is copied there first, blocking (FSDP2 too), never
+    added across devices.
+    """
+    if accumulate:
+        gs.add_(out if out.device == gs.device else out.to(gs.device))
+        return None
+    asynchronous = non_blocking and out.device != gs.device and out.device.type != "cpu"
+    gs.copy_(out, non_blocking=asynchronous)
+    if not asynchronous:
+        return None
+    event = torch.Event(device=out.device)
+    event.record()
+    return event
+
+
+# one side stream per device for HSDP's replica all-reduce (FSDP2's ``all_reduce_stream``)
+_ALL_REDUCE_STREAMS: dict[torch.device, torch.Stream] = {}
+
+
+def replica_all_reduce(rs_work: Any, out: torch.Tensor, *, op: dist.ReduceOp, group: Any,
+                       async_op: bool, wire: torch.dtype | None = None, size: int = 1) -> Any:
+    """HSDP: all-reduce the reduce-scatter's output ``out`` across the replicas.
+
+    On an accelerator the all-reduce is issued from a side stream that waits for the
+    reduce-scatter (``Work.wait`` under that stream orders that stream, not the current one),
+    so the backward kernels issued next on the current stream are not queued behind the
+    reduce-scatter; the returned work's ``wait`` orders the current stream after the
+    all-reduce. On the CPU (gloo) the reduce-scatter is simply finished first. With a ``wire``
+    dtype (a ``reduce_scatter_dtype``) it is :func:`wire_all_reduce_sum` over the ``size``
+    replicas, after the reduce-scatter.
+    """
+    if wire is not None:
+        if rs_work is not None:
+            with record_function("vescale::comm_wait"):
+                rs_work.wait()
+        with record_function("vescale::all_reduce"):
+            return wire_all_reduce_sum(out, wire, group=group, size=size, async_op=async_op)
+    if out.device.type == "cpu" or not async_op:
+        if rs_work is not None:
+            with record_function("vescale::comm_wait"):
+                rs_work.wait()
+        with record_function("vescale::all_reduce"):
+            return dist.all_reduce(out, op=op, group=group, async_op=async_op)
+    stream = _ALL_REDUCE_STREAMS.get(out.device)
+    if stream is None:
+        stream = _ALL_REDUCE_STREAMS[out.device] = torch.Stream(device=out.device)
+    stream.wait_stream(torch.accelerator.current_stream(out.device))
+    with stream, record_function("vescale::all_reduce"):
+        if rs_work is not None:
+            rs_work.wait()  # orders the side stream after the reduce-scatter
+        return dist.all_reduce(out, op=op, group=group, async_op=True)

@@ -224,7 +224,8 @@ class QuantizedGather:
 
         return work, finish
 
-    def recv_bytes(self) -> int:
-        """Bytes of the receive buffer now allocated (communication memory)."""
-        return self.recv.untyped_storage().nbytes()
+    def held_bytes(self) -> int:
+        """Bytes held now: the persistent send buffer and, during an all-gather, the receive
+        buffer (communication memory, ``DBuffer.memory_bytes()["comm"]``)."""
+        return self.send.numel() + self.recv.untyped_storage().nbytes()
 

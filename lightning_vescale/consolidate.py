@@ -28,6 +28,18 @@ error naming the file and the object, and the error suggests ``--trust`` (the sa
 checkpoint's source. Other errors (a damaged file, a failed checksum) name the file and say nothing
 of ``--trust``, which would not help.
 
+*Hugging Face safetensors* (``--format safetensors``): ``OUT`` is a directory that gets the
+model's weights as ``save_pretrained`` writes them (``model.safetensors`` or shards of
+``--max-shard-size``, ``model.safetensors.index.json``, a CRC-32 ``.integrity.json``), for
+``transformers``' ``from_pretrained`` (add the model's ``config.json``) or ``load_safetensors``.
+``--strip-prefix model.`` keeps only the keys under the attribute the LightningModule holds the
+Hugging Face model as, without it (``model.model.layers.0...`` -> ``model.layers.0...``);
+``--dtype bf16`` converts floating-point tensors. Other files in ``OUT`` (``config.json``) are
+kept::
+
+    python -m lightning_vescale.consolidate checkpoints/last.ckpt hf_out --format safetensors \
+        --strip-prefix model. --dtype bf16
+
 The output is written to a temporary sibling and renamed onto ``OUT``, so an interrupted run never
 leaves half a file; an existing ``OUT`` is replaced only with ``--force``.
 """
@@ -45,6 +57,7 @@ import torch
 
 from lightning_vescale.checkpoint import consolidate
 from lightning_vescale.checkpoint._errors import CheckpointRefusedError
+from lightning_vescale.checkpoint._hf_save import write_safetensors
 
 __all__ = ["build_parser", "main"]
 
@@ -64,7 +77,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dict-only", action="store_true",
                    help="write only the model's state dict (no optimizer or trainer state)")
     p.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    p.add_argument("--format", choices=["full", "safetensors"], default="full",
+                   help="full: one torch.save file (default); safetensors: OUT is a directory of "
+                        "Hugging Face safetensors shards + index (model weights only)")
+    p.add_argument("--strip-prefix", default="", metavar="PREFIX",
+                   help="safetensors: keep only keys starting with PREFIX, without it "
+                        "(e.g. 'model.' for a LightningModule's self.model)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES),
+                   help="safetensors: convert floating-point tensors (default: as saved)")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="safetensors: bytes per shard file (default 5GB)")
     return p
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _write_safetensors(state: dict[str, Any], dst: Path, args: argparse.Namespace) -> str:
+    """``--format safetensors``: the model state dict as HF shards in the directory ``dst``."""
+    prefix = args.strip_prefix
+    tensors = {k[len(prefix):]: v for k, v in state.items()
+               if k.startswith(prefix) and isinstance(v, torch.Tensor)}
+    if not tensors:
+        raise ValueError(f"no tensor key of the checkpoint starts with --strip-prefix "
+                         f"{prefix!r} (keys: {sorted(state)[:4]}...)")
+    write_safetensors(tensors, dst, max_shard_size=args.max_shard_size,
+                      dtype=_DTYPES.get(args.dtype))
+    return (f"wrote Hugging Face safetensors to {dst}: {_describe('state_dict', tensors)}"
+            f"{f' (dtype {args.dtype})' if args.dtype else ''}")
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -123,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     src, dst = Path(args.input), Path(args.output)
     weights_only = args.weights_only and not args.trust
+    if args.format == "safetensors":
+        return _main_safetensors(parser, args, src, dst, weights_only)
     if dst.exists() and not args.force:
         parser.error(f"{str(dst)!r} exists; pass --force to replace it")
     if dst.resolve() == src.resolve():
@@ -146,6 +188,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     what = "state dict" if args.state_dict_only else "full checkpoint"
     print(f"wrote {what} {dst}: {_summary(out, args.state_dict_only)}"
           f"{'' if weights_only else ' (loaded with weights_only=False)'}")
+    return 0
+
+
+def _main_safetensors(parser: argparse.ArgumentParser, args: argparse.Namespace, src: Path,
+                      dst: Path, weights_only: bool) -> int:
+    if dst.exists() and not dst.is_dir():
+        parser.error(f"{str(dst)!r} is a file; --format safetensors writes a directory")
+    if dst.resolve() == src.resolve():
+        parser.error("IN and OUT must be different paths")
+    try:
+        state = _model_state(consolidate(src, weights_only=weights_only), src)
+        print(_write_safetensors(state, dst, args))
+    except (ValueError, RuntimeError, OSError) as exc:
+        hint = ("" if not isinstance(exc, CheckpointRefusedError) else
+                " (if the checkpoint comes from a source you trust, --trust loads it without the "
+                "weights_only restriction)")
+        parser.error(f"cannot convert {str(src)!r}: {exc}{hint}")
     return 0
 
 

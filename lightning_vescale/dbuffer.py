@@ -49,6 +49,13 @@ Design note [dbuffer-collectives]
   gradient (autograd accumulated into the views): no copy-in. One whole-buffer cast when the
   reduce dtype differs, one whole-shard add when accumulating onto existing sharded gradients.
 * Group operations (zero, scale, cast) are one kernel per buffer, never per tensor.
+* fp16 reductions divide by about ``sqrt(ranks)`` before the SUM and by the rest after, as
+  FSDP2's ``_get_gradient_divide_factors`` (a SUM of fp16 gradients over many ranks overflows);
+  fp32/bf16 use the collective's AVG (or SUM and one scale).
+* HSDP: the replica all-reduce of the reduced shard is issued from a side stream ordered after
+  the reduce-scatter (FSDP2's ``all_reduce_stream``), so later backward kernels on the current
+  stream do not queue behind the reduce-scatter; the handle's ``wait`` orders the current stream
+  after the all-reduce.
 * gloo (CPU): a SUM reduce-scatter is an ``all_to_all_single`` of ``grad_full`` into an
   input-sized temporary (each rank receives every rank's copy of its own slice) and one local
   ``sum`` over ranks. gloo's ``reduce_scatter_tensor`` moves the same bytes but was 1.7-2.4x
@@ -78,7 +85,11 @@ gradients and the optimizer states built from them are CPU tensors, as with FSDP
 ``grad_full`` stay on ``device``: the all-gather input is one copy of the whole shard to
 ``device`` per group (cast to ``param_dtype`` on the way), and the reduce-scatter writes a
 device tensor that its epilogue copies (or adds) into the host ``grad_shard``. Both copies are
-made even when ``device`` is the CPU, so the offload path is the same code everywhere.
+made even when ``device`` is the CPU, so the offload path is the same code everywhere. Into
+pinned memory from an accelerator the gradient copy is asynchronous (``non_blocking``, one event
+per buffer that the root's final callback synchronises: FSDP2's ``grad_offload_event``); when
+gradients accumulate the reduced shard is copied to the host first and added there, never added
+across devices. The host shard is not zeroed before a copy that overwrites it.
 
 Design note [dbuffer-published-grads]
 -------------------------------------
@@ -112,7 +123,9 @@ from lightning_vescale._dbuffer_comm import (
     _resolve_op,
     gloo_reduce_scatter_sum,
     group_rank_and_size,
-    wire_all_reduce_sum,
+    offload_copy,
+    reduce_factors,
+    replica_all_reduce,
 )
 from lightning_vescale._dbuffer_registry import dbuffer_of, live_dbuffers, register
 from lightning_vescale._dbuffer_quant import QuantizedGather
@@ -206,11 +219,9 @@ class DBuffer:
         self.dtype = dtype
         self.param_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
-        self.wire_dtype = wire_dtype
-        self.quantized = (QuantizedGather(plan, rank=self.rank, fmt=quantize,
-                                          block_size=quant_block_size, device=self.device)
-                          if quantize is not None and not self.is_meta else None)
-        self.quantize, self.quant_block_size = quantize, quant_block_size
+        self.wire_dtype, self.quantize, self.quant_block_size = wire_dtype, quantize, quant_block_size
+        self.quantized = None if quantize is None or self.is_meta else QuantizedGather(
+            plan, rank=self.rank, fmt=quantize, block_size=quant_block_size, device=self.device)
         S, N = plan.shard_size, plan.buffer_size
         self.shard_size, self.buffer_size = S, N
         self._shapes = {spec.name: tuple(spec.shape) for spec in plan.entries}
@@ -242,6 +253,8 @@ class DBuffer:
         self._published: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
         self._comm_bytes = 0  # bytes of live temporaries (casts) owned by in-flight ops
         self._gloo: bool | None = None  # the group's backend is gloo (see _on_gloo)
+        #: the pending asynchronous gradient copy to the host (offload; see wait_offload)
+        self._offload_event: torch.Event | None = None
         self.free()
         self.free_grad()
         register(self)  # dbuffer_of, live_dbuffers
@@ -404,7 +417,7 @@ class DBuffer:
             "param_unsharded": nbytes(self.full) + nbytes(self.partial),
             "grad_shard": nbytes(self.grad_shard),
             "grad_unsharded": nbytes(self.grad_full) + nbytes(self.grad_acc),
-            "comm": self._comm_bytes + (self.quantized.send.numel() if self.quantized else 0),
+            "comm": self._comm_bytes + (self.quantized.held_bytes() if self.quantized else 0),
         }
 
     # -- loading ---------------------------------------------------------------------------------
@@ -467,18 +480,10 @@ class DBuffer:
         return handle
 
     def _quantized_all_gather(self, async_op: bool) -> CommHandle:
-        q = self.quantized
-        assert q is not None
         src = self.shard.to(self.device, non_blocking=self._pin) if self.offload else self.shard
-        extra = q.recv.numel() if self.world_size > 1 else 0
-        self._comm_bytes += extra
-        work, finish = q.all_gather(src, self.full, group=self.group, async_op=async_op)
-
-        def epilogue(src=src) -> None:  # keep ``src`` alive until the collective finished
-            finish()
-            self._comm_bytes -= extra
-
-        handle = CommHandle(work, epilogue)
+        assert self.quantized is not None  # its buffers count in memory_bytes()["comm"]
+        handle = CommHandle(*self.quantized.all_gather(src, self.full, group=self.group,
+                                                       async_op=async_op))
         if not async_op:
             handle.wait()
         return handle
@@ -498,12 +503,9 @@ class DBuffer:
             return self._reduce_scatter(async_op, rop, accumulate, scale)
 
     def _on_gloo(self) -> bool:
-        """Whether the shard group runs on gloo (CPU), where two collectives take another form:
-
-        * AVG: gloo has no native AVG: it sums, then divides the output by the group size, and
-          its AVG path is slower than SUM (4.3 vs 3.1 ms for 3.2 MB at 2 ranks here). Summing
-          and dividing here gives the same bits (checked at 2 and 3 ranks, fp32 and bf16).
-        * SUM reduce-scatter: an all-to-all plus a local sum ([dbuffer-collectives])."""
+        """Whether the shard group runs on gloo (CPU): AVG is a SUM and one division (gloo's
+        own AVG does that, slower: 4.3 vs 3.1 ms for 3.2 MB at 2 ranks; same bits), a SUM
+        reduce-scatter an all-to-all plus a local sum ([dbuffer-collectives])."""
         if self._gloo is None:
             self._gloo = (self.device.type == "cpu" and dist.is_initialized()
                           and "gloo" in str(dist.get_backend(self.group)))
@@ -524,21 +526,18 @@ class DBuffer:
 
     def _reduce_scatter(self, async_op: bool, rop: dist.ReduceOp,
                         accumulate: bool, scale: float | None = None) -> CommHandle:
-        ranks = self.world_size * self.replicate_size  # data-parallel ranks that are averaged
         wire = self.wire_dtype
-        divide = rop == dist.ReduceOp.AVG and ranks > 1 and (self._on_gloo() or wire is not None)
-        if divide:
-            rop = dist.ReduceOp.SUM
+        # a wire dtype always takes the all-to-all form: AVG is a SUM and a division, as gloo's
+        rop, pre, post, scale = reduce_factors(
+            rop, scale, ranks=self.world_size * self.replicate_size,
+            reduce_dtype=self.reduce_dtype, gloo=self._on_gloo() or wire is not None)
         if wire is not None and rop != dist.ReduceOp.SUM:
             raise ValueError(f"DBuffer {self.name!r}: a reduce_scatter_dtype supports op 'sum' "
                              f"and 'avg' only, got {rop}")
-        # the partial sums: in reduce_dtype, or in fp32 (at least) with a wire dtype
-        sum_dtype = (self.reduce_dtype if wire is None
-                     else torch.promote_types(torch.float32, self.reduce_dtype))
         # offload: the collective writes on device; the epilogue copies the shard to the host
         direct = (not accumulate and self.reduce_dtype == self.dtype and not self.offload
                   and wire is None)
-        gs = self._ensure_grad_shard(zero=not direct)
+        gs = self._ensure_grad_shard(zero=accumulate)  # a copy overwrites every element
         if self.grad_acc is not None:  # unsynced micro-batches, summed in reduce_dtype
             inp, self.grad_acc = self.grad_acc, None
             inp.add_(self.grad_full)  # the last micro-batch, added in reduce_dtype in place
@@ -546,23 +545,27 @@ class DBuffer:
             inp = self.grad_full
         else:
             inp = self.grad_full.to(self.reduce_dtype)  # one cast for the whole group
+        if pre is not None and pre != 1:
+            inp.div_(pre)  # grad_full is freed after the reduce: dividing in place is safe
         if wire is not None and inp.dtype != wire:
-            inp = inp.to(wire)  # what travels
+            inp = inp.to(wire)  # what travels; the partial sums are added in fp32 (at least)
+        sum_dtype = (self.reduce_dtype if wire is None
+                     else torch.promote_types(torch.float32, self.reduce_dtype))
         out = gs if direct else torch.empty(self.shard_size, dtype=sum_dtype, device=self.device)
-        extra = 0
-        if inp is not self.grad_full:
-            extra += inp.numel() * inp.element_size()
-        if out is not gs:
-            extra += out.numel() * out.element_size()
+        extra = sum(t.numel() * t.element_size() for t, own in ((inp, self.grad_full), (out, gs))
+                    if t is not own)
         self._comm_bytes += extra
 
         def epilogue(inp=inp, out=out) -> None:
-            if divide:
-                out.div_(ranks)
+            if post is not None and post != 1:
+                out.div_(post)
             if scale is not None:
                 out.mul_(scale)
             if out is not gs:
-                if accumulate:
+                if self.offload:
+                    self._offload_event = offload_copy(gs, out, accumulate=accumulate,
+                                                       non_blocking=self._pin)
+                elif accumulate:
                     gs.add_(out)
                 else:
                     gs.copy_(out)
@@ -577,19 +580,19 @@ class DBuffer:
         else:
             work = _reduce_scatter_flat(out, inp, op=rop, group=self.group, async_op=async_op)
         if self.replicate_group is not None:
-            # HSDP: the cross-replica all-reduce reads the reduce-scatter's output. Waiting on
-            # the reduce-scatter's work first orders the two (on NCCL that is a stream
-            # dependency, not a host sync; gloo runs it to completion); the all-reduce is then
-            # the handle's work. With AVG each stage averages over its own group.
-            if work is not None:
-                with record_function("vescale::comm_wait"):
-                    work.wait()
-            with record_function("vescale::all_reduce"):
-                work = (dist.all_reduce(out, op=rop, group=self.replicate_group,
-                                        async_op=async_op) if wire is None else
-                        wire_all_reduce_sum(out, wire, group=self.replicate_group,
-                                            size=self.replicate_size, async_op=async_op))
+            # HSDP: all-reduce the output across replicas, after the reduce-scatter (on a side
+            # stream on accelerators); with AVG each stage averages over its own group. A wire
+            # dtype: an all-to-all, an fp32 sum and an all-gather ([dbuffer-collectives]).
+            work = replica_all_reduce(work, out, op=rop, group=self.replicate_group,
+                                      async_op=async_op, wire=wire, size=self.replicate_size)
         handle = CommHandle(work, epilogue)
         if not async_op:
             handle.wait()
         return handle
+
+    def wait_offload(self) -> None:
+        """Wait for the asynchronous copy of the reduced gradient shard to the host (offload,
+        pinned; [dbuffer-offload]): the root's final callback does, once per backward."""
+        event, self._offload_event = self._offload_event, None
+        if event is not None:
+            event.synchronize()

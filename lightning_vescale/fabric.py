@@ -77,6 +77,11 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
             as ``VeScaleFSDPStrategy``'s (design note [fsdp-reshard-policy]).
         state_dict_type: ``"sharded"`` (a DCP directory, every rank writes its shard) or
             ``"full"`` (one file from rank 0, loadable without this package).
+        pretrained_weights: a Hugging Face safetensors checkpoint (a ``.safetensors`` file or a
+            ``save_pretrained`` directory) loaded into the module in ``setup_module``, right
+            after sharding (create the optimizer afterwards); each rank reads only its own
+            shards. Keys match after the prefix the module holds the HF model under. See design
+            note [pretrained-weights].
         process_group_backend: defaults to the accelerator's (``gloo`` on CPU, ``nccl`` on CUDA).
         timeout: process-group timeout.
         device_mesh: ``None`` (default): shard every group over all ranks. ``(replicas,
@@ -112,6 +117,7 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
         optimizer_min_block_numel: int = DEFAULT_MIN_BLOCK_NUMEL,
         reshard_after_forward: Optional[Union[bool, int]] = None,
         state_dict_type: Literal["sharded", "full"] = "sharded",
+        pretrained_weights: Optional[_PATH] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         device_mesh: DeviceMeshArg = None,
@@ -131,6 +137,7 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
                         optimizer_min_block_numel=optimizer_min_block_numel,
                         reshard_after_forward=reshard_after_forward,
                         state_dict_type=state_dict_type,
+                        pretrained_weights=pretrained_weights,
                         process_group_backend=process_group_backend, timeout=timeout,
                         device_mesh=device_mesh, flat_optimizer=flat_optimizer,
                         sync_module_states=sync_module_states, comm_policy=comm_policy)

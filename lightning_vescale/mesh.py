@@ -23,6 +23,19 @@ compute the same optimizer steps on the same shards. A tensor-parallel (or any o
 to the caller: pass the data-parallel sub-mesh (``mesh["dp_replicate", "dp_shard"]``), not the
 whole mesh.
 
+Design note [mesh-device]
+-------------------------
+The device is the mesh's, never the parameters': ``fully_shard`` on a model built on the CPU
+under NCCL computes on the mesh's device (:func:`mesh_device`, FSDP2's
+``_get_device_from_mesh``) and moves the modules' buffers there, and the default mesh's device
+type comes from the default process group (:func:`default_device_type`: the accelerator when
+the backend runs on it). CPU offload keeps shards, gradients and optimizer states on the CPU
+while the mesh is a CUDA one; a collective on such a CPU tensor (the grad scaler's found-inf
+flag, ``clip_grad_norm_``'s sum, a full state dict's gather) goes through
+:func:`all_reduce_anywhere` / :func:`collective_device`: when the group's backend does not take
+CPU tensors (plain NCCL) the tensor is copied to the mesh's device and back, so offload works
+with ``backend="nccl"``; ``cpu:gloo,cuda:nccl`` runs it on the CPU, without the copies.
+
 :func:`init_mesh` is the one factory for the default data-parallel mesh; the strategies and
 ``fully_shard(mesh=None)`` both use it, so they name the dimension the same way.
 """
@@ -36,7 +49,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate
 
-__all__ = ["MeshInfo", "init_mesh", "DP_SHARD_DIM_NAME", "DP_REPLICATE_DIM_NAME"]
+__all__ = ["MeshInfo", "init_mesh", "DP_SHARD_DIM_NAME", "DP_REPLICATE_DIM_NAME",
+           "all_reduce_anywhere", "collective_device", "default_device_type", "mesh_device"]
 
 #: Name of the shard dimension of the meshes this package creates.
 DP_SHARD_DIM_NAME = "dp_shard"
@@ -212,12 +226,76 @@ def init_mesh(device_type: str, world_size: int | None = None, *,
     return _MESHES[key]
 
 
-def default_device_type(device: torch.device | None = None) -> str:
-    """The mesh device type for ``device`` (or, without one, for the default backend)."""
-    if device is not None and device.type != "meta":
-        return device.type
-    backend = dist.get_backend() if dist.is_initialized() else "gloo"
+def default_device_type() -> str:
+    """The device type of the default data-parallel mesh, from the default process group.
+
+    The accelerator's type when one exists and the default group's backend is an accelerator
+    backend that runs there (``nccl``, ``cpu:gloo,cuda:nccl``: FSDP2's rule, checked against
+    the backend), else ``"cpu"`` (plain ``gloo`` is the CPU backend, even on a GPU machine).
+    Never from the parameters: a model built on the CPU and sharded under NCCL gets a CUDA
+    mesh (design note [mesh-device]).
+    """
     acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if acc is not None and backend != "gloo":
+    if not dist.is_initialized():
+        return acc.type if acc is not None else "cpu"
+    kinds = group_device_types(None)
+    if acc is not None and dist.get_backend() != "gloo" and (not kinds or acc.type in kinds):
         return acc.type
     return "cpu"
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device a mesh computes and communicates on: FSDP2's ``_get_device_from_mesh`` (the
+    current device of the mesh's type; ``cpu``/``meta`` as they are)."""
+    kind = mesh.device_type
+    if kind in ("cpu", "meta"):
+        return torch.device(kind)
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is not None and acc.type == kind:
+        return torch.device(kind, torch.accelerator.current_device_index())
+    return torch.device(kind)
+
+
+def group_device_types(group: dist.ProcessGroup | None) -> set[str]:
+    """The device types ``group``'s backends run collectives on (``None``: the default group):
+    ``{"cuda"}`` for NCCL, ``{"cpu", "cuda"}`` for ``cpu:gloo,cuda:nccl`` or gloo. Empty when
+    torch does not say (then callers assume the tensor's own device works)."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    kinds = getattr(pg, "_device_types", None)
+    return {d.type for d in kinds} if kinds else set()
+
+
+def collective_device(group: dist.ProcessGroup | None, device: torch.device,
+                      mesh: DeviceMesh | None = None) -> torch.device:
+    """Where a tensor on ``device`` must be for a collective in ``group`` (design note
+    [mesh-device]): ``device`` itself when the group's backend takes it, else the mesh's
+    device (``mesh``), else the current accelerator. CPU-offloaded gradients and states on an
+    NCCL group thus go to the GPU and back, as FSDP2 does for its full state dicts."""
+    kinds = group_device_types(group)
+    if not kinds or device.type in kinds:
+        return device
+    if mesh is not None and mesh.device_type in kinds:
+        return mesh_device(mesh)
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is not None and acc.type in kinds:
+        return torch.device(acc.type, torch.accelerator.current_device_index())
+    raise RuntimeError(
+        f"A collective on a {device.type} tensor needs a process group backend for "
+        f"{device.type!r}, but this group runs on {sorted(kinds)}; initialise the process "
+        f"group with a backend for both, e.g. backend='cpu:gloo,cuda:nccl'.")
+
+
+def all_reduce_anywhere(t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                        group: dist.ProcessGroup | None = None,
+                        mesh: DeviceMesh | None = None) -> torch.Tensor:
+    """``dist.all_reduce(t)`` in place, moving ``t`` to a device the group's backend takes and
+    back when its own is not one (a CPU-offloaded gradient's norm or found-inf flag on an
+    NCCL group: design note [mesh-device]). Returns ``t``."""
+    where = collective_device(group, t.device, mesh)
+    if where == t.device:
+        dist.all_reduce(t, op=op, group=group)
+        return t
+    moved = t.to(where)
+    dist.all_reduce(moved, op=op, group=group)
+    t.copy_(moved)
+    return t

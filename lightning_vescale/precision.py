@@ -73,6 +73,7 @@ from torch.optim import Optimizer
 from typing_extensions import get_args, override
 
 from lightning_vescale.fsdp import MixedPrecisionPolicy
+from lightning_vescale.mesh import all_reduce_anywhere
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -167,8 +168,9 @@ def clip_grad_norm_(
     sharded_acc = zero if sharded_acc is None else sharded_acc
     replicated_acc = zero if replicated_acc is None else replicated_acc
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(sharded_acc, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
-                        group=group)
+        # offloaded (CPU) gradients on an NCCL group: through the device and back
+        all_reduce_anywhere(sharded_acc, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
+                            group=group)
     if inf:
         total = torch.maximum(sharded_acc, replicated_acc)
     else:
@@ -235,8 +237,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
             if not found:  # this rank holds no gradient at all: still take part in the agreement
                 found[found_inf.device] = found_inf
         if dist.is_available() and dist.is_initialized():
-            for f in found.values():
-                dist.all_reduce(f, op=dist.ReduceOp.MAX, group=self.process_group)
+            for f in found.values():  # a CPU (offloaded) flag on NCCL: via the device and back
+                all_reduce_anywhere(f, op=dist.ReduceOp.MAX, group=self.process_group)
         return found
 
 

@@ -150,6 +150,13 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
         state_dict_type: ``"sharded"``: a directory written by all ranks in parallel
             (distributed checkpoint); ``"full"``: one Lightning checkpoint file from rank 0 that a
             plain ``nn.Module``/DDP run can load.
+        pretrained_weights: a Hugging Face safetensors checkpoint (a ``.safetensors`` file or a
+            ``save_pretrained`` directory) loaded into the model right after sharding, before
+            the optimizers are built; each rank reads only its own shards, so with the model
+            built on meta (``configure_model`` under ``torch.device("meta")``) no host holds the
+            full model. Keys match after the prefix the LightningModule holds the HF model under
+            (e.g. ``model.``); strict as ``LightningModule.strict_loading``. See design note
+            [pretrained-weights].
         process_group_backend: default: from the accelerator (``gloo``/``nccl``).
         timeout: process-group timeout (a hung collective becomes an error after it).
         start_method: ``"popen"`` (default; re-runs the script per rank, like ``ddp``), or
@@ -192,6 +199,7 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
         optimizer_min_block_numel: int = DEFAULT_MIN_BLOCK_NUMEL,
         reshard_after_forward: Optional[Union[bool, int]] = None,
         state_dict_type: Literal["sharded", "full"] = "sharded",
+        pretrained_weights: Optional[_PATH] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -214,6 +222,7 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
                         optimizer_min_block_numel=optimizer_min_block_numel,
                         reshard_after_forward=reshard_after_forward,
                         state_dict_type=state_dict_type,
+                        pretrained_weights=pretrained_weights,
                         process_group_backend=process_group_backend, timeout=timeout,
                         device_mesh=device_mesh, flat_optimizer=flat_optimizer,
                         sync_module_states=sync_module_states, comm_policy=comm_policy)

@@ -82,6 +82,7 @@ from lightning_vescale._lightning.sync_states import (
     broadcast_module_states,
     validate_sync_module_states,
 )
+from lightning_vescale._lightning.pretrained import load_pretrained, validate_pretrained_weights
 from lightning_vescale._lightning.other_nodes import (
     check_other_nodes_can_join,
     waiting_for_other_nodes,
@@ -168,6 +169,7 @@ class VeScaleStrategyCore:
         device_mesh: Any = None,
         flat_optimizer: bool = True,
         sync_module_states: bool = True,
+        pretrained_weights: Any = None,
         comm_policy: Any = None,
     ) -> None:
         """Validate and store the arguments both strategies take (errors name the parameter).
@@ -191,6 +193,7 @@ class VeScaleStrategyCore:
         self._device_mesh_spec = validate_device_mesh(device_mesh)
         self._flat_optimizer = validate_flat_optimizer(flat_optimizer)
         self._sync_module_states = validate_sync_module_states(sync_module_states)
+        self._pretrained_weights = validate_pretrained_weights(pretrained_weights)
         self._device_mesh: Optional[DeviceMesh] = None
         self._exception_agreement = ExceptionAgreement()
 
@@ -317,7 +320,8 @@ class VeScaleStrategyCore:
     def _shard(self, module: Module) -> None:
         """``fully_shard`` the units of ``module`` and ``module`` itself (design note
         [sharding-units]), on this rank's device, with the precision plugin's policy; first
-        rank 0's initial states are broadcast when ``sync_module_states`` ([sync-module-states])."""
+        rank 0's initial states are broadcast when ``sync_module_states`` ([sync-module-states]);
+        then ``pretrained_weights`` are loaded ([pretrained-weights])."""
         if self._sync_module_states:
             broadcast_module_states(module, self.device_mesh)
         shard_model(module, units=self._sharding_units, mesh=self.device_mesh,
@@ -328,6 +332,9 @@ class VeScaleStrategyCore:
                     comm_policy=self._comm_policy)
         # AdamW8bit(block_size=None) built on these checks them against this block at once
         mark_sharded_for_block_size(module.parameters(), self._optimizer_block_size)
+        if self._pretrained_weights is not None:  # [pretrained-weights]: before any optimizer
+            load_pretrained(module, self._pretrained_weights,
+                            strict=getattr(module, "strict_loading", True))
 
     def _adopt_optimizer(self, optimizer: Any, module: Module,
                          names_before_sharding: dict[int, str]) -> None:

@@ -26,7 +26,10 @@ of the block size; ``optimizer_block_size=None`` turns the alignment off.
 Meta-device models (``init_module(empty_init=True)``, ``configure_model`` under the meta device)
 are sharded on meta (no memory) and then materialised by ``lightning_vescale.fsdp.materialize``:
 DBuffers on the device, ``reset_parameters()`` of every submodule on full temporaries, each rank
-keeps its own ranges. The result equals non-meta initialisation with the same seed.
+keeps its own ranges. The result equals non-meta initialisation with the same seed. Buffers built
+on meta are recomputed (``reset_parameters()``, or a ``transformers`` model's ``_init_weights``
+for rotary ``inv_freq``; design note [meta-buffers]); ``pretrained_weights`` then overwrite the
+parameters ([pretrained-weights]).
 """
 
 from __future__ import annotations

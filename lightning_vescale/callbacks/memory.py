@@ -75,6 +75,7 @@ from lightning_vescale.callbacks._memory_accounting import (
 )
 from lightning_vescale.callbacks._memory_device import DeviceMemory
 from lightning_vescale.callbacks._memory_plot import PLOT_HINT, plot_timeline
+from lightning_vescale.callbacks._memory_snapshots import SnapshotRecorder
 from lightning_vescale.dbuffer import DBuffer, live_dbuffers
 from lightning_vescale.fsdp import dbuffers
 
@@ -232,8 +233,7 @@ class MemoryProfiler(Callback):
         self._trainer: Trainer | None = None
         self._module: LightningModule | None = None
         self._wrapped_save = False
-        self._recording = False
-        self._oom_dumped = False
+        self._snapshots: SnapshotRecorder | None = None
         self._warned_cap = False
 
     @property
@@ -385,9 +385,8 @@ class MemoryProfiler(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule,
                      exception: BaseException) -> None:
-        if self._recording and self.snapshot_on_oom and not self._oom_dumped and _is_oom(exception):
-            self._dump_snapshot(f"oom_rank{self._rank}.pickle")
-            self._oom_dumped = True
+        if self._snapshots is not None and self.snapshot_on_oom and _is_oom(exception):
+            self._snapshots.on_oom()
         self._restore(trainer)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -472,35 +471,19 @@ class MemoryProfiler(Callback):
                 f"CUDA device; training runs on {self._mem.device}, so none will be written."
             )
             return
-        os.makedirs(self.snapshot_dir, exist_ok=True)  # type: ignore[arg-type]
-        torch.cuda.memory._record_memory_history(max_entries=self.snapshot_max_entries)
-        self._recording = True
-        attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
-        if self.snapshot_on_oom and callable(attach):
-            def observer(device: int, alloc: int, device_alloc: int, device_free: int) -> None:
-                if self._recording and not self._oom_dumped:
-                    self._oom_dumped = True
-                    self._dump_snapshot(f"oom_rank{self._rank}.pickle")
-
-            attach(observer)
+        self._snapshots = SnapshotRecorder(
+            snapshot_dir=str(self.snapshot_dir), max_entries=self.snapshot_max_entries,
+            on_oom=self.snapshot_on_oom, name_oom=f"oom_rank{self._rank}.pickle",
+            written=self.written.append)
+        self._snapshots.start()
 
     def _dump_snapshot(self, name: str) -> None:
-        if not self._recording or self.snapshot_dir is None:
-            return
-        path = os.path.join(self.snapshot_dir, name)
-        try:
-            torch.cuda.memory._dump_snapshot(path)
-            self.written.append(path)
-        except Exception as err:  # noqa: BLE001 - a failed dump must not end training
-            rank_zero_warn(f"MemoryProfiler: could not write allocator snapshot {path}: {err}")
+        if self._snapshots is not None:
+            self._snapshots.dump(name)
 
     def _stop_snapshots(self) -> None:
-        if self._recording:
-            self._recording = False
-            try:
-                torch.cuda.memory._record_memory_history(enabled=None)
-            except Exception:  # noqa: BLE001
-                pass
+        if self._snapshots is not None:
+            self._snapshots.stop()
 
 
 def _is_oom(exc: BaseException) -> bool:

@@ -26,6 +26,11 @@ Two formats, both keyed by the module's ``state_dict()`` names (FQNs):
 ``state_dict()`` with full tensors and integer keys (parameter order). A plain ``nn.Module``/DDP
 run can load it.
 
+*Hugging Face* — ``save_safetensors(module, dir)`` / ``load_safetensors(module, path)``: the
+safetensors shards plus ``model.safetensors.index.json`` that ``transformers`` reads and writes,
+each rank reading and writing only its own byte ranges (design notes [safetensors-io],
+[hf-load], [hf-save]). Model weights only.
+
 Loading either format into a sharded module never materialises more than one full tensor per
 rank at a time (full files are ``mmap``-ed and sliced to the rank's range; ``_state_dicts.py``).
 
@@ -51,6 +56,12 @@ from lightning_vescale.checkpoint._files import (
     is_sharded_checkpoint,
     remove_checkpoint,
 )
+from lightning_vescale.checkpoint._hf_load import (
+    IncompatibleKeys,
+    checkpoint_keys,
+    load_safetensors,
+)
+from lightning_vescale.checkpoint._hf_save import save_safetensors
 from lightning_vescale.checkpoint._full import consolidate, load_full, read_full, save_full
 from lightning_vescale.checkpoint._sharded import (
     count_sharded_optimizers,
@@ -66,19 +77,23 @@ from lightning_vescale.checkpoint._state_dicts import (
 )
 
 __all__ = [
+    "IncompatibleKeys",
     "check_checkpoint_path",
+    "checkpoint_keys",
     "consolidate",
     "count_sharded_optimizers",
     "is_sharded_checkpoint",
     "load_full",
     "load_full_model_state",
     "load_full_optimizer_state",
+    "load_safetensors",
     "load_sharded",
     "model_state",
     "optimizer_state",
     "read_full",
     "remove_checkpoint",
     "save_full",
+    "save_safetensors",
     "save_sharded",
     "sharded_checkpoint_has",
 ]

@@ -7,6 +7,10 @@ The manifest is plain JSON written by :func:`lightning_vescale.checkpoint._trust
      "files": {".metadata": {"size": int, "crc32": int}, "meta.pt": {...}},
      "items": {"<fqn>|<offsets>|<index>": crc32, ...}}
 
+A Hugging Face safetensors directory written by ``save_safetensors`` has one too, with
+``"format": "safetensors"`` and whole-file entries for every shard and the index (no
+``.metadata``, no items).
+
 It comes with the checkpoint, so it is checked like any other input before anything uses it
 (:func:`load_manifest`): its size is bounded before it is read (:func:`manifest_size_cap`), and
 its schema (types, ranges, the ``.metadata`` entry every manifest has) is validated, so a damaged
@@ -24,11 +28,14 @@ from typing import Any
 from lightning_vescale.checkpoint._confine import read_inside, resolve_inside
 from lightning_vescale.checkpoint._errors import CheckpointLoadError
 
-__all__ = ["INTEGRITY_FILENAME", "MANIFEST_VERSION", "load_manifest", "manifest_size_cap"]
+__all__ = ["INTEGRITY_FILENAME", "MANIFEST_VERSION", "SAFETENSORS_FORMAT", "load_manifest",
+           "manifest_size_cap"]
 
 #: The manifest of checksums beside ``.metadata`` in every sharded checkpoint we write.
 INTEGRITY_FILENAME = ".integrity.json"
 MANIFEST_VERSION = 1
+#: The ``"format"`` of the manifest of a safetensors directory (``_hf_save.py``).
+SAFETENSORS_FORMAT = "safetensors"
 _METADATA_FILENAME = ".metadata"
 
 #: The manifest holds one entry per item of ``.metadata``, which describes each item in more
@@ -93,7 +100,7 @@ def _schema_problem(manifest: Any) -> str | None:
         return f"'files' is a {type(files).__name__}, not an object"
     if not isinstance(items, dict):
         return f"'items' is a {type(items).__name__}, not an object"
-    if _METADATA_FILENAME not in files:
+    if _METADATA_FILENAME not in files and manifest.get("format") != SAFETENSORS_FORMAT:
         return f"it has no entry for {_METADATA_FILENAME!r} (every manifest checks it)"
     for name, entry in files.items():
         if not (isinstance(entry, dict) and _is_int(entry.get("size"), 0, 1 << 63)

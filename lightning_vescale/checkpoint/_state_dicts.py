@@ -21,6 +21,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_vescale.checkpoint._files import rank
+from lightning_vescale.mesh import collective_device
 from lightning_vescale.placement import (
     RaggedShard,
     local_slice,
@@ -42,10 +43,26 @@ __all__ = [
 def _full(t: Any) -> Any:
     """The full CPU tensor of a ``DTensor`` (collective over its mesh) or tensor; else ``t``."""
     if isinstance(t, DTensor):
-        t = t.full_tensor()
+        t = _on_collective_device(t).full_tensor()
     if isinstance(t, Tensor):
         t = t.detach().cpu()
     return t
+
+
+def _on_collective_device(t: DTensor) -> DTensor:
+    """``t``, or with its local tensor moved to where its mesh's collectives run: a CPU-offloaded
+    parameter or optimizer state on an NCCL mesh is gathered on the GPU (design note
+    [mesh-device]; FSDP2's full state dicts move to the mesh's device first too)."""
+    local, mesh = t._local_tensor, t.device_mesh
+    where = collective_device(mesh.get_group(0), local.device, mesh)
+    if where == local.device:
+        return t
+    local = local.to(where)
+    if _is_ragged(t):
+        return ragged_from_local(local, mesh, tuple(t.placements), t.shape, t.stride(),
+                                 autograd=False, check=False)
+    return DTensor.from_local(local, mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())
 
 
 def _is_ragged(t: DTensor) -> bool:

@@ -36,6 +36,11 @@ taken back at the root's lazy init, with its new value, as FSDP2's ``reset_shard
 (``ParamGroup.adopt_replaced_params``): a materialised group copies the rank's range of it into
 its shard; a group still on the meta device whose parameters were all replaced is built on the
 new parameters' device. The shape must stay; a DTensor value is gathered first.
+
+Buffers: ``to_empty`` re-creates them too; those that were on a real device keep their values,
+those that were on meta are recomputed (design note [meta-buffers]). ``init_params=False``
+allocates without initialising parameters (their values are loaded next, e.g. by
+``lightning_vescale.checkpoint.load_safetensors``), buffers are still recomputed.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from torch import nn
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_vescale import _meta_buffers
 from lightning_vescale.fsdp._param_group import ParamGroup, set_param
 from lightning_vescale.fsdp._state import get_state, states_in
 from lightning_vescale.mesh import MeshInfo
@@ -74,6 +80,7 @@ def apply_to_group(module: nn.Module, super_apply: Callable[..., Any], fn: Calla
             return super_apply(fn, recurse)
         group.applying = (fn, {id(module)})
     group.reshard()
+    was_meta = all(b.is_meta for b in group.buffers.values())
     temps: dict[str, nn.Parameter] = {}
     for mp in group.params:
         assert mp.buffer is not None
@@ -102,19 +109,24 @@ def apply_to_group(module: nn.Module, super_apply: Callable[..., Any], fn: Calla
             if not same_storage or t.dtype != old_dtype[mp.name]:
                 changed = True
         if changed:
-            _rebuild(group, {n: t.detach() for n, t in new.items()})
+            _rebuild(group, {n: t.detach() for n, t in new.items()}, from_meta=was_meta)
         else:
             group.swap(sharded=True)
     return ret
 
 
-def _rebuild(group: ParamGroup, locals_: dict[str, torch.Tensor]) -> None:
+def _rebuild(group: ParamGroup, locals_: dict[str, torch.Tensor], *, from_meta: bool) -> None:
+    """Re-create ``group``'s DBuffers on the device of ``locals_`` with their values. From meta
+    (``to_empty``) there are no values: the new tensors are uninitialised, so nothing is copied
+    (the shard is allocated zeroed, and each page is touched once, not three times)."""
     device = next(iter(locals_.values())).device
+    if from_meta:
+        locals_ = {n: t.to("meta") for n, t in locals_.items()}
     if group.offload is not None and device.type == "cpu" and group.buffers:
         device = next(iter(group.buffers.values())).device  # offloaded: compute device stays
     if device.type != "meta" and device.type != group.mesh_info.device_type:
         group.mesh_info = MeshInfo.from_mesh(_on_device_type(group.mesh_info.mesh, device.type))
-    group.build(locals_, device, local_sources=True)
+    group.build(locals_, device, local_sources=True)  # meta sources: nothing is copied
 
 
 def _on_device_type(mesh: DeviceMesh, device_type: str) -> DeviceMesh:
@@ -125,27 +137,37 @@ def _on_device_type(mesh: DeviceMesh, device_type: str) -> DeviceMesh:
 
 
 def materialize(module: nn.Module, device: torch.device | str,
-                init_fn: Callable[[nn.Module], None] | None = None) -> nn.Module:
+                init_fn: Callable[[nn.Module], None] | None = None, *,
+                init_params: bool = True) -> nn.Module:
     """Allocate a (meta-)sharded module's DBuffers on ``device`` and initialise it.
 
     Args:
-        module: a module whose groups were created with ``fully_shard`` (on meta or not).
+        module: a module whose groups were created with ``fully_shard`` (on meta or not), or a
+            plain module.
         device: target device.
         init_fn: called once with ``module`` while every managed parameter is a full-size plain
             tensor. Runs under ``torch.no_grad()``. Default: ``reset_parameters()`` of every
             submodule that defines it, in ``module.modules()`` order (what Lightning does), run
             group by group so that only the groups the current submodule touches hold full-size
             temporaries.
+        init_params: ``False``: allocate only (parameters hold uninitialised memory until they
+            are loaded); buffers are recomputed all the same.
 
     Returns:
-        ``module``. See design note [fsdp-materialize].
+        ``module``. See design notes [fsdp-materialize] and [meta-buffers].
     """
     device = torch.device(device)
+    on_meta = _meta_buffers.meta_buffers(module)
+    real = _meta_buffers.save_real_buffers(module)
     module.to_empty(device=device)
+    _meta_buffers.restore_real_buffers(real)
+    _meta_buffers.poison(on_meta)
     groups = [st.group for st in states_in(module) if st.group is not None]
     try:
         with torch.no_grad():
-            if init_fn is None:
+            if not init_params:
+                pass
+            elif init_fn is None:
                 _default_init_group_by_group(module, groups, device)
             else:
                 temps = [_swap_in_temporaries(g, device) for g in groups]
@@ -155,6 +177,7 @@ def materialize(module: nn.Module, device: torch.device | str,
     finally:
         for g in groups:
             g.swap(sharded=True)
+    _meta_buffers.recompute(module, on_meta, reset_ran=init_params and init_fn is None)
     return module
 
 

@@ -238,11 +238,18 @@ class VeScaleFSDPModule(FSDPModule):
             group.unshard_in_backward = unshard_in_backward
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        """Accepted for FSDP2 compatibility: all-gathers here are issued on the current stream,
-        after whatever the optimizer enqueued, so they wait for it without an event."""
-        if not isinstance(event, torch.Event):
-            raise TypeError(f"set_post_optim_event(event=...) must be a torch.Event, got "
-                            f"{type(event).__name__}")
+        """FSDP2's meaning: the root's next pre-forward makes the current stream wait on
+        ``event`` (recorded after an optimizer step on another stream), so the all-gathers and
+        offloaded-shard copies issued from then on read the updated shards; the event is then
+        dropped (set a new one each iteration). Without one, work issued on the current stream
+        follows whatever the optimizer enqueued there."""
+        # torch.Event, or a device event class (torch.cuda.Event) that provides wait()
+        if not isinstance(event, torch.Event) and not callable(getattr(event, "wait", None)):
+            raise TypeError(f"set_post_optim_event(event=...) must be a torch.Event (e.g. "
+                            f"stream.record_event()), got {type(event).__name__}")
+        device = getattr(event, "device", None)
+        if device is None or torch.device(device).type != "cpu":  # CPU work is ordered already
+            self._own_state().ctx.post_optim_event = event
 
     def set_custom_all_gather(self, comm: Any) -> None:
         raise _not_supported("set_custom_all_gather", "the all-gather runs in place on the "

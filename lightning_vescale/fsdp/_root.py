@@ -17,7 +17,9 @@ groups; whether a group reduces, at its structural completion or in the final ca
 decided by :meth:`ParamGroup.should_reduce` alone. Then one small all-reduce (MAX) of the
 "received a gradient" flags tells every rank which parameters received one on *any* rank:
 exactly those get a sharded gradient, as in single-process training over the global batch
-(:meth:`RootContext._publish_grads`). Forward and backward orders are recorded on the first
+(:meth:`RootContext._publish_grads`). A rank whose flags are all set already knows the answer:
+it leaves that all-reduce in flight (no host sync at the end of backward) and finishes it at the
+next root pre-forward, where a ``set_post_optim_event`` event is also waited on. Forward and backward orders are recorded on the first
 iteration. A forward that runs *inside* backward (activation-checkpointing recompute,
 detected with ``torch._C._current_graph_task_id()``) leaves the group unsharded and registers
 nothing. No-grad/inference forwards reshard every group at the root's post-forward.
@@ -25,7 +27,7 @@ nothing. No-grad/inference forwards reshard every group at the root's post-forwa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -86,6 +88,11 @@ class RootContext:
         self.prefetch = True  # set_prefetch (a root setting)
         self.final_callback_queued = False
         self.inflight_reduce: ParamGroup | None = None
+        #: set_post_optim_event: waited on (then dropped) at the next root pre-forward
+        self.post_optim_event: torch.Event | None = None
+        #: the gradient-flag all-reduce of a backward whose result this rank did not need
+        #: (every flag was set here): finished at the next root pre-forward, no host sync
+        self.pending_flags: tuple[Any, torch.Tensor] | None = None
 
     # -- lazy init and the root's forward ------------------------------------------------------
     def adopt(self, root: FSDPState) -> None:
@@ -114,6 +121,12 @@ class RootContext:
     def root_pre_forward(self) -> None:
         """Start an iteration from the sharded state, whatever the last one left behind."""
         with record_function("vescale::root_pre_forward"):
+            # set_post_optim_event: the optimizer ran on another stream; what is issued from
+            # here on (the all-gathers, the offloaded shards' copies) waits for it (FSDP2)
+            event, self.post_optim_event = self.post_optim_event, None
+            if event is not None:
+                event.wait()
+            self.finish_flags()
             # finish anything left from an interrupted iteration (a backward that raised)
             self.finish_reduce()
             self.final_callback_queued = False
@@ -133,6 +146,7 @@ class RootContext:
         """``reset_iter_state()``: after a forward or backward raised, wait for collectives,
         reshard every group, drop the iteration's (and any unsynced) gradients and forget where
         every state was (FSDP2's recovery contract)."""
+        self.finish_flags()
         self.finish_reduce()
         self.final_callback_queued = False
         self.forget_iteration()
@@ -229,6 +243,9 @@ class RootContext:
                     group.accumulate_unsynced()  # no sync: sum in reduce_dtype (if it differs)
                 if group.reshard_after_backward:  # set_reshard_after_backward(False): keep
                     group.reshard()
+            for group in self.groups:  # offload: the asynchronous copies to the host
+                for buf in group.buffers.values():
+                    buf.wait_offload()
             self._publish_grads()
             self.forget_iteration()
             if self.backward_order:
@@ -252,28 +269,49 @@ class RootContext:
                              device=next(iter(groups[0].buffers.values())).device,
                              name_of=lambda i: self.groups[i].module_fqn)
         local = bytes(int(mp.got_grad) for mps in per_group for mp in mps)
-        flags = list(local)
-        mesh_info = groups[0].mesh_info
-        if mesh_info.data_parallel_size > 1 and local:
-            with record_function("vescale::grad_flags_all_reduce"):
-                # frombuffer: no ATen op (the zero-copy tests count copy operators)
-                t = torch.frombuffer(bytearray(local), dtype=torch.uint8)
-                device = next(iter(groups[0].buffers.values())).device
-                t = t.to(device) if device.type != "cpu" else t
-                # HSDP: replicas must publish the same gradients too, so the flags span the
-                # whole data-parallel mesh: one all-reduce over its flattened group (or, for a
-                # mesh torch cannot flatten, the shard group and then the replicate group).
-                dp_group = mesh_info.data_parallel_group
-                if dp_group is not None:
-                    pgs = [dp_group]
-                else:
-                    pgs = [pg for pg, n in ((mesh_info.shard_group, mesh_info.shard_size),
-                                            (mesh_info.replicate_group, mesh_info.replicate_size))
-                           if n > 1]
-                for pg in pgs:
-                    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
-                flags = t.tolist()
+        flags = self._global_flags(local, groups[0]) if local else local
         i = 0
         for g, mps in zip(groups, per_group):
             g.publish_grads([bool(f) for f in flags[i:i + len(mps)]])
             i += len(mps)
+
+    def _global_flags(self, local: bytes, group: ParamGroup) -> bytes:
+        """Every rank's "received a gradient" flags, MAX-reduced over the data-parallel mesh.
+
+        HSDP: replicas must publish the same gradients too, so the flags span the whole mesh:
+        one all-reduce over its flattened group (or, for a mesh torch cannot flatten, the shard
+        group and then the replicate group). When every flag is already set on this rank (a
+        dense model: the usual case) the result is known without reading it: the all-reduce is
+        issued asynchronously and finished at the next root pre-forward, so the backward ends
+        without a host sync (a ``tolist`` would wait for the whole backward on the device).
+        """
+        mesh_info = group.mesh_info
+        if mesh_info.data_parallel_size == 1:
+            return local
+        with record_function("vescale::grad_flags_all_reduce"):
+            # frombuffer: no ATen op (the zero-copy tests count copy operators)
+            t = torch.frombuffer(bytearray(local), dtype=torch.uint8)
+            device = next(iter(group.buffers.values())).device
+            if device.type != "cpu":  # non_blocking: a blocking copy would wait for the backward
+                t = t.to(device, non_blocking=True)
+            dp_group = mesh_info.data_parallel_group
+            if dp_group is not None:
+                pgs = [dp_group]
+            else:
+                pgs = [pg for pg, n in ((mesh_info.shard_group, mesh_info.shard_size),
+                                        (mesh_info.replicate_group, mesh_info.replicate_size))
+                       if n > 1]
+            if len(pgs) == 1 and all(local):
+                self.finish_flags()
+                work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pgs[0], async_op=True)
+                self.pending_flags = (work, t)
+                return local
+            for pg in pgs:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg)
+            return bytes(t.tolist())
+
+    def finish_flags(self) -> None:
+        """Finish the gradient-flag all-reduce left in flight by :meth:`_global_flags`."""
+        pending, self.pending_flags = self.pending_flags, None
+        if pending is not None:
+            pending[0].wait()

@@ -14,7 +14,9 @@ arguments are FSDP2's, with FSDP2's meaning (``reshard_after_forward=None`` by d
 (the planner chooses the layout).
 
 Parameters keep their data: each rank copies its owned range of every parameter into its shard
-(the caller guarantees the same values on every rank, e.g. by seeding, as with FSDP2). A module
+(the caller guarantees the same values on every rank, e.g. by seeding, as with FSDP2). The
+shard lives on the mesh's device, wherever the module was built (a CPU-built model sharded
+under NCCL trains on the GPU, its buffers moved there: design note [mesh-device]). A module
 on the meta device is planned without data; see design note [fsdp-materialize] in
 ``_materialize.py``.
 
@@ -64,7 +66,7 @@ from lightning_vescale.fsdp._reshard import ReshardPolicy, reshard_policy
 from lightning_vescale.fsdp._state import FSDPState, get_state
 from lightning_vescale.fsdp._subgroups import make_partial_group
 from lightning_vescale.fsdp._state_dict import register_state_dict_hooks
-from lightning_vescale.mesh import MeshInfo, default_device_type, init_mesh
+from lightning_vescale.mesh import MeshInfo, default_device_type, init_mesh, mesh_device
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -145,25 +147,45 @@ def _params_device(collected: list[CollectedParam], label: str) -> torch.device 
     return next(iter(devices)) if devices else None
 
 
-def _mesh_info(mesh: DeviceMesh | None, device: torch.device | None) -> MeshInfo:
-    """The group's MeshInfo: ``mesh``, or the default data-parallel mesh for ``device``."""
+def _mesh_info(mesh: DeviceMesh | None) -> MeshInfo:
+    """The group's MeshInfo: ``mesh``, or the default data-parallel mesh, whose device type
+    comes from the default process group, never from the parameters ([mesh-device])."""
     if mesh is None:
-        mesh = init_mesh(default_device_type(device))
+        mesh = init_mesh(default_device_type())
     elif not isinstance(mesh, DeviceMesh):
         raise ValueError(f"fully_shard(mesh=...) must be a 1-D DeviceMesh (FSDP), a 2-D "
                          f"(replicate, shard) DeviceMesh (HSDP) or None, got {mesh!r}")
     return MeshInfo.from_mesh(mesh)
 
 
-def _compute_device(mesh_info: MeshInfo) -> torch.device:
-    """The mesh's device (the current one of its type: FSDP2's rule)."""
-    kind = mesh_info.device_type
-    if kind in ("cpu", "meta"):
-        return torch.device(kind)
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if acc is not None and acc.type == kind:
-        return torch.device(kind, torch.accelerator.current_device_index())
-    return torch.device(kind)
+def _device_for(mesh_info: MeshInfo, params_device: torch.device | None) -> torch.device:
+    """Where the group's buffers live: the mesh's device (FSDP2's ``_get_device_from_mesh``),
+    whatever device the parameters were built on; parameters on the meta device stay there
+    (deferred initialisation, design note [fsdp-materialize])."""
+    if params_device is not None and params_device.type == "meta":
+        return params_device
+    return mesh_device(mesh_info.mesh)
+
+
+def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
+    """Move the module buffers this call manages to ``device`` (FSDP2's
+    ``_move_states_to_device``; the parameters need no move: each rank copies its owned part
+    into the group's DBuffer on ``device``). Modules an inner ``fully_shard`` owns and meta
+    buffers are left alone."""
+    seen: set[int] = set()
+
+    def visit(m: nn.Module, top: bool) -> None:
+        if id(m) in seen or (not top and get_state(m) is not None):
+            return
+        seen.add(id(m))
+        for name, b in m._buffers.items():
+            if b is not None and b.device != device and b.device.type != "meta":
+                m._buffers[name] = b.to(device)
+        for child in m.children():
+            visit(child, False)
+
+    for m in modules:
+        visit(m, True)
 
 
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
@@ -182,7 +204,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             (each block, then the root). A module without parameters of its own is allowed
             (it still gets the root hooks).
         mesh: a 1-D :class:`DeviceMesh` (FSDP; default: the whole world, device type from the
-            parameters or the current accelerator), or a 2-D ``(replicate, shard)`` mesh
+            default process group: the accelerator when its backend runs there), or a 2-D ``(replicate, shard)`` mesh
             (HSDP, FSDP2's convention: dim 0 replicates, dim 1 shards; e.g.
             ``init_mesh(device_type, replicas=nodes)``). Parameters are then DTensors with
             placements ``(Replicate(), RaggedShard)``, planned for the shard dim's size, and
@@ -227,12 +249,11 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         check_param(c.name, c.param)
     label = type(modules[0]).__name__ if len(modules) == 1 else \
         "[" + ", ".join(type(m).__name__ for m in modules) + "]"
-    device = _params_device(collected, label)
-    mesh_info = _mesh_info(mesh, device)
+    mesh_info = _mesh_info(mesh)
+    device = _device_for(mesh_info, _params_device(collected, label))
     reshard = reshard_policy(reshard_after_forward, mesh_info.shard_size)
     _create_process_groups(mesh_info, reshard)
-    if device is None or (offload is not None and device.type != "meta"):
-        device = _compute_device(mesh_info)
+    _move_buffers(modules, mesh_device(mesh_info.mesh))  # never to meta: buffers keep values
     group = None
     if collected:
         named = [(c.name, c.param) for c in collected]

@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.profiler import record_function
 
+from lightning_vescale.mesh import all_reduce_anywhere
 from lightning_vescale.placement._common import (
     all_gather_flat,
     aten,
@@ -231,7 +232,8 @@ def _combine_across(flat: torch.Tensor, combine: str, group: dist.ProcessGroup) 
     with record_function("vescale::ragged_reduce"):
         if combine == "sum":
             buf = torch.view_as_real(flat) if flat.is_complex() else flat
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+            # a CPU-offloaded shard's partial sum on NCCL goes through the device and back
+            all_reduce_anywhere(buf, op=dist.ReduceOp.SUM, group=group)
             return flat
         # max/min via all-gather + local amax/amin: unlike a MAX all-reduce, this propagates
         # NaN exactly like the dense kernel (clip_grad_norm_ relies on it).

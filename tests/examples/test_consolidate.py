@@ -166,3 +166,35 @@ def test_only_refused_objects_suggest_trust(checkpoints, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "fails its CRC-32 check" in err and "--trust loads" not in err, err
     assert "[rank" not in err, err  # one process: no rank to name
+
+
+def test_consolidate_to_safetensors(checkpoints, tmp_path, capsys):
+    """``--format safetensors``: the model's tensors as HF shards + index, prefix stripped."""
+    from safetensors.torch import load_file
+
+    from lightning_vescale.checkpoint import load_safetensors
+
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text("{}")  # the user's files in OUT are kept
+    assert main([str(checkpoints / "sharded.ckpt"), str(out), "--format", "safetensors",
+                 "--strip-prefix", "model.", "--max-shard-size", "20KB", "--dtype", "bf16"]) == 0
+    assert "wrote Hugging Face safetensors" in capsys.readouterr().out
+    ref = torch.load(checkpoints / "full.ckpt", weights_only=True)["state_dict"]
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) > 1 and (out / "model.safetensors.index.json").is_file()
+    assert (out / "config.json").read_text() == "{}"
+    got = {}
+    for shard in shards:
+        got.update(load_file(shard))
+    assert sorted(got) == sorted(k[len("model."):] for k in ref if k.startswith("model."))
+    for k, v in got.items():
+        assert v.dtype == torch.bfloat16 and torch.equal(v, ref["model." + k].to(torch.bfloat16))
+    module = GPTModule(n_embd=32).model.to(torch.bfloat16)
+    load_safetensors(module, out)  # and back into the plain model
+
+
+def test_consolidate_to_safetensors_bad_prefix(checkpoints, tmp_path):
+    with pytest.raises(SystemExit):
+        main([str(checkpoints / "sharded.ckpt"), str(tmp_path / "hf"), "--format", "safetensors",
+              "--strip-prefix", "nothing."])

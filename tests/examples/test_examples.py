@@ -19,6 +19,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
 
 import lightning_vescale  # noqa: F401
 from examples.train_gpt import CharDataModule, GPTModule
@@ -52,6 +53,8 @@ RUN = {
     "examples/slurm_hsdp_2x8.sbatch": "tests/lightning/test_hsdp_strategy.py (bash -n)",
     "examples/multinode_trainer.py": "tests/lightning/test_hsdp_multinode.py (torchrun)",
     "examples/moe.py": "tests/examples/test_moe_example.py (Trainer, 2 CPU processes)",
+    "examples/hf_finetune.py": "test_hf_finetune_example_runs (script) and "
+                               "tests/lightning/test_hf_pretrained.py (its module and callback)",
     "examples/configs/moe_8gpu.yaml": "tests/examples/test_moe_example.py (toy size on CPU)",
 }
 
@@ -98,6 +101,31 @@ def test_fabric_example_runs(tmp_path):
     out = run([sys.executable, "examples/fabric_gpt.py", "--steps", "3",
                "--save", str(tmp_path / "ckpt")])
     assert "step 2: loss" in out and (tmp_path / "ckpt" / ".metadata").is_file()
+
+
+@pytest.mark.slow  # a script in a fresh process: the second CI step
+def test_hf_finetune_example_runs(tmp_path):
+    """HF weights in (a random tiny Llama by save_pretrained), 3 steps, HF weights out."""
+    from transformers import LlamaForCausalLM
+
+    out = run([sys.executable, "examples/hf_finetune.py", "--steps", "3",
+               "--out", str(tmp_path / "ft")])
+    assert "fine-tuned 3 steps" in out
+    start = LlamaForCausalLM.from_pretrained(tmp_path / "tiny_random_llama").state_dict()
+    tuned = LlamaForCausalLM.from_pretrained(tmp_path / "ft").state_dict()
+    assert sorted(start) == sorted(tuned)
+    assert any(not torch.equal(start[k], tuned[k]) for k in start)  # trained, then saved
+
+
+@pytest.mark.slow  # fresh processes: the second CI step
+def test_hf_load_benchmark_runs_tiny(tmp_path):
+    """``benchmarks/hf_load.py`` at toy size: ours at 1, 2 and 1-of-4 ranks, DCP's reader."""
+    out = run([sys.executable, "-m", "benchmarks.hf_load", "--layers", "1", "--hidden", "64",
+               "--mlp", "128", "--vocab", "256", "--repeats", "1", "--fake-world", "4",
+               "--only", "ours:1,ours:2,ours:4,dcp_hf:2", "--dir", str(tmp_path)])
+    rows = [line for line in out.splitlines() if line.startswith("| ours") or
+            line.startswith("| dcp_hf")]
+    assert len(rows) == 5, out
 
 
 @pytest.mark.slow  # a script in a fresh process: the second CI step

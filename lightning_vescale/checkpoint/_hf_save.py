@@ -1,0 +1,316 @@
+"""``save_safetensors``: a (sharded) module as Hugging Face safetensors shards plus the index.
+
+Design note [hf-save]
+---------------------
+No rank gathers the model. A safetensors file's layout follows from names, dtypes and shapes
+alone (design note [safetensors-io]), so every rank computes the same plan: which tensors go to
+which shard file (in ``state_dict()`` order, a new file when the next tensor would pass
+``max_shard_size``; one tensor larger than that gets a file of its own) and each tensor's byte
+offset. Then:
+
+1. rank 0 creates each file under a hidden temporary name (``.<name>.tmp-<token>``) with its
+   header, at its final size;
+2. every rank writes the bytes it owns with ``os.pwrite``: for a ``RaggedShard`` parameter its
+   local flat range, converted to the output dtype, is one contiguous byte range of the tensor
+   (on HSDP only the first replica writes); a plain tensor, or a ``DTensor`` of another placement
+   (gathered with ``full_tensor()``, one tensor at a time, a collective), is written by rank 0;
+3. after every rank reports success (an ``all_reduce`` of a failure flag: a rank that failed
+   never leaves the others waiting), the ranks compute the CRC-32s of the files (each a share),
+   and rank 0 renames the files onto their names, writes ``model.safetensors.index.json`` (the
+   ``weight_map`` and ``total_size`` of ``save_pretrained``), removes shards of an earlier save
+   into that directory that this one did not write, and writes ``.integrity.json`` (design note
+   [checkpoint-trust], ``"format": "safetensors"``: the size and CRC-32 of every file).
+
+Memory bound per rank: its largest local shard in the output dtype, plus, for a non-RaggedShard
+``DTensor``, one full tensor. The directory must be visible to every rank (one machine, or a
+shared file system); files of other names in it (the user's ``config.json``) are kept.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import secrets
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_vescale.checkpoint._hf_files import INDEX_NAME, SINGLE_NAME
+from lightning_vescale.checkpoint._manifest import (
+    INTEGRITY_FILENAME,
+    MANIFEST_VERSION,
+    SAFETENSORS_FORMAT,
+)
+from lightning_vescale.checkpoint._safetensors_format import build_header, dtype_code
+from lightning_vescale.checkpoint._state_dicts import _is_ragged
+from lightning_vescale.placement import ragged_mesh_dim
+
+__all__ = ["parse_size", "save_safetensors", "write_safetensors"]
+
+_SHARD_NAME = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """``max_shard_size`` in bytes: an int, or ``"5GB"``/``"500MB"``/``"2GiB"`` (HF's units)."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", str(size).upper()) \
+        if isinstance(size, str) else None
+    if m is None or float(m.group(1)) <= 0:
+        raise ValueError(f"max_shard_size must be a positive number of bytes or a string such as "
+                         f"'5GB', '500MB' or '2GiB', got {size!r}.")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Item:
+    name: str
+    tensor: Tensor
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: str = ""
+    offset: int = 0
+
+
+def _items(module_or_sd: Union[nn.Module, dict[str, Tensor]], dtype: Optional[torch.dtype],
+           key_map: Optional[Callable[[str], Optional[str]]]) -> list[_Item]:
+    """The tensors to write, tied duplicates dropped (first name kept), renamed by ``key_map``."""
+    if isinstance(module_or_sd, nn.Module):
+        sd = module_or_sd.state_dict()
+        first: dict[int, str] = {}
+        for n, t in itertools.chain(module_or_sd.named_parameters(remove_duplicate=False),
+                                    module_or_sd.named_buffers(remove_duplicate=False)):
+            first.setdefault(id(t), n)
+        keep, aliases = set(first.values()), _all_names(module_or_sd)
+        sd = {k: v for k, v in sd.items() if k in keep or k not in aliases}
+    else:
+        sd = module_or_sd
+    out = []
+    for k, t in sd.items():
+        name = key_map(k) if key_map is not None else k
+        if name is None or not isinstance(t, Tensor):
+            continue
+        out_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        dtype_code(out_dtype)  # a dtype safetensors cannot store: fail before writing anything
+        out.append(_Item(name=name, tensor=t, dtype=out_dtype, shape=tuple(t.shape)))
+    return out
+
+
+def _all_names(module: nn.Module) -> set[str]:
+    return {n for n, _ in itertools.chain(module.named_parameters(remove_duplicate=False),
+                                          module.named_buffers(remove_duplicate=False))}
+
+
+def _plan(items: list[_Item], max_bytes: int) -> tuple[dict[str, bytes], list[_Item]]:
+    """Shard files (name -> header) and the items with their file and absolute offset."""
+    groups: list[list[_Item]] = [[]]
+    size = 0
+    for it in items:
+        nbytes = it.tensor.numel() * it.dtype.itemsize
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(it)
+        size += nbytes
+    n = len(groups)
+    headers, placed = {}, []
+    for i, group in enumerate(groups):
+        name = SINGLE_NAME if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        header, offsets = build_header([(it.name, it.dtype, it.shape) for it in group])
+        headers[name] = header
+        placed += [_Item(name=it.name, tensor=it.tensor, dtype=it.dtype, shape=it.shape,
+                         file=name, offset=offsets[it.name]) for it in group]
+    return headers, placed
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _pwrite(fd: int, t: Tensor, offset: int) -> None:
+    data = memoryview(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def _write_owned(item: _Item, fds: dict[str, int], rank: int) -> None:
+    """Write the bytes of ``item`` this rank owns (see the design note, step 2)."""
+    t, fd = item.tensor, fds[item.file]
+    if isinstance(t, DTensor) and _is_ragged(t):
+        mesh, placements = t.device_mesh, tuple(t.placements)
+        dim = ragged_mesh_dim(placements, "save_safetensors")
+        if any(mesh.get_local_rank(d) != 0 for d in range(mesh.ndim) if d != dim):
+            return  # HSDP: another replica holds the same range
+        start, _ = placements[dim].local_range(item.shape, mesh.get_local_rank(dim))
+        local = t.to_local().view(-1).to(item.dtype)
+        _pwrite(fd, local, item.offset + start * item.dtype.itemsize)
+        return
+    full = t.full_tensor() if isinstance(t, DTensor) else t  # a collective for DTensors
+    if rank == 0:
+        _pwrite(fd, full.to(item.dtype), item.offset)
+
+
+def _agree(failed: bool) -> bool:
+    """Whether any rank failed (every rank calls it: it replaces a barrier)."""
+    return any(_gather(failed))
+
+
+def _gather(obj: Any) -> list[Any]:
+    """``obj`` of every rank (object collectives pick the backend's device themselves)."""
+    _, world = _rank_world()
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj: Any) -> Any:
+    if _rank_world()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _crc_file(path: Path) -> dict[str, int]:
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+    return {"size": size, "crc32": crc & 0xFFFFFFFF}
+
+
+def _create_files(root: Path, headers: dict[str, bytes], sizes: dict[str, int],
+                  token: str) -> None:
+    """Rank 0: each temporary file with its header, at its final size (step 1)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for name, header in headers.items():
+        with open(root / f".{name}.tmp-{token}", "wb") as f:
+            f.write(header)
+            f.truncate(sizes[name])
+
+
+def _publish(root: Path, headers: dict[str, bytes], items: list[_Item], token: str,
+             crcs: dict[str, dict[str, int]]) -> list[Path]:
+    """Rank 0: rename, index, stale shards, manifest (step 3). The old manifest goes first, so
+    an interrupted publish leaves files without one (loaded unverified), never a wrong one."""
+    (root / INTEGRITY_FILENAME).unlink(missing_ok=True)
+    for name in headers:
+        os.replace(root / f".{name}.tmp-{token}", root / name)
+    total = sum(it.tensor.numel() * it.dtype.itemsize for it in items)
+    index = {"metadata": {"total_size": total}, "weight_map": {it.name: it.file for it in items}}
+    index_bytes = json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"
+    (root / INDEX_NAME).write_bytes(index_bytes)
+    for p in root.iterdir():
+        if _SHARD_NAME.match(p.name) and p.name not in headers:
+            p.unlink()  # a shard of an earlier save into this directory
+    files = dict(crcs)
+    files[INDEX_NAME] = {"size": len(index_bytes), "crc32": zlib.crc32(index_bytes) & 0xFFFFFFFF}
+    manifest = {"version": MANIFEST_VERSION, "algorithm": "crc32", "format": SAFETENSORS_FORMAT,
+                "files": files, "items": {}}
+    tmp = root / (INTEGRITY_FILENAME + ".tmp")
+    tmp.write_text(json.dumps(manifest, sort_keys=True))
+    os.replace(tmp, root / INTEGRITY_FILENAME)
+    return [root / n for n in headers] + [root / INDEX_NAME]
+
+
+def write_safetensors(source: Union[nn.Module, dict[str, Tensor]], directory: Union[str, os.PathLike],
+                      *, max_shard_size: Union[int, str] = "5GB",
+                      dtype: Optional[torch.dtype] = None,
+                      key_map: Optional[Callable[[str], Optional[str]]] = None) -> list[Path]:
+    """:func:`save_safetensors` for a module or a plain state dict (design note [hf-save])."""
+    max_bytes = parse_size(max_shard_size)
+    rank, _ = _rank_world()
+    root = Path(directory)
+    headers, items = _plan(_items(source, dtype, key_map), max_bytes)
+    sizes = {name: len(h) for name, h in headers.items()}
+    for it in items:
+        sizes[it.file] += it.tensor.numel() * it.dtype.itemsize
+    token = _broadcast(secrets.token_hex(4))
+    error: Optional[BaseException] = None
+    try:
+        if rank == 0:
+            _create_files(root, headers, sizes, token)
+    except Exception as err:  # noqa: BLE001 - reported to every rank below
+        error = err
+    _raise_if_any_failed(error, root, headers, token)
+    try:
+        fds = {name: os.open(root / f".{name}.tmp-{token}", os.O_WRONLY) for name in headers}
+        try:
+            for it in items:
+                _write_owned(it, fds, rank)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+    except Exception as err:  # noqa: BLE001
+        error = err
+    _raise_if_any_failed(error, root, headers, token)
+    names = sorted(headers)
+    mine = {n: _crc_file(root / f".{n}.tmp-{token}") for i, n in enumerate(names)
+            if i % _rank_world()[1] == rank}
+    crcs = {k: v for part in _gather(mine) for k, v in part.items()}
+    written = _publish(root, headers, items, token, crcs) if rank == 0 else []
+    _gather(None)  # every rank returns once the files are in place
+    return written or [root / n for n in headers] + [root / INDEX_NAME]
+
+
+def _raise_if_any_failed(error: Optional[BaseException], root: Path, headers: dict[str, bytes],
+                         token: str) -> None:
+    """Every rank learns whether any failed; then all raise (and rank 0 removes the temps)."""
+    failed = [i for i, f in enumerate(_gather(error is not None)) if f]
+    if not failed:
+        return
+    if _rank_world()[0] == 0:
+        for name in headers:
+            (root / f".{name}.tmp-{token}").unlink(missing_ok=True)
+    if error is not None:
+        raise error
+    raise RuntimeError(f"save_safetensors({str(root)!r}) failed on rank(s) {failed}; see their "
+                       "error. Nothing was written.")
+
+
+def save_safetensors(module: nn.Module, directory: Union[str, os.PathLike], *,
+                     max_shard_size: Union[int, str] = "5GB",
+                     dtype: Optional[torch.dtype] = None,
+                     key_map: Optional[Callable[[str], Optional[str]]] = None) -> list[Path]:
+    """Write ``module``'s weights as Hugging Face safetensors shards plus the index.
+
+    Call on every rank (a collective). ``transformers``' ``from_pretrained(directory)`` (with the
+    model's ``config.json`` in it) and ``safetensors.torch.load_file`` read the result. No rank
+    gathers the model: each writes the bytes of its own shards (design note [hf-save]); peak
+    extra memory per rank is its largest local shard in the output dtype (plus one full tensor
+    for a parameter that is a ``DTensor`` of another placement than ``RaggedShard``).
+
+    Args:
+        module: a ``fully_shard`` module (or a plain one). Tied parameters are written once,
+            under their first name (as ``save_pretrained`` does).
+        directory: created if needed; other files in it are kept, shards of an earlier save
+            that this one does not write are removed. Must be visible to every rank.
+        max_shard_size: bytes per file (an int, or ``"5GB"``, ``"500MB"``, ``"2GiB"``); a tensor
+            larger than it gets a file of its own.
+        dtype: convert floating-point tensors to it (e.g. ``torch.bfloat16``); default: as they
+            are.
+        key_map: rename (or, returning ``None``, drop) keys: e.g. ``lambda k:
+            k.removeprefix("model.")`` for a LightningModule holding the HF model as ``model``.
+
+    Returns:
+        The files written (the shards and ``model.safetensors.index.json``; ``.integrity.json``
+        holds their CRC-32s).
+    """
+    return write_safetensors(module, directory, max_shard_size=max_shard_size, dtype=dtype,
+                             key_map=key_map)

@@ -1,0 +1,123 @@
+"""``pretrained_weights=`` of both strategies (issue 27): a Hugging Face Llama built on the meta
+device in ``configure_model`` / ``init_module(empty_init=True)`` starts from the checkpoint, with
+``transformers``' own logits (the rotary ``inv_freq`` recomputed), before any optimizer exists;
+the key prefix the module holds the HF model under is found; bad arguments fail at construction;
+the example's ``SaveHFWeights`` writes what ``from_pretrained`` reads."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+
+from examples.hf_finetune import HFFinetune, SaveHFWeights, write_tiny_random_llama  # noqa: E402
+from lightning_vescale import VeScaleFabricStrategy, VeScaleFSDPStrategy  # noqa: E402
+from lightning_vescale._lightning.pretrained import find_prefix  # noqa: E402
+
+X = torch.arange(24).reshape(2, 12) % 256
+
+
+def _reference_logits(directory):
+    from transformers import LlamaForCausalLM
+
+    with torch.no_grad():
+        return LlamaForCausalLM.from_pretrained(directory)(X).logits
+
+
+class _RecordAtStart(Callback):
+    """Each rank's logits on ``X`` when fit starts, and whether an optimizer existed at load."""
+
+    def __init__(self, out_dir) -> None:
+        self.out_dir = out_dir
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        with torch.no_grad():
+            logits = pl_module(X)
+        torch.save(logits, os.path.join(self.out_dir, f"logits{trainer.global_rank}.pt"))
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_trainer_starts_from_pretrained_weights(tmp_path, devices):
+    src = write_tiny_random_llama(str(tmp_path / "src"))
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_model_summary=False,
+                         enable_progress_bar=False,
+                         strategy=VeScaleFSDPStrategy(pretrained_weights=src,
+                                                      start_method="fork"),
+                         callbacks=[_RecordAtStart(str(tmp_path)),
+                                    SaveHFWeights(str(tmp_path / "out"))])
+    data = torch.utils.data.DataLoader(X.repeat(devices, 1), batch_size=2)
+    trainer.fit(HFFinetune(src, lr=1e-2), data)
+    ref = _reference_logits(src)
+    for r in range(devices):
+        torch.testing.assert_close(torch.load(tmp_path / f"logits{r}.pt"), ref, rtol=0, atol=0)
+    from transformers import LlamaForCausalLM
+
+    trained = LlamaForCausalLM.from_pretrained(tmp_path / "out")
+    with torch.no_grad():
+        assert not torch.equal(trained(X).logits, ref), "the saved weights are the trained ones"
+
+
+class _Holder(torch.nn.Module):
+    """Holds the HF model as ``model`` (keys ``model.model.layers...``), as LightningModules do."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor):
+        return self.model(x)
+
+
+def _fabric_body(src: str, prefix_module: bool):
+    from lightning.fabric import Fabric
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(),
+                    strategy=VeScaleFabricStrategy(pretrained_weights=src))
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        llama = LlamaForCausalLM(LlamaConfig.from_pretrained(src))
+        module = _Holder(llama) if prefix_module else llama
+    assert next(llama.parameters()).is_meta
+    module = fabric.setup_module(module)
+    with torch.no_grad():
+        return module(X).logits
+
+
+@pytest.mark.parametrize("prefix_module", [False, True], ids=["bare", "under-model"])
+def test_fabric_setup_module_loads_pretrained(worlds, tmp_path, prefix_module):
+    src = write_tiny_random_llama(str(tmp_path / "src"))
+    ref = _reference_logits(src)
+    for logits in worlds(2).run(_fabric_body, src, prefix_module):
+        torch.testing.assert_close(logits, ref, rtol=0, atol=0)
+
+
+def test_find_prefix():
+    module = ["model.model.embed.weight", "model.lm_head.weight", "head.weight"]
+    assert find_prefix(module, ["model.embed.weight", "lm_head.weight"]) == ("model.", 2)
+    assert find_prefix(module, ["head.weight"]) == ("", 1)  # shortest on a tie
+    assert find_prefix(module, ["nothing"]) == ("", 0)
+
+
+@pytest.mark.parametrize("cls", [VeScaleFSDPStrategy, VeScaleFabricStrategy])
+def test_bad_pretrained_weights_argument(cls):
+    with pytest.raises(TypeError, match="pretrained_weights must be a path"):
+        cls(pretrained_weights=3)
+
+
+def test_a_checkpoint_of_another_model_is_named(tmp_path):
+    from safetensors.torch import save_file
+
+    from lightning_vescale._lightning.pretrained import load_pretrained
+
+    save_file({"encoder.weight": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match=r"none of its 1 tensors.*Linear.*'encoder\.weight'"):
+        load_pretrained(torch.nn.Linear(2, 2), tmp_path / "other.safetensors", strict=True)

@@ -1,0 +1,243 @@
+"""The CUDA path's decisions, checked on the CPU (issue 28).
+
+Nothing here needs a GPU: the device choices, divide factors and copy paths are pure functions
+of devices and dtypes; ``FakeTensorMode`` stands in for CUDA tensors where a copy path must be
+exercised (it checks devices like the real kernels do). What only a GPU can show is a row of
+``python -m benchmarks.gpu_check``.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
+
+import lightning_vescale.mesh as mesh_mod
+from lightning_vescale._dbuffer_comm import gradient_divide_factors, offload_copy, reduce_factors
+
+SUM, AVG = torch.distributed.ReduceOp.SUM, torch.distributed.ReduceOp.AVG
+
+
+# -- fp16 divide factors (FSDP2's _get_gradient_divide_factors) ----------------------------------
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 6, 8, 16, 64, 96, 512, 1024])
+def test_fp16_divide_factors_match_fsdp2(ranks):
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        _get_gradient_divide_factors,
+    )
+
+    group = types.SimpleNamespace(size=lambda: ranks)
+    pre, post, *_ = _get_gradient_divide_factors(group, None, torch.float16, "cuda")
+    assert gradient_divide_factors(ranks, torch.float16) == (pre, post)
+    assert pre * post == ranks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp32_bf16_divide_once_after(dtype):
+    assert gradient_divide_factors(8, dtype) == (None, 8.0)
+
+
+def test_reduce_factors():
+    # fp16: SUM with a division before and after, whatever the backend
+    op, pre, post, scale = reduce_factors(AVG, None, ranks=1024, reduce_dtype=torch.float16,
+                                          gloo=False)
+    assert (op, pre, post, scale) == (SUM, 32, 32, None)
+    # a divide factor (scale = 1/factor) on fp16 splits too
+    op, pre, post, scale = reduce_factors(SUM, 1 / 64, ranks=8, reduce_dtype=torch.float16,
+                                          gloo=False)
+    assert op == SUM and pre * post == pytest.approx(64) and pre > 1 and scale is None
+    # fp32 on NCCL: the collective's AVG, no division of ours
+    assert reduce_factors(AVG, None, ranks=8, reduce_dtype=torch.float32, gloo=False) == (
+        AVG, None, None, None)
+    # gloo: SUM and one division after (bitwise gloo's AVG)
+    assert reduce_factors(AVG, None, ranks=4, reduce_dtype=torch.float32, gloo=True) == (
+        SUM, None, 4.0, None)
+    # bf16/fp32 with a divide factor: SUM, then the multiplier as before
+    assert reduce_factors(SUM, 0.25, ranks=4, reduce_dtype=torch.bfloat16, gloo=False) == (
+        SUM, None, None, 0.25)
+
+
+def test_fp16_sum_of_large_gradients_stays_finite():
+    """What the factors buy: 1024 ranks of fp16 gradients of 100 average to 100; a SUM
+    first overflows (102400 > 65504)."""
+    g = torch.full((4,), 100.0, dtype=torch.float16)
+    naive = torch.stack([g] * 1024).sum(0, dtype=torch.float16) / 1024
+    assert torch.isinf(naive).all()
+    pre, post = gradient_divide_factors(1024, torch.float16)
+    total = torch.stack([g / pre] * 1024).sum(0, dtype=torch.float16)  # the same SUM
+    torch.testing.assert_close(total / post, g)
+
+
+# -- offload: the reduced shard goes to the host, never added across devices ---------------------
+def test_offload_accumulate_copies_to_host_first():
+    with FakeTensorMode():
+        gs = torch.zeros(8)  # the pinned CPU gradient shard
+        out = torch.empty(8, device="cuda")  # the reduce-scatter's output on the GPU
+        with pytest.raises(FakeTensorDeviceMismatchError):
+            gs.add_(out)  # what the epilogue did before (issue 28): a crash on CUDA
+        assert offload_copy(gs, out, accumulate=True, non_blocking=True) is None
+        assert offload_copy(gs, out, accumulate=False, non_blocking=False) is None
+
+
+def test_offload_copy_on_cpu_is_exact():
+    gs, out = torch.ones(5), torch.arange(5.0)
+    offload_copy(gs, out, accumulate=True, non_blocking=True)
+    torch.testing.assert_close(gs, torch.arange(5.0) + 1)
+    assert offload_copy(gs, out, accumulate=False, non_blocking=True) is None  # CPU: no event
+    torch.testing.assert_close(gs, out)
+
+
+# -- device choice: from the mesh / the process group, not the parameters ------------------------
+class _Group:
+    def __init__(self, *kinds: str) -> None:
+        self._device_types = [torch.device(k) for k in kinds]
+
+
+def _mesh(kind: str):
+    return types.SimpleNamespace(device_type=kind)
+
+
+def test_mesh_device():
+    assert mesh_mod.mesh_device(_mesh("cpu")) == torch.device("cpu")
+    assert mesh_mod.mesh_device(_mesh("meta")) == torch.device("meta")
+    assert mesh_mod.mesh_device(_mesh("cuda")).type == "cuda"  # a CPU model on a CUDA mesh
+
+
+def test_device_for_takes_the_mesh_not_the_parameters():
+    from lightning_vescale.fsdp.api import _device_for
+
+    info = types.SimpleNamespace(mesh=_mesh("cuda"))
+    assert _device_for(info, torch.device("cpu")).type == "cuda"
+    assert _device_for(info, None).type == "cuda"
+    assert _device_for(info, torch.device("meta")) == torch.device("meta")  # deferred init
+
+
+def test_default_device_type_follows_the_backend(monkeypatch):
+    cuda = types.SimpleNamespace(type="cuda")
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: cuda)
+    monkeypatch.setattr(mesh_mod.dist, "is_initialized", lambda: True)
+    for backend, kinds, want in (("nccl", {"cuda"}, "cuda"),
+                                 ("cpu:gloo,cuda:nccl", {"cpu", "cuda"}, "cuda"),
+                                 ("gloo", {"cpu", "cuda"}, "cpu")):  # gloo: the CPU backend
+        monkeypatch.setattr(mesh_mod.dist, "get_backend", lambda group=None, b=backend: b)
+        monkeypatch.setattr(mesh_mod, "group_device_types", lambda group, k=kinds: k)
+        assert mesh_mod.default_device_type() == want, backend
+
+
+def test_collective_device():
+    cpu = torch.device("cpu")
+    assert mesh_mod.collective_device(_Group("cpu", "cuda"), cpu) == cpu  # cpu:gloo,cuda:nccl
+    assert mesh_mod.collective_device(_Group("cuda"), cpu, _mesh("cuda")).type == "cuda"  # nccl
+    with pytest.raises(RuntimeError, match="cpu:gloo,cuda:nccl"):
+        mesh_mod.collective_device(_Group("xpu"), cpu, _mesh("cpu"))
+
+
+def test_all_reduce_anywhere_moves_an_offloaded_tensor_and_back(monkeypatch):
+    seen = []
+
+    def all_reduce(t, op=None, group=None):
+        seen.append(t.device.type)
+        t.mul_(2)
+
+    monkeypatch.setattr(mesh_mod.dist, "all_reduce", all_reduce)
+    # a CPU-offloaded found-inf flag / norm accumulator on a group without a CPU backend (NCCL;
+    # the meta device stands in for the GPU, FakeTensorMode lets values "move" back from it)
+    with FakeTensorMode():
+        t = torch.ones(3)
+        out = mesh_mod.all_reduce_anywhere(t, group=_Group("meta"), mesh=_mesh("meta"))
+        assert out is t and t.device.type == "cpu"
+    assert seen == ["meta"]
+    t = torch.ones(3)
+    mesh_mod.all_reduce_anywhere(t, group=_Group("cpu", "cuda"))  # on the CPU, in place
+    assert seen == ["meta", "cpu"] and torch.equal(t, torch.full((3,), 2.0))
+
+
+def test_move_buffers_moves_managed_buffers_only():
+    from lightning_vescale.fsdp.api import _move_buffers
+
+    model = nn.Sequential(nn.BatchNorm1d(3), nn.BatchNorm1d(3))
+    inner = model[1]
+    inner.__dict__["_lv_fsdp_state"] = object()  # an inner fully_shard owns it
+    _move_buffers([model], torch.device("meta"))  # meta stands in for the mesh's device
+    assert model[0].running_mean.device.type == "meta"
+    assert inner.running_mean.device.type == "cpu"
+
+
+# -- MemoryProfiler: one OOM observer per process; the user's recording is left on ---------------
+def _profiler(tmp_path, monkeypatch, *, user_recording: bool):
+    import lightning_vescale.callbacks._memory_snapshots as snaps
+    from lightning_vescale import MemoryProfiler
+
+    calls = {"record": [], "attach": 0}
+    monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: user_recording,
+                        raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer",
+                        lambda fn: calls.__setitem__("attach", calls["attach"] + 1),
+                        raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda enabled="all", **kw: calls["record"].append(enabled))
+    monkeypatch.setattr(snaps, "_OOM_ATTACHED", [])
+
+    def fit() -> None:
+        prof = MemoryProfiler(snapshot_dir=str(tmp_path), snapshot_on_oom=True,
+                              print_table=False)
+        prof._mem = types.SimpleNamespace(device=torch.device("cuda"))
+        prof._start_snapshots()
+        prof._stop_snapshots()
+    return fit, calls
+
+
+def test_memory_profiler_attaches_one_oom_observer(tmp_path, monkeypatch):
+    fit, calls = _profiler(tmp_path, monkeypatch, user_recording=False)
+    fit()
+    fit()
+    assert calls["attach"] == 1  # not one more per fit
+    assert calls["record"] == ["all", None, "all", None]  # ours: started and stopped
+
+
+def test_memory_profiler_keeps_the_users_recording(tmp_path, monkeypatch):
+    fit, calls = _profiler(tmp_path, monkeypatch, user_recording=True)
+    fit()
+    assert calls["record"] == []  # neither restarted with our settings nor switched off
+
+
+# -- HSDP: the replica all-reduce is ordered on a side stream, not on the current one ------------
+def test_replica_all_reduce_waits_on_a_side_stream(monkeypatch):
+    import lightning_vescale._dbuffer_comm as comm
+
+    log = []
+
+    class _Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_stream(self, other) -> None:
+            log.append(f"{self.name} waits for {other.name}")
+
+        def __enter__(self):
+            log.append(f"enter {self.name}")
+
+        def __exit__(self, *exc):
+            log.append(f"exit {self.name}")
+
+    class _Work:
+        def wait(self) -> None:
+            log.append("reduce-scatter waited")
+
+    def all_reduce(t, op=None, group=None, async_op=False):
+        log.append(f"all-reduce (async={async_op})")
+        return "ar-work"
+
+    with FakeTensorMode():
+        out = torch.empty(4, device="cuda")
+    monkeypatch.setitem(comm._ALL_REDUCE_STREAMS, out.device, _Stream("side"))
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: _Stream("cur"))
+    monkeypatch.setattr(comm.dist, "all_reduce", all_reduce)
+    work = comm.replica_all_reduce(_Work(), out, op=AVG, group=None, async_op=True)
+    assert work == "ar-work"
+    # before issue 28 the current stream waited for the reduce-scatter, then the all-reduce ran
+    assert log == ["side waits for cur", "enter side", "reduce-scatter waited",
+                   "all-reduce (async=True)", "exit side"]
