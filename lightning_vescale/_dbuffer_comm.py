@@ -109,7 +109,7 @@ def gloo_reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, *, rank: int, 
     return _Finished(finish)
 
 
-def group_rank_and_size(plan: "LayoutPlan", mesh_info: "MeshInfo | None", *, is_meta: bool,
+def group_rank_and_size(plan: "LayoutPlan", mesh_info: "MeshInfo | None", is_meta: bool,
                         name: str) -> tuple[int, int]:
     """This rank's index and the group size; the plan must be for that many ranks."""
     if mesh_info is not None:

@@ -214,12 +214,12 @@ class DBuffer:
         # forward and backward, and the smaller group backward all-gathers it in
         self.partial: torch.Tensor | None = None
         self._partial_group: dist.ProcessGroup | None = None
-        self.rank, self.world_size = group_rank_and_size(plan, mesh_info, is_meta=self.is_meta,
-                                                          name=self.name)
+        self.rank, self.world_size = group_rank_and_size(plan, mesh_info, self.is_meta, name)
         self.dtype = dtype
         self.param_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
-        self.wire_dtype, self.quantize, self.quant_block_size = wire_dtype, quantize, quant_block_size
+        self.wire_dtype = wire_dtype
+        self.quantize, self.quant_block_size = quantize, quant_block_size
         self.quantized = None if quantize is None or self.is_meta else QuantizedGather(
             plan, rank=self.rank, fmt=quantize, block_size=quant_block_size, device=self.device)
         S, N = plan.shard_size, plan.buffer_size
