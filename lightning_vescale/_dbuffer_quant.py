@@ -49,8 +49,8 @@ import torch
 from lightning_vescale._dbuffer_comm import _all_gather_flat
 from lightning_vescale.planner import LayoutPlan
 
-__all__ = ["QUANT_FORMATS", "QuantizedGather", "Run", "fp8_dtype", "message_bytes",
-           "rank_runs"]
+__all__ = ["QUANT_FORMATS", "QuantizedGather", "Run", "all_rank_runs", "fp8_dtype",
+           "message_bytes", "rank_runs"]
 
 #: ``all_gather`` format -> largest code magnitude (the scale is ``absmax / qmax``)
 QUANT_FORMATS = {"int8": 127.0, "fp8": 448.0}
@@ -71,17 +71,23 @@ class Run(NamedTuple):
     scale: int
 
 
-def _pieces(plan: LayoutPlan, rank: int) -> list[tuple[int, int]]:
-    """``(start, length)`` pieces covering the rank's shard ``[0, S)``: each tensor's local
-    range, and the padding between them, in order."""
-    S, lo = plan.shard_size, rank * plan.shard_size
-    cuts = []
+def _cuts(plan: LayoutPlan) -> list[list[tuple[int, int]]]:
+    """Per rank, the ``(start, end)`` shard ranges of the tensors it holds, in order; each
+    tensor visits only the ranks it spans (``O(tensors + pieces)``, not ``ranks * tensors``)."""
+    S = plan.shard_size
+    out: list[list[tuple[int, int]]] = [[] for _ in range(plan.world_size)]
     for spec in plan.entries:
-        a, b = plan.local_range(spec.name, rank)
-        if b > a:
-            off = plan.offsets[spec.name]
-            cuts.append((off + a - lo, off + b - lo))
-    cuts.sort()
+        off = plan.offsets[spec.name]
+        for rank in plan.ranks_spanned(spec.name):
+            a, b = plan.local_range(spec.name, rank)
+            if b > a:
+                out[rank].append((off + a - rank * S, off + b - rank * S))
+    return [sorted(c) for c in out]
+
+
+def _pieces(S: int, cuts: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(start, length)`` pieces covering a shard ``[0, S)``: each tensor's local range
+    (``cuts``), and the padding between them, in order."""
     out, pos = [], 0
     for a, b in cuts:
         if a > pos:
@@ -93,13 +99,22 @@ def _pieces(plan: LayoutPlan, rank: int) -> list[tuple[int, int]]:
     return out
 
 
+def all_rank_runs(plan: LayoutPlan, block_size: int) -> list[list[Run]]:
+    """:func:`rank_runs` of every rank of ``plan``."""
+    return [_runs(plan.shard_size, c, block_size) for c in _cuts(plan)]
+
+
 def rank_runs(plan: LayoutPlan, rank: int, block_size: int) -> list[Run]:
     """The rank's blocks as runs of equal-length blocks (see [quantized-all-gather]);
     neighbouring runs of the same length merge, so a shard of whole ``block_size`` blocks is
     one run."""
+    return all_rank_runs(plan, block_size)[rank]
+
+
+def _runs(S: int, cuts: list[tuple[int, int]], block_size: int) -> list[Run]:
     runs: list[Run] = []
     slot = 0
-    for start, length in _pieces(plan, rank):
+    for start, length in _pieces(S, cuts):
         full, tail = divmod(length, block_size)
         for s, n, ln in ((start, full, block_size), (start + full * block_size, 1, tail)):
             if n == 0 or ln == 0:
@@ -116,8 +131,8 @@ def rank_runs(plan: LayoutPlan, rank: int, block_size: int) -> list[Run]:
 def message_bytes(plan: LayoutPlan, block_size: int) -> int:
     """Bytes of one rank's message (codes padded to 4 bytes, then the fp32 scales of the rank
     with the most blocks): the all-gather moves ``world_size`` of them."""
-    blocks = max((sum(r.count for r in rank_runs(plan, k, block_size))
-                  for k in range(plan.world_size)), default=0)
+    blocks = max((sum(r.count for r in rs) for rs in all_rank_runs(plan, block_size)),
+                 default=0)
     return -(-plan.shard_size // 4) * 4 + 4 * blocks
 
 
@@ -140,7 +155,7 @@ class QuantizedGather:
         if self.code_dtype is None:
             raise RuntimeError("all_gather='fp8' needs torch.float8_e4m3fn (torch >= 2.1)")
         self.world_size, self.rank = plan.world_size, rank
-        self.runs = [rank_runs(plan, r, block_size) for r in range(plan.world_size)]
+        self.runs = all_rank_runs(plan, block_size)
         self.num_scales = max((sum(run.count for run in rs) for rs in self.runs), default=0)
         S = plan.shard_size
         self.shard_size, self.code_bytes = S, -(-S // 4) * 4
