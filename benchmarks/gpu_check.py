@@ -245,6 +245,35 @@ def check_offload(device: torch.device, steps: int = 5, tol: float = 1e-5) -> di
                 f"max relative loss difference {d:.2e} vs single device", max_rel=d)
 
 
+def check_quantized_comm(device: torch.device, steps: int = 5,
+                         tol: float = 2e-2) -> dict[str, Any]:
+    """``CommPolicy(all_gather="int8", reduce_scatter_dtype=bf16)`` (issue 25) against the
+    unquantized run: losses within ``tol``, all-gather and reduce-scatter bytes counted."""
+    from lightning_vescale import CommPolicy
+    from lightning_vescale.testing import CopyCommCounter
+
+    policy = CommPolicy(all_gather="int8", reduce_scatter_dtype="bf16")
+    plain, _ = _train(_shard(_small(device), "vescale", device), steps, device, sharded=True)
+    quant_model = _shard(_small(device), "vescale", device, comm_policy=policy)
+    quant, _ = _train(quant_model, steps, device, sharded=True)
+    counted = {}
+    for label, model in (("plain", _shard(_small(device), "vescale", device)),
+                         ("int8", quant_model)):
+        x, y = next(iter(_batches(1, 2 * dist.get_world_size(), SMALL["block_size"],
+                                  SMALL["vocab_size"])))
+        with CopyCommCounter() as c:
+            model(_micro(x).to(device), _micro(y).to(device)).backward()
+        counted[label] = c.comm_bytes_by_op
+    ag = {k: sum(v for op, v in b.items() if "allgather" in op) for k, b in counted.items()}
+    ratio = ag["int8"] / ag["plain"] if ag["plain"] else float("nan")
+    d = _rel(quant, plain)
+    ok = d <= tol and all(math.isfinite(v) for v in quant) and (ratio <= 0.30 or not ag["plain"])
+    return _row("int8 all-gather + bf16 gradients (CommPolicy)", PASS if ok else FAIL,
+                f"vs unquantized {d:.2e} (tolerance {tol:g}); " + (
+                    f"all-gather bytes {ratio:.2f}x" if ag["plain"] else "one rank: no all-gather"),
+                max_rel=d, gather_ratio=ratio)
+
+
 def throughput(engine: str, cfg: ThroughputConfig, device: torch.device) -> dict[str, Any]:
     """Tokens/s, step time, MFU and peak memory of one engine on the throughput model."""
     from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2Policy
@@ -315,7 +344,8 @@ def throughput(engine: str, cfg: ThroughputConfig, device: torch.device) -> dict
 def run_checks(device: torch.device, cfg: ThroughputConfig | None) -> dict[str, Any]:
     """Every rank-side check in this world; a failing check is a row, never an abort."""
     rows = []
-    for fn in (check_parity, check_bf16, check_async, check_offload, *CUDA_PATH_CHECKS):
+    for fn in (check_parity, check_bf16, check_async, check_offload, check_quantized_comm,
+               *CUDA_PATH_CHECKS):
         try:
             rows.append(fn(device))
         except Exception:  # noqa: BLE001 - report it and go on with the other checks

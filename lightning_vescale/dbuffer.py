@@ -531,7 +531,7 @@ class DBuffer:
         rop, pre, post, scale = reduce_factors(
             rop, scale, ranks=self.world_size * self.replicate_size,
             reduce_dtype=self.reduce_dtype, gloo=self._on_gloo() or wire is not None)
-        if wire is not None and rop != dist.ReduceOp.SUM:
+        if wire is not None and rop not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             raise ValueError(f"DBuffer {self.name!r}: a reduce_scatter_dtype supports op 'sum' "
                              f"and 'avg' only, got {rop}")
         # offload: the collective writes on device; the epilogue copies the shard to the host

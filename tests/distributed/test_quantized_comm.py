@@ -121,6 +121,12 @@ def test_fp8_and_wire_dtype_match_reference(worlds, policy):
     _check(worlds(2).run(_train, "gpt", policy))
 
 
+def test_wire_dtype_at_one_rank(worlds):
+    # one rank: AVG over one rank needs no collective (it raised "supports op 'sum' and 'avg'
+    # only" before: the average was not turned into a sum there)
+    _check(worlds(1).run(_train, "gpt", INT8_BF16))
+
+
 def _unquantized_gap(kind, steps: int):
     """The int8 run's parameters against the unquantized reference's (the quantization
     error itself, which the engine must not exceed by much)."""

@@ -47,6 +47,7 @@ def test_checks_run_on_cpu(world_size):
     assert status["bf16-mixed"] == "PASS", res["rows"]
     assert status["async path (prefetch on vs off)"] == "PASS", res["rows"]
     assert status["CPU offload"] == "SKIP", res["rows"]
+    assert status["int8 all-gather + bf16 gradients (CommPolicy)"] == "PASS", res["rows"]
     # the CUDA-path rows (issue 28): what the CPU has runs, streams and overlap need CUDA
     assert status["CPU offload + gradient accumulation + full state dict"] == "PASS", res["rows"]
     assert status["CPU-built model + fully_shard"] == "PASS", res["rows"]
