@@ -474,3 +474,27 @@ def test_unsynced_micro_batches_cast_once(worlds, mp):
             assert float((got[n] - want[n]).abs().max()) <= 5e-2 * float(want[n].abs().max())
         else:  # summation order only (0.0 here)
             torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def _kept_grads():
+    """Two synced backwards without zero_grad: the second reduce-scatter adds onto the kept
+    sharded gradients (the accumulate path) through the wire dtype's fp32 output."""
+    from lightning_vescale import CommPolicy
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = batches("gpt", 1, 2 * world)[0]
+    x, y = micro(x, rank, world), micro(y, rank, world)
+    grads = []
+    for times in (1, 2):
+        model = _build("gpt")
+        _shard(model, comm_policy=CommPolicy(**INT8_BF16))
+        for _ in range(times):
+            model(x, y).backward()
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+    return grads
+
+
+def test_kept_gradients_accumulate_through_the_wire(worlds):
+    once, twice = worlds(2).run(_kept_grads)[0]
+    for n in once:
+        torch.testing.assert_close(twice[n], 2 * once[n], rtol=0, atol=0, msg=n)
