@@ -1,0 +1,251 @@
+"""Layer 4: SOAP, Adam in Shampoo's eigenbasis, on whole matrices of RaggedShard parameters.
+
+Design note [distributed-soap]
+------------------------------
+*Math.* The authors' algorithm (Vyas et al., arXiv 2409.11321; their reference ``soap.py``) with
+their defaults: per matrix ``G`` (``m x n``), factors ``L <- lerp(L, G G^T, 1 - shampoo_beta)``
+and ``R <- lerp(R, G^T G, ...)`` (``shampoo_beta=None``: ``betas[1]``); eigenbases ``Q_L, Q_R``
+from ``eigh`` at the first step, which only initialises (no update, so the current gradient
+never projects itself), then refreshed by one power iteration + QR every
+``precondition_frequency`` steps. Adam runs in the rotated coordinates: the first moment is kept
+in the original space (``exp_avg.lerp_(G, 1 - beta1)``) and projected when used, the second in
+the projected space (permuted with the basis on a refresh); the update ``Q_L (M' / (sqrt(V) +
+eps)) Q_R^T`` with Adam's bias correction, then decoupled weight decay ``p *= 1 - lr wd``. The
+pure functions are ``_kronecker.py`` (design note [kronecker-factors]).
+
+*Which tensors are matrices.* A 2-D tensor is one matrix; a tensor of 3+ dims is a stack of its
+trailing ``(shape[-2], shape[-1])`` matrices, each preconditioned on its own (experts of an
+``(E, out, in)`` weight, like Muon's [muon-stacked-experts]); a 1-D tensor is a vector,
+preconditioned only with ``precondition_1d`` (else Adam, as the authors do); a dimension over
+``max_precond_dim`` is not rotated (Adam along it). 0-D tensors are Adam.
+
+*Distribution.* A preconditioner needs its whole matrix. Under ``granularity="matrix"`` (or any
+layout whose every rank range starts and ends on matrix boundaries) each rank steps the matrices
+it holds, with their factors, on local data: **no collective**. For a parameter whose matrices
+are split across ranks the step falls back to *replicated* preconditioning: its gradient is
+gathered (``full_tensor()``) and every rank of the shard group keeps the whole parameter's SOAP
+state and computes the whole update, applying its own slice; exact, but ``W x`` the work and
+state for that parameter. Vectors and tensors without factors are element-wise and always local.
+Moving split matrices to load-balanced owner ranks instead (Muon's plan) is not done yet: choose
+``"matrix"`` for the parameters SOAP preconditions.
+
+*States.* ``step``; ``exp_avg``, ``exp_avg_sq`` shaped like the parameter (for a DTensor
+parameter: in its layout, so distributed checkpoint reshards them); per preconditioned dimension
+``i`` of the matrices, ``GG{i}`` and ``Q{i}`` of shape ``(matrices, d, d)``, exported as DTensors
+split over the matrix dimension the way the parameter's ranges split its matrices (replicated
+state: full plain tensors). ``load_state_dict`` takes those, full single-process states, or a
+state saved at another world size through distributed checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from lightning_vescale.optim._base import ShardedOptimizer, local_view
+from lightning_vescale.optim._kronecker import (
+    accumulate_factors_,
+    eigenbasis,
+    init_factors,
+    project,
+    project_back,
+    refresh_eigenbasis_qr,
+)
+from lightning_vescale.optim._soap_layout import MatrixLayout, matrix_layout
+
+__all__ = ["SOAP"]
+
+
+class SOAP(ShardedOptimizer):
+    """SOAP (arXiv 2409.11321) on plain and ``fully_shard`` parameters; design note
+    [distributed-soap] in this module.
+
+    Args:
+        params: parameters or groups (plain tensors, or ``DTensor``s with ``(RaggedShard,)`` /
+            ``(Replicate(), RaggedShard)`` placements: FSDP and HSDP meshes).
+        lr, betas, eps, weight_decay: as Adam(W); ``weight_decay`` is decoupled.
+        shampoo_beta: EMA rate of the Kronecker factors; ``None``: ``betas[1]``.
+        precondition_frequency: steps between eigenbasis refreshes (power iteration + QR).
+        max_precond_dim: dimensions larger than this are not preconditioned.
+        merge_dims: only ``False`` (matrices are the trailing 2-D blocks; see the note).
+        precondition_1d: precondition vectors (one ``n x n`` factor) instead of Adam on them.
+        normalize_grads: divide each update by its RMS.
+        correct_bias: Adam's bias correction.
+    """
+
+    def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 3e-3,
+                 betas: tuple[float, float] = (0.95, 0.95), shampoo_beta: float | None = None,
+                 eps: float = 1e-8, weight_decay: float = 0.01, precondition_frequency: int = 10,
+                 max_precond_dim: int = 10000, merge_dims: bool = False,
+                 precondition_1d: bool = False, normalize_grads: bool = False,
+                 correct_bias: bool = True) -> None:
+        defaults = dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps,
+                        weight_decay=weight_decay, precondition_frequency=precondition_frequency,
+                        max_precond_dim=max_precond_dim, merge_dims=merge_dims,
+                        precondition_1d=precondition_1d, normalize_grads=normalize_grads,
+                        correct_bias=correct_bias)
+        _check_hparams(defaults, where="SOAP")
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.add_param_group``, with the constructor's checks."""
+        if isinstance(param_group, dict):
+            _check_hparams({**self.defaults, **{k: v for k, v in param_group.items()
+                                                if k != "params"}},
+                           where=f"SOAP param group #{len(self.param_groups)}")
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            if torch.is_complex(p):
+                raise TypeError("SOAP does not support complex parameters (its factors and "
+                                "eigenbases are real); view them as real with "
+                                "torch.view_as_real or use torch.optim.AdamW for them.")
+
+    # -- step --------------------------------------------------------------------------------
+    def _update(self) -> None:
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"SOAP: parameter #{i} of group {gi} has a sparse "
+                                       "gradient; SOAP needs dense gradients.")
+                self._step_param(p, group, f"#{i} of group {gi}")
+
+    def _layout(self, p: Tensor, group: dict[str, Any], name: str) -> MatrixLayout:
+        return matrix_layout(p, max_precond_dim=int(group["max_precond_dim"]),
+                             precondition_1d=bool(group["precondition_1d"]), name=f"SOAP: {name}")
+
+    def _step_param(self, p: Tensor, group: dict[str, Any], name: str) -> None:
+        lay = self._layout(p, group, name)
+        st = self.state[p]
+        if lay.replicated:  # split matrices: the whole parameter on every rank of the group
+            grad = p.grad.full_tensor().float()
+            flat_update = self._step_matrices(st, grad, group, lay)
+            if flat_update is not None:
+                local = local_view(p.detach())
+                a, b = lay.layout.start, lay.layout.end
+                local.view(-1).sub_(flat_update.reshape(-1)[a:b].to(local.dtype))
+                local.mul_(1.0 - group["lr"] * group["weight_decay"])
+            return
+        local = local_view(p.detach())
+        grad = local_view(p.grad.detach()).float()
+        update = self._step_matrices(st, grad.reshape(-1), group, lay)
+        if update is not None:
+            local.view(-1).sub_(update.reshape(-1).to(local.dtype))
+            local.mul_(1.0 - group["lr"] * group["weight_decay"])
+
+    def _step_matrices(self, st: dict[str, Any], grad: Tensor, group: dict[str, Any],
+                       lay: MatrixLayout) -> Tensor | None:
+        """SOAP on the matrices ``grad`` holds (flat, ``lay.count`` whole matrices of
+        ``lay.unit_shape``, or element-wise when nothing is preconditioned); returns the update
+        to subtract (before weight decay), ``None`` at the initialising step."""
+        beta1, beta2 = group["betas"]
+        shampoo_beta = group["shampoo_beta"] if group["shampoo_beta"] is not None else beta2
+        g = grad.reshape(lay.count, *lay.unit_shape)
+        if not st:
+            self._init_state(st, g, lay, shampoo_beta)
+            return None
+        st["step"] += 1
+        step = float(st["step"])
+        exp_avg = st["exp_avg"].view(g.shape)
+        exp_avg_sq = st["exp_avg_sq"].view(g.shape)
+        exp_avg.lerp_(g, 1.0 - beta1)
+        step_size = group["lr"]
+        if group["correct_bias"]:
+            step_size *= math.sqrt(1.0 - beta2 ** step) / (1.0 - beta1 ** step)
+        out = torch.empty_like(g)
+        refresh = int(step) % int(group["precondition_frequency"]) == 0
+        for j in range(lay.count):
+            basis = [st[f"Q{i}"][j] if f"Q{i}" in st else None for i in range(len(lay.unit_shape))]
+            gp = project(g[j], basis)
+            exp_avg_sq[j].lerp_(gp.square(), 1.0 - beta2)
+            denom = exp_avg_sq[j].sqrt().add_(group["eps"])
+            norm = project_back(project(exp_avg[j], basis) / denom, basis)
+            if group["normalize_grads"]:
+                norm = norm / (1e-30 + norm.square().mean().sqrt())
+            out[j] = norm * step_size
+            factors = [st[f"GG{i}"][j] if f"GG{i}" in st else None
+                       for i in range(len(lay.unit_shape))]
+            accumulate_factors_(factors, g[j], shampoo_beta)
+            if refresh and any(f is not None for f in factors):
+                new, exp_avg_sq[j] = refresh_eigenbasis_qr(factors, basis, exp_avg_sq[j])
+                for i, q in enumerate(new):
+                    if q is not None:
+                        st[f"Q{i}"][j] = q
+        return out
+
+    @staticmethod
+    def _init_state(st: dict[str, Any], g: Tensor, lay: MatrixLayout, beta: float) -> None:
+        st["step"] = torch.tensor(0.0)
+        st["exp_avg"] = torch.zeros(g.numel(), device=g.device)
+        st["exp_avg_sq"] = torch.zeros(g.numel(), device=g.device)
+        for i, d in enumerate(lay.unit_shape):
+            if lay.preconditioned[i]:
+                st[f"GG{i}"] = torch.zeros(lay.count, d, d, device=g.device)
+                st[f"Q{i}"] = torch.zeros(lay.count, d, d, device=g.device)
+        for j in range(lay.count):
+            factors = [st[f"GG{i}"][j] if f"GG{i}" in st else None
+                       for i in range(len(lay.unit_shape))]
+            accumulate_factors_(factors, g[j], beta)
+            for i, q in enumerate(eigenbasis(factors)):
+                if q is not None:
+                    st[f"Q{i}"][j] = q
+
+    # -- state dict ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """As ``torch.optim.Optimizer.state_dict``; for DTensor parameters the states are
+        DTensors (see design note [distributed-soap]) so distributed checkpoint reshards them."""
+        sd = super().state_dict()
+        refs = self._param_refs()
+        for k, st in sd["state"].items():
+            ref = refs[k]
+            if isinstance(ref.param, DTensor) and st:
+                lay = self._layout(ref.param, ref.group, ref.name)
+                sd["state"][k] = {key: lay.export(key, v) for key, v in st.items()}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load :meth:`state_dict`'s output, a single-process one, or one resharded by
+        distributed checkpoint (gathering a DTensor in another layout is a collective: every
+        rank must load)."""
+        state_dict = dict(state_dict)
+        saved = state_dict.get("state", {})
+        state_dict["state"] = {}
+        super().load_state_dict(state_dict)
+        refs = self._saved_param_refs(state_dict)
+        for k, st in saved.items():
+            if k not in refs:
+                continue
+            ref = refs[k]
+            lay = self._layout(ref.param, ref.group, ref.name)
+            self.state[ref.param] = {key: lay.import_(key, v, ref.param, ref.name)
+                                     for key, v in st.items()}
+
+
+def _check_hparams(h: dict[str, Any], *, where: str) -> None:
+    for key in ("lr", "eps", "weight_decay"):
+        if not isinstance(h[key], (int, float)) or isinstance(h[key], bool) or h[key] < 0:
+            raise ValueError(f"{where}: {key} must be a number >= 0, got {key}={h[key]!r}")
+    betas = h["betas"]
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{where}: betas must be a pair in [0, 1), got betas={betas!r}; e.g. "
+                         "betas=(0.95, 0.95)")
+    sb = h["shampoo_beta"]
+    if sb is not None and not 0.0 <= sb < 1.0:
+        raise ValueError(f"{where}: shampoo_beta must be in [0, 1) or None (betas[1]), got "
+                         f"shampoo_beta={sb!r}")
+    for key in ("precondition_frequency", "max_precond_dim"):
+        v = h[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{where}: {key} must be an int >= 1, got {key}={v!r}; e.g. "
+                             f"{'precondition_frequency=10' if key[0] == 'p' else 'max_precond_dim=10000'}")
+    if h["merge_dims"]:
+        raise ValueError(f"{where}: merge_dims=True is not supported: tensors of 3+ dims are "
+                         "stacks of their trailing 2-D matrices, each preconditioned on its own; "
+                         "reshape a convolution weight to 2-D yourself, or use merge_dims=False.")
+
