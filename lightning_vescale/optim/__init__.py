@@ -5,7 +5,8 @@ The optimizers:
 * :class:`AdamW8bit` (``adamw8bit.py``): AdamW with block-wise 8-bit moments; blocks align with
   shard bounds, so states need no communication.
 * :class:`SOAP` (``soap.py``): Adam in Shampoo's eigenbasis on whole matrices (local under
-  ``granularity="matrix"``); its Kronecker factors are ``_kronecker.py``'s pure functions;
+  ``granularity="matrix"``) and :class:`Shampoo` (``shampoo.py``, Adam grafting); their
+  Kronecker factors are ``_kronecker.py``'s pure functions;
 * :class:`Muon` (``muon.py``): Muon with an AdamW fallback; sharded matrices go whole to one
   load-balanced owner rank for Newton–Schulz and come back.
 * :class:`FlatParamOptimizer` / :func:`flat_param_optimizer` (``_flat_params.py``): wraps
@@ -57,6 +58,7 @@ from lightning_vescale.optim._quant import (
 )
 from lightning_vescale.optim.adamw8bit import DEFAULT_MIN_8BIT_SIZE, AdamW8bit
 from lightning_vescale.optim.muon import Muon
+from lightning_vescale.optim.shampoo import Shampoo
 from lightning_vescale.optim.soap import SOAP
 
 __all__ = [
@@ -64,6 +66,7 @@ __all__ = [
     "AdamW8bit",
     "Muon",
     "SOAP",
+    "Shampoo",
     # torch's element-wise optimizers on flat shards
     "FlatParamOptimizer",
     "SUPPORTED_OPTIMIZERS",

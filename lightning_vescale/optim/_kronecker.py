@@ -11,6 +11,9 @@ refreshed every ``precondition_frequency`` steps by one power iteration and a QR
 (cheaper than ``eigh``), re-sorting the columns by the estimated eigenvalues; Adam's second moment,
 which lives in the projected coordinates, is permuted along with them.
 
+Shampoo (arXiv 2309.06497) instead multiplies by the factors' inverse roots,
+``L^(-1/r) G R^(-1/r)`` (:func:`inverse_root`, :func:`precondition`).
+
 These are pure functions of ONE matrix (or vector) and its factors, no optimizer state and no
 communication: the reference the optimizers are tested against, and the code they run on each
 whole matrix wherever it lies (the rank holding it under ``granularity="matrix"``). A dimension
@@ -30,6 +33,8 @@ __all__ = [
     "accumulate_factors_",
     "eigenbasis",
     "init_factors",
+    "inverse_root",
+    "precondition",
     "project",
     "project_back",
     "refresh_eigenbasis_qr",
@@ -105,6 +110,23 @@ def project(x: Tensor, basis: list[Tensor | None]) -> Tensor:
 def project_back(x: Tensor, basis: list[Tensor | None]) -> Tensor:
     """Inverse of :func:`project` (the bases are orthogonal)."""
     return _contract(x, basis, transpose=True)
+
+
+def inverse_root(factor: Tensor, root: float, epsilon: float) -> Tensor:
+    """``(F + epsilon I)^(-1/root)`` of a symmetric factor through one ``eigh`` (eigenvalues
+    clamped at 0 first: rounding can make them slightly negative); Shampoo's preconditioner."""
+    try:
+        values, vectors = torch.linalg.eigh(factor)
+    except RuntimeError:  # ill-conditioned: retry in double precision
+        values, vectors = torch.linalg.eigh(factor.double())
+    scaled = (values.clamp_min(0) + epsilon).pow(-1.0 / root)
+    return ((vectors * scaled) @ vectors.T).to(factor.dtype)
+
+
+def precondition(x: Tensor, roots: list[Tensor | None]) -> Tensor:
+    """``x`` with each dimension ``i`` multiplied by the symmetric ``roots[i]`` (``L^(-1/r) X
+    R^(-1/r)`` for a matrix); a ``None`` leaves that dimension as it is."""
+    return _contract(x, roots, transpose=False)
 
 
 def _contract(x: Tensor, basis: list[Tensor | None], *, transpose: bool) -> Tensor:

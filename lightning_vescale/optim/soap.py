@@ -45,9 +45,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
-from lightning_vescale.optim._base import ShardedOptimizer, local_view
 from lightning_vescale.optim._kronecker import (
     accumulate_factors_,
     eigenbasis,
@@ -56,12 +54,13 @@ from lightning_vescale.optim._kronecker import (
     project_back,
     refresh_eigenbasis_qr,
 )
-from lightning_vescale.optim._soap_layout import MatrixLayout, matrix_layout
+from lightning_vescale.optim._matrix_layout import MatrixLayout, matrix_layout
+from lightning_vescale.optim._whole_matrix import WholeMatrixOptimizer
 
 __all__ = ["SOAP"]
 
 
-class SOAP(ShardedOptimizer):
+class SOAP(WholeMatrixOptimizer):
     """SOAP (arXiv 2409.11321) on plain and ``fully_shard`` parameters; design note
     [distributed-soap] in this module.
 
@@ -92,6 +91,8 @@ class SOAP(ShardedOptimizer):
         _check_hparams(defaults, where="SOAP")
         super().__init__(params, defaults)
 
+    who = "SOAP"
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.add_param_group``, with the constructor's checks."""
         if isinstance(param_group, dict):
@@ -99,45 +100,10 @@ class SOAP(ShardedOptimizer):
                                                 if k != "params"}},
                            where=f"SOAP param group #{len(self.param_groups)}")
         super().add_param_group(param_group)
-        for p in self.param_groups[-1]["params"]:
-            if torch.is_complex(p):
-                raise TypeError("SOAP does not support complex parameters (its factors and "
-                                "eigenbases are real); view them as real with "
-                                "torch.view_as_real or use torch.optim.AdamW for them.")
-
-    # -- step --------------------------------------------------------------------------------
-    def _update(self) -> None:
-        for gi, group in enumerate(self.param_groups):
-            for i, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"SOAP: parameter #{i} of group {gi} has a sparse "
-                                       "gradient; SOAP needs dense gradients.")
-                self._step_param(p, group, f"#{i} of group {gi}")
 
     def _layout(self, p: Tensor, group: dict[str, Any], name: str) -> MatrixLayout:
         return matrix_layout(p, max_precond_dim=int(group["max_precond_dim"]),
                              precondition_1d=bool(group["precondition_1d"]), name=f"SOAP: {name}")
-
-    def _step_param(self, p: Tensor, group: dict[str, Any], name: str) -> None:
-        lay = self._layout(p, group, name)
-        st = self.state[p]
-        if lay.replicated:  # split matrices: the whole parameter on every rank of the group
-            grad = p.grad.full_tensor().float()
-            flat_update = self._step_matrices(st, grad, group, lay)
-            if flat_update is not None:
-                local = local_view(p.detach())
-                a, b = lay.layout.start, lay.layout.end
-                local.view(-1).sub_(flat_update.reshape(-1)[a:b].to(local.dtype))
-                local.mul_(1.0 - group["lr"] * group["weight_decay"])
-            return
-        local = local_view(p.detach())
-        grad = local_view(p.grad.detach()).float()
-        update = self._step_matrices(st, grad.reshape(-1), group, lay)
-        if update is not None:
-            local.view(-1).sub_(update.reshape(-1).to(local.dtype))
-            local.mul_(1.0 - group["lr"] * group["weight_decay"])
 
     def _step_matrices(self, st: dict[str, Any], grad: Tensor, group: dict[str, Any],
                        lay: MatrixLayout) -> Tensor | None:
@@ -195,36 +161,6 @@ class SOAP(ShardedOptimizer):
             for i, q in enumerate(eigenbasis(factors)):
                 if q is not None:
                     st[f"Q{i}"][j] = q
-
-    # -- state dict ------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """As ``torch.optim.Optimizer.state_dict``; for DTensor parameters the states are
-        DTensors (see design note [distributed-soap]) so distributed checkpoint reshards them."""
-        sd = super().state_dict()
-        refs = self._param_refs()
-        for k, st in sd["state"].items():
-            ref = refs[k]
-            if isinstance(ref.param, DTensor) and st:
-                lay = self._layout(ref.param, ref.group, ref.name)
-                sd["state"][k] = {key: lay.export(key, v) for key, v in st.items()}
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load :meth:`state_dict`'s output, a single-process one, or one resharded by
-        distributed checkpoint (gathering a DTensor in another layout is a collective: every
-        rank must load)."""
-        state_dict = dict(state_dict)
-        saved = state_dict.get("state", {})
-        state_dict["state"] = {}
-        super().load_state_dict(state_dict)
-        refs = self._saved_param_refs(state_dict)
-        for k, st in saved.items():
-            if k not in refs:
-                continue
-            ref = refs[k]
-            lay = self._layout(ref.param, ref.group, ref.name)
-            self.state[ref.param] = {key: lay.import_(key, v, ref.param, ref.name)
-                                     for key, v in st.items()}
 
 
 def _check_hparams(h: dict[str, Any], *, where: str) -> None:

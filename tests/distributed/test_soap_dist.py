@@ -1,10 +1,11 @@
-"""SOAP on RaggedShard parameters equals one process (design note [distributed-soap]).
+"""SOAP and Shampoo on RaggedShard parameters equal one process (design notes
+[distributed-soap], [distributed-shampoo]).
 
 Every rank builds the same full tensors (a 2-D weight, a stacked ``(E, out, in)`` expert weight,
 a vector), shards them with the planner's ``"matrix"`` layout (each matrix whole on one rank:
 local step, zero collectives, counted) or element-wise cuts (matrices split: the replicated
-fallback gathers gradients), steps SOAP with the same gradients, and compares its local slices
-with single-process SOAP: **bitwise** where a matrix is local (the same ops on the same data), and
+fallback gathers gradients), steps the optimizer with the same gradients, and compares its local
+slices with the single-process optimizer: **bitwise** where a matrix is local (the same ops on the same data), and
 within ``1e-6`` otherwise. States saved at one world (full tensors from ``state_dict``) load at
 another and the next steps match an uninterrupted run.
 """
@@ -15,13 +16,17 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate
 
-from lightning_vescale.optim import SOAP
+from lightning_vescale.optim import SOAP, Shampoo
 from lightning_vescale.placement import ragged_from_local
 from lightning_vescale.planner import plan_layout
 
 SHAPES = {"w": (12, 8), "experts": (5, 6, 4), "ln": (8,)}
 HP = dict(lr=3e-3, weight_decay=0.01, precondition_frequency=2)
+OPTIMIZERS = {"soap": lambda ps: SOAP(ps, **HP),
+              "shampoo": lambda ps: Shampoo(ps, lr=1e-2, epsilon=1e-6, precondition_frequency=2,
+                                            start_preconditioning_step=2)}
 
 
 def _full():
@@ -34,9 +39,9 @@ def _grads(step):
     return {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
 
 
-def _reference(steps):
+def _reference(steps, name="soap"):
     params = {n: torch.nn.Parameter(t.clone()) for n, t in _full().items()}
-    opt = SOAP(list(params.values()), **HP)
+    opt = OPTIMIZERS[name](list(params.values()))
     for step in range(steps):
         for n, g in _grads(step).items():
             params[n].grad = g.clone()
@@ -44,29 +49,39 @@ def _reference(steps):
     return {n: p.detach() for n, p in params.items()}
 
 
-def _sharded(kind):
-    world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (world,))
-    plan = plan_layout(list(SHAPES.items()), world, granularity="matrix" if kind == "matrix"
+def _sharded(kind, replicas=1):
+    """``replicas > 1``: an HSDP mesh ``(replicas, world / replicas)``, placements
+    ``(Replicate(), RaggedShard)``."""
+    world = dist.get_world_size()
+    shard = world // replicas
+    mesh = init_device_mesh("cpu", (replicas, shard)) if replicas > 1 else \
+        init_device_mesh("cpu", (world,))
+    plan = plan_layout(list(SHAPES.items()), shard, granularity="matrix" if kind == "matrix"
                        else 1, align=1)
     layouts = {n: plan.placement(n) for n in SHAPES}
     full = _full()
     params = {}
     for n, s in SHAPES.items():
-        a, b = layouts[n].local_range(s, rank)
+        a, b = layouts[n].local_range(s, _shard_rank(replicas))
+        placements = [Replicate(), layouts[n]] if replicas > 1 else layouts[n]
         params[n] = torch.nn.Parameter(ragged_from_local(full[n].reshape(-1)[a:b].clone(), mesh,
-                                                         layouts[n], s))
+                                                         placements, s))
     return params, layouts, mesh
 
 
-def _steps(params, layouts, mesh, opt, steps):
+def _shard_rank(replicas=1):
+    return dist.get_rank() % (dist.get_world_size() // replicas)
+
+
+def _steps(params, layouts, mesh, opt, steps, replicas=1):
     from lightning_vescale.testing import CopyCommCounter
 
-    rank, comms = dist.get_rank(), 0
+    rank, comms = _shard_rank(replicas), 0
     for step in steps:
         for n, g in _grads(step).items():
             a, b = layouts[n].local_range(SHAPES[n], rank)
-            params[n].grad = ragged_from_local(g.reshape(-1)[a:b].clone(), mesh, layouts[n],
+            placements = [Replicate(), layouts[n]] if replicas > 1 else layouts[n]
+            params[n].grad = ragged_from_local(g.reshape(-1)[a:b].clone(), mesh, placements,
                                                SHAPES[n])
         with CopyCommCounter() as counter:
             opt.step()
@@ -74,8 +89,8 @@ def _steps(params, layouts, mesh, opt, steps):
     return comms
 
 
-def _compare(params, layouts, ref):
-    rank, out = dist.get_rank(), {}
+def _compare(params, layouts, ref, replicas=1):
+    rank, out = _shard_rank(replicas), {}
     for n, s in SHAPES.items():
         a, b = layouts[n].local_range(s, rank)
         got, want = params[n].detach().to_local(), ref[n].reshape(-1)[a:b]
@@ -83,17 +98,18 @@ def _compare(params, layouts, ref):
     return out
 
 
-def _body(kind, steps=5):
-    params, layouts, mesh = _sharded(kind)
-    opt = SOAP(list(params.values()), **HP)
-    comms = _steps(params, layouts, mesh, opt, range(steps))
-    return _compare(params, layouts, _reference(steps)), comms
+def _body(kind, name, steps=5, replicas=1):
+    params, layouts, mesh = _sharded(kind, replicas)
+    opt = OPTIMIZERS[name](list(params.values()))
+    comms = _steps(params, layouts, mesh, opt, range(steps), replicas)
+    return _compare(params, layouts, _reference(steps, name), replicas), comms
 
 
+@pytest.mark.parametrize("name", ["soap", "shampoo"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("kind", ["matrix", "element"])
-def test_soap_sharded_equals_one_process(worlds, world, kind):
-    outs = worlds(world).run(_body, kind)
+def test_sharded_equals_one_process(worlds, world, kind, name):
+    outs = worlds(world).run(_body, kind, name)
     for rank, (result, comms) in enumerate(outs):
         for n, (equal, diff) in result.items():
             assert equal or (kind == "element" and diff <= 1e-6), (rank, n, diff)
@@ -101,9 +117,20 @@ def test_soap_sharded_equals_one_process(worlds, world, kind):
             assert comms == 0, (rank, comms)
 
 
-def _save_body():
+@pytest.mark.parametrize("name", ["soap", "shampoo"])
+@pytest.mark.parametrize("kind", ["matrix", "element"])
+def test_hsdp_2x2_equals_one_process(worlds, kind, name):
+    outs = worlds(4).run(_body, kind, name, 5, 2)
+    for rank, (result, comms) in enumerate(outs):
+        for n, (equal, diff) in result.items():
+            assert equal or (kind == "element" and diff <= 1e-6), (rank, n, diff)
+        if kind == "matrix":
+            assert comms == 0, (rank, comms)
+
+
+def _save_body(name):
     params, layouts, mesh = _sharded("matrix")
-    opt = SOAP(list(params.values()), **HP)
+    opt = OPTIMIZERS[name](list(params.values()))
     _steps(params, layouts, mesh, opt, range(3))
     sd = opt.state_dict()
     full = {k: {key: (v.full_tensor() if hasattr(v, "full_tensor") else v)
@@ -112,22 +139,23 @@ def _save_body():
             "params": {n: p.full_tensor() for n, p in params.items()}}
 
 
-def _load_body(saved):
+def _load_body(saved, name):
     world, rank = dist.get_world_size(), dist.get_rank()
     params, layouts, mesh = _sharded("matrix")
     with torch.no_grad():
         for n, p in params.items():
             a, b = layouts[n].local_range(SHAPES[n], rank)
             p.to_local().copy_(saved["params"][n].reshape(-1)[a:b])
-    opt = SOAP(list(params.values()), **HP)
+    opt = OPTIMIZERS[name](list(params.values()))
     opt.load_state_dict({"state": saved["state"], "param_groups": saved["param_groups"]})
     _steps(params, layouts, mesh, opt, range(3, 6))
-    return _compare(params, layouts, _reference(6)), world
+    return _compare(params, layouts, _reference(6, name)), world
 
 
+@pytest.mark.parametrize("name", ["soap", "shampoo"])
 @pytest.mark.parametrize("load_world", [3, 1])
-def test_soap_resumes_at_another_world(worlds, load_world):
-    saved = worlds(2).run(_save_body)[0]
-    for result, _ in worlds(load_world).run(_load_body, saved):
+def test_resumes_at_another_world(worlds, load_world, name):
+    saved = worlds(2).run(_save_body, name)[0]
+    for result, _ in worlds(load_world).run(_load_body, saved, name):
         for n, (equal, diff) in result.items():
             assert diff <= 1e-6, (n, diff)

@@ -177,3 +177,20 @@ def test_fabric_gives_unnamed_muon_the_modules_names(worlds, separate):
             g["param_names"] = [n.removeprefix("_forward_module.") for n in g["param_names"]]
         assert groups_u == groups_n and "tok_emb.weight" in groups_n[1]["param_names"]
         assert losses_u == losses_n
+
+
+# -- SOAP from the optimizer section, experts of the layout whole ---------------------------------
+def test_cli_optimizer_section_soap_trains_whole_matrices(tmp_path):
+    from examples.cli import main
+    from lightning_vescale.optim import SOAP
+
+    cli = main(args=_cli_args("soap.yaml"), run=False)
+    assert isinstance(cli.model.configure_optimizers(), SOAP)
+    assert cli.trainer.strategy._granularity.granularity == "matrix"
+    cli.trainer.callbacks.append(Probe(str(tmp_path), "soap"))
+    cli.trainer.fit(cli.model, cli.datamodule)
+    for run in load(tmp_path, "soap"):
+        assert len(run["losses"]) == STEPS and all(map(torch.isfinite, map(torch.tensor,
+                                                                            run["losses"])))
+        # the first step only initialises SOAP's bases: the next ones train
+        assert run["losses"][-1] < run["losses"][0]

@@ -1,5 +1,6 @@
-"""Layer 4: which whole matrices of a parameter a rank preconditions, and how their states are
-exported to and imported from distributed checkpoint (design note [distributed-soap])."""
+"""Layer 4: which whole matrices of a parameter a rank preconditions (SOAP, Shampoo), and how
+their states are exported to and imported from distributed checkpoint (design note
+[distributed-soap])."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ class MatrixLayout:
         return ragged_from_local(value.reshape(-1), lay.mesh, placements,
                                  (self.total, *value.shape[1:]), autograd=False)
 
-    def import_(self, key: str, value: Any, p: Tensor, name: str) -> Any:
+    def import_(self, key: str, value: Any, p: Tensor, name: str, who: str = "SOAP") -> Any:
         """A saved state as this rank steps it (see :meth:`export`; full single-process states
         and DTensors in another layout, which are gathered, are accepted)."""
         if key == "step":
@@ -65,7 +66,7 @@ class MatrixLayout:
         device = local_view(p.detach()).device
         if key in _MOMENTS:
             if value.numel() != self.layout.numel:
-                raise ValueError(f"SOAP.load_state_dict: state {key!r} of parameter {name} has "
+                raise ValueError(f"{who}.load_state_dict: state {key!r} of parameter {name} has "
                                  f"{value.numel()} elements, the parameter {self.layout.numel}; "
                                  "was it saved for another model?")
             if self.replicated:
@@ -77,7 +78,7 @@ class MatrixLayout:
         if full.shape[0] == self.total and not self.replicated:
             full = full[self.first:self.first + self.count]
         if full.shape[0] != self.count:
-            raise ValueError(f"SOAP.load_state_dict: state {key!r} of parameter {name} holds "
+            raise ValueError(f"{who}.load_state_dict: state {key!r} of parameter {name} holds "
                              f"{full.shape[0]} matrices, expected {self.total}; was it saved "
                              "with another max_precond_dim or model?")
         return full.detach().float().to(device).clone()

@@ -1,0 +1,101 @@
+"""Layer 4: the base of optimizers that need whole matrices (SOAP, Shampoo).
+
+What they share (design note [distributed-soap] in ``soap.py``): the parameter checks, the
+per-parameter choice between stepping local whole matrices and the replicated fallback for
+split ones (``_matrix_layout.py``), applying the update and decoupled weight decay to the local
+slice, and the state export/import for distributed checkpoint. A subclass says how its
+matrices are laid out (:meth:`_layout`) and steps them (:meth:`_step_matrices`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from lightning_vescale.optim._base import ShardedOptimizer, local_view
+from lightning_vescale.optim._matrix_layout import MatrixLayout
+
+__all__ = ["WholeMatrixOptimizer"]
+
+
+class WholeMatrixOptimizer(ShardedOptimizer):
+    """Steps every parameter's whole matrices where they lie; see the module docstring."""
+
+    #: the optimizer's name in messages
+    who = "WholeMatrixOptimizer"
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.add_param_group``; complex parameters are refused."""
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            if torch.is_complex(p):
+                raise TypeError(f"{self.who} does not support complex parameters (its factors "
+                                "are real); view them as real with torch.view_as_real or use "
+                                "torch.optim.AdamW for them.")
+
+    def _layout(self, p: Tensor, group: dict[str, Any], name: str) -> MatrixLayout:
+        raise NotImplementedError
+
+    def _step_matrices(self, st: dict[str, Any], grad: Tensor, group: dict[str, Any],
+                       lay: MatrixLayout) -> Tensor | None:
+        """The update (to subtract, before weight decay) of the matrices ``grad`` holds (flat),
+        or ``None`` for a step that only initialises."""
+        raise NotImplementedError
+
+    def _update(self) -> None:
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{self.who}: parameter #{i} of group {gi} has a sparse "
+                                       f"gradient; {self.who} needs dense gradients.")
+                self._step_param(p, group, f"#{i} of group {gi}")
+
+    def _step_param(self, p: Tensor, group: dict[str, Any], name: str) -> None:
+        lay = self._layout(p, group, name)
+        local = local_view(p.detach())
+        if lay.replicated:  # split matrices: the whole parameter on every rank of the group
+            update = self._step_matrices(self.state[p], p.grad.full_tensor().float(), group,
+                                         lay)
+            if update is not None:
+                update = update.reshape(-1)[lay.layout.start:lay.layout.end]
+        else:
+            grad = local_view(p.grad.detach()).float().reshape(-1)
+            update = self._step_matrices(self.state[p], grad, group, lay)
+        if update is not None:
+            local.view(-1).sub_(update.reshape(-1).to(local.dtype))
+            local.mul_(1.0 - group["lr"] * group["weight_decay"])
+
+    # -- state dict ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """As ``torch.optim.Optimizer.state_dict``; for DTensor parameters the states are
+        DTensors so that distributed checkpoint reshards them."""
+        sd = super().state_dict()
+        refs = self._param_refs()
+        for k, st in sd["state"].items():
+            ref = refs[k]
+            if isinstance(ref.param, DTensor) and st:
+                lay = self._layout(ref.param, ref.group, ref.name)
+                sd["state"][k] = {key: lay.export(key, v) for key, v in st.items()}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load :meth:`state_dict`'s output, a single-process one, or one resharded by
+        distributed checkpoint (gathering a DTensor in another layout is a collective: every
+        rank must load)."""
+        state_dict = dict(state_dict)
+        saved = state_dict.get("state", {})
+        state_dict["state"] = {}
+        super().load_state_dict(state_dict)
+        refs = self._saved_param_refs(state_dict)
+        for k, st in saved.items():
+            if k not in refs:
+                continue
+            ref = refs[k]
+            lay = self._layout(ref.param, ref.group, ref.name)
+            self.state[ref.param] = {key: lay.import_(key, v, ref.param, ref.name, self.who)
+                                     for key, v in st.items()}
