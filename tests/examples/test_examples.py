@@ -225,3 +225,25 @@ def test_validation_perplexity_equals_ddps(tmp_path):
         assert a["metrics"]["val_ppl"] == pytest.approx(b["metrics"]["val_ppl"], rel=1e-5)
     # synced: every rank reports the same value (the whole validation set's perplexity)
     assert ours[0]["metrics"]["val_ppl"] == ours[1]["metrics"]["val_ppl"]
+
+
+@pytest.mark.slow  # fresh processes: the second CI step
+def test_soap_benchmark_runs_tiny():
+    """``benchmarks/soap.py`` at toy size: every variant, and the matrix layout moves nothing
+    while the naive one (FSDP2's row layout) gathers, with equal results."""
+    out = run([sys.executable, "benchmarks/soap.py", "--world-size", "2", "--d-model", "16",
+               "--layers", "2", "--steps", "3", "--repeats", "1"])
+    rows = {line.split("|")[2].strip(): line for line in out.splitlines()
+            if line.startswith("| 2 |")}
+    assert sorted(rows) == ["adamw", "shampoo-matrix", "soap-matrix", "soap-naive"], out
+    assert rows["soap-matrix"].split("|")[5].strip() == "0.0"
+    assert float(rows["soap-naive"].split("|")[5]) > 0
+    assert "max abs difference 0.00e+00" in out
+
+
+@pytest.mark.slow  # a few short trainings: the second CI step
+def test_soap_quality_benchmark_runs_tiny(tmp_path):
+    out = run([sys.executable, "benchmarks/soap_quality.py", "--steps", "12", "--layers", "1",
+               "--d-model", "16", "--block", "8", "--batch", "2", "--seeds", "0",
+               "--out-dir", str(tmp_path)])
+    assert "| soap |" in out and "| shampoo |" in out and "| muon |" in out

@@ -1,0 +1,209 @@
+"""SOAP and Shampoo on RaggedShard shards: step cost against AdamW, and against naive SOAP.
+
+Same GPT-style matrices, same world size, same gradients, CPU + gloo, forked ranks:
+
+* ``adamw``        — ``torch.optim.AdamW`` on the local shards (the element-wise baseline);
+* ``soap-matrix``  — :class:`lightning_vescale.optim.SOAP` with every matrix whole on one rank
+  (the planner's ``"matrix"`` layout): each rank preconditions its own, no collective;
+* ``soap-naive``   — the same SOAP on FSDP2's layout (every tensor split by rows over all
+  ranks, ``Shard(0)``): every matrix's gradient is gathered to every rank, which keeps the whole state and computes the whole update
+  (what a gather-based SOAP does; our fallback for split matrices);
+* ``shampoo-matrix`` — :class:`lightning_vescale.optim.Shampoo` on the ``"matrix"`` layout.
+
+Printed per variant: step time averaged over every step of ``--steps`` (the refresh every
+``precondition_frequency`` = 10 steps included; median of ``--repeats`` runs, the slowest rank
+counts), bytes moved per step (``CopyCommCounter``), per-rank eigendecomposition load
+(``sum d^3`` over the factors a rank refreshes; max/mean imbalance) and optimizer-state bytes per
+parameter; then ratios against ``adamw`` and ``soap-naive``. SOAP results of ``soap-matrix`` and
+``soap-naive`` are compared with each other (max abs difference).
+
+Run:  python benchmarks/soap.py --world-size 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from lightning_vescale.optim import SOAP, Shampoo  # noqa: E402
+from lightning_vescale.placement import (  # noqa: E402
+    RaggedShard,
+    chunk_bounds,
+    ragged_from_local,
+)
+from lightning_vescale.planner import plan_layout  # noqa: E402
+from lightning_vescale.testing import CopyCommCounter  # noqa: E402
+
+VARIANTS = ("adamw", "soap-matrix", "soap-naive", "shampoo-matrix")
+
+
+def model_shapes(d: int, layers: int) -> dict[str, tuple[int, ...]]:
+    """The matrices and vectors of a GPT-style stack."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(layers):
+        shapes[f"blocks.{i}.attn.qkv.weight"] = (3 * d, d)
+        shapes[f"blocks.{i}.attn.proj.weight"] = (d, d)
+        shapes[f"blocks.{i}.mlp.fc.weight"] = (4 * d, d)
+        shapes[f"blocks.{i}.mlp.proj.weight"] = (d, 4 * d)
+        shapes[f"blocks.{i}.ln.weight"] = (d,)
+    return shapes
+
+
+def _make(variant: str, params: list) -> torch.optim.Optimizer:
+    if variant == "adamw":
+        return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
+    if variant.startswith("soap"):
+        return SOAP(params, lr=3e-3, precondition_frequency=10)
+    return Shampoo(params, lr=3e-3, precondition_frequency=10)
+
+
+def _eig_load(opt: torch.optim.Optimizer) -> float:
+    """``sum d^3`` over the factors this rank holds (what a refresh costs it)."""
+    total = 0.0
+    for st in opt.state.values():
+        for k, v in st.items():
+            if (k.startswith("GG")) and isinstance(v, torch.Tensor) and v.dim() == 3:
+                total += v.shape[0] * float(v.shape[-1]) ** 3
+    return total
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    from lightning_vescale.optim._base import local_view
+
+    return sum(local_view(v).numel() * v.element_size() for st in opt.state.values()
+               for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def _rank_main(rank, world, init_file, args, results):
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=600))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = model_shapes(args.d_model, args.layers)
+    matrix_plan = plan_layout(list(shapes.items()), world, granularity="matrix", align=1)
+    # naive: FSDP2's layout, every tensor split over all ranks by rows (Shard(0))
+    even = {n: RaggedShard((0,), [hi - lo for lo, hi in chunk_bounds(s[0], world)])
+            for n, s in shapes.items()}
+    torch.manual_seed(0)
+    full = {n: torch.randn(s) * 0.02 for n, s in shapes.items()}
+    gen = torch.Generator().manual_seed(1)
+    grads = [{n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+             for _ in range(args.steps)]
+    out = {}
+    for variant in VARIANTS:
+        place = even if variant.endswith("naive") else \
+            {n: matrix_plan.placement(n) for n in shapes}
+        runs, comm = [], 0
+        for _ in range(args.repeats):
+            params = {}
+            for n, s in shapes.items():
+                a, b = place[n].local_range(s, rank)
+                params[n] = torch.nn.Parameter(ragged_from_local(
+                    full[n].reshape(-1)[a:b].clone(), mesh, place[n], s))
+            opt = _make(variant, list(params.values()))
+            elapsed = 0.0
+            for step in range(args.steps):
+                for n, p in params.items():
+                    a, b = place[n].local_range(shapes[n], rank)
+                    p.grad = ragged_from_local(grads[step][n].reshape(-1)[a:b].clone(), mesh,
+                                               place[n], shapes[n])
+                dist.barrier()
+                t0 = time.perf_counter()
+                with CopyCommCounter() as counter:
+                    opt.step()
+                dist.barrier()
+                elapsed += time.perf_counter() - t0
+                comm += counter.comm_bytes
+            runs.append(elapsed / args.steps)
+        finals = {n: p.detach().full_tensor() for n, p in params.items()}
+        out[variant] = dict(step_s=statistics.median(runs), eig=_eig_load(opt),
+                            state_bytes=_state_bytes(opt),
+                            local_params=sum(p.to_local().numel() for p in params.values()),
+                            comm_bytes=comm / (args.repeats * args.steps), finals=finals)
+    diff = max(float((out["soap-matrix"]["finals"][n] - out["soap-naive"]["finals"][n])
+                     .abs().max()) for n in shapes)
+    for v in VARIANTS:
+        del out[v]["finals"]
+    out["soap_diff"] = diff
+    results.put((rank, out))
+    dist.destroy_process_group()
+
+
+def _rank_body(rank, world, init_file, args, results):
+    try:
+        _rank_main(rank, world, init_file, args, results)
+    except BaseException:  # report instead of leaving the parent waiting
+        import traceback
+
+        results.put((rank, {"error": traceback.format_exc()}))
+        raise
+
+
+def run(world: int, args) -> dict:
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=_rank_body, args=(r, world, init_file, args, results))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        per_rank = dict(results.get(timeout=1800) for _ in procs)
+        errors = [v["error"] for v in per_rank.values() if "error" in v]
+        if errors:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"a rank failed:\n{errors[0]}")
+        for p in procs:
+            p.join()
+    return per_rank
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world-size", type=int, nargs="+", default=[2])
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    n_params = sum(torch.Size(s).numel() for s in model_shapes(args.d_model, args.layers).values())
+    print(f"model: {args.layers} layers x d_model {args.d_model} ({n_params:,} parameters); "
+          f"CPU/gloo, 1 thread per rank; step time averaged over {args.steps} steps "
+          f"(precondition_frequency 10), median of {args.repeats} runs")
+    print("| world | variant | step ms | x adamw | KiB moved/step (rank 0) | eig load max/mean | "
+          "state bytes/param |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for world in args.world_size:
+        per_rank = run(world, args)
+        base = max(per_rank[r]["adamw"]["step_s"] for r in range(world))
+        for v in VARIANTS:
+            rows = [per_rank[r][v] for r in range(world)]
+            step = max(r["step_s"] for r in rows)
+            eig = [r["eig"] for r in rows]
+            imbalance = max(eig) / (sum(eig) / world) if sum(eig) else float("nan")
+            per_param = sum(r["state_bytes"] for r in rows) / n_params
+            print(f"| {world} | {v} | {1e3 * step:.2f} | {step / base:.2f} | "
+                  f"{rows[0]['comm_bytes'] / 1024:.1f} | {imbalance:.3f} | {per_param:.1f} |",
+                  flush=True)
+        print(f"\nworld {world}: soap-matrix vs soap-naive parameters, max abs difference "
+              f"{max(per_rank[r]['soap_diff'] for r in range(world)):.2e}\n")
+
+
+if __name__ == "__main__":
+    main()
