@@ -28,6 +28,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_vescale._lightning.activation_checkpointing import ActivationCheckpointingPolicy
 from lightning_vescale._lightning.core import RegistryEntry, VeScaleStrategyCore
 from lightning_vescale._lightning.device_mesh import DeviceMeshArg
 from lightning_vescale._lightning.sharding import (
@@ -90,6 +91,11 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
             before sharding (default ``True``, as DDP does), so unseeded ranks start from one
             model; meta-device (``empty_init=True``) tensors are materialised per shard and not
             synchronised. See design note [sync-module-states].
+        activation_checkpointing_policy: layers that recompute their forward in backward
+            instead of keeping activations (Lightning's ``FSDPStrategy`` meaning): a set of
+            module classes or class names (``{Block}``; ``[Block]`` in YAML), or a callable
+            ``(module) -> bool``. Applied before sharding; parameter names do not change. See
+            design note [activation-checkpointing].
     """
 
     _registry_entries = (RegistryEntry(
@@ -109,6 +115,7 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
         device_mesh: DeviceMeshArg = None,
         flat_optimizer: bool = True,
         sync_module_states: bool = True,
+        activation_checkpointing_policy: ActivationCheckpointingPolicy = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -125,6 +132,7 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
                         process_group_backend=process_group_backend, timeout=timeout,
                         device_mesh=device_mesh, flat_optimizer=flat_optimizer,
                         sync_module_states=sync_module_states)
+        self._init_activation_checkpointing(activation_checkpointing_policy)
         self._backward_sync_control = _VeScaleBackwardSyncControl()
         self._set_up_modules: list[weakref.ref[Module]] = []
 

@@ -56,6 +56,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_vescale._lightning.activation_checkpointing import (
+    CheckpointSelection,
+    apply_activation_checkpointing,
+    validate_activation_checkpointing_policy,
+)
 from lightning_vescale._lightning.device_mesh import (
     build_device_mesh,
     check_world_size,
@@ -151,6 +156,8 @@ class VeScaleStrategyCore:
 
     #: The names the face registers in its framework's strategy registry.
     _registry_entries: tuple[RegistryEntry, ...] = ()
+    #: ``activation_checkpointing_policy``, validated (:meth:`_init_activation_checkpointing`).
+    _activation_checkpointing: Optional[CheckpointSelection] = None
 
     def _init_core(
         self,
@@ -188,6 +195,11 @@ class VeScaleStrategyCore:
         self._sync_module_states = validate_sync_module_states(sync_module_states)
         self._device_mesh: Optional[DeviceMesh] = None
         self._exception_agreement = ExceptionAgreement()
+
+    def _init_activation_checkpointing(self, policy: Any) -> None:
+        """Validate and store ``activation_checkpointing_policy`` (design note
+        [activation-checkpointing]); applied to the model in :meth:`_shard`."""
+        self._activation_checkpointing = validate_activation_checkpointing_policy(policy)
 
     # -- what a face provides --------------------------------------------------------------------
     @property
@@ -315,6 +327,7 @@ class VeScaleStrategyCore:
         rank 0's initial states are broadcast when ``sync_module_states`` ([sync-module-states])."""
         if self._sync_module_states:
             broadcast_module_states(module, self.device_mesh)
+        apply_activation_checkpointing(module, self._activation_checkpointing)  # before sharding
         shard_model(module, units=self._sharding_units, mesh=self.device_mesh,
                     device=self.root_device,
                     mp_policy=self._vescale_precision.mixed_precision_policy,
