@@ -311,3 +311,14 @@ def test_trainer_with_a_set_of_classes_and_a_class_name(tmp_path):
             assert checkpointed == ["model.blocks.0", "model.blocks.1"]
             assert ref_calls == 3 * 2 and calls == 2 * ref_calls, (calls, ref_calls)
     assert all(math.isfinite(v) for v in plain[0])
+
+
+@pytest.mark.slow  # two fresh 2-rank worlds
+def test_the_benchmark_runs_and_checkpointing_saves_memory():
+    from benchmarks.activation_checkpointing import report, run
+
+    cfg = dict(vocab_size=65, block_size=64, n_layer=2, n_head=2, n_embd=32, tie_weights=True)
+    res = run(2, cfg, batch=4, steps=1, warmup=0, runs=1)
+    assert res["blocks"]["losses"] == res["none"]["losses"]
+    assert res["blocks"]["rise_bytes"] < res["none"]["rise_bytes"]
+    assert "peak live tensors / rank" in report(res)
