@@ -186,3 +186,43 @@ def test_group_is_resharded_between_its_uses(worlds):
         # one all-gather per use in backward (with reshard_after_forward: once per forward too)
         assert n_gathers == 2, n_gathers
         assert seen == [True]
+
+
+def _dropped_forward_body(impl: str):
+    """A forward with grad whose output is dropped (no backward), then forward + backward:
+    the dropped use never completes, so the final callback completes the groups (ours)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(42)
+    model = Transformer()
+    ref = copy.deepcopy(model)
+    fs = fully_shard_of(impl)
+    for layer in model.layers:
+        fs(layer.feed_forward)
+        fs(layer)
+    fs(model)
+    grads = []
+    for step in range(2):
+        a, b = _inputs(rank + 10 * step)
+        model(a).sum()  # dropped: e.g. a metric computed with grad on
+        model(b).square().mean().backward()
+        grads.append(full_grads(model))
+        model.zero_grad()
+    want = []
+    for step in range(2):
+        acc = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
+        for r in range(world):
+            ref.zero_grad()
+            ref(_inputs(r + 10 * step)[1]).square().mean().backward()
+            for n, p in ref.named_parameters():
+                acc[n] += p.grad / world
+        want.append(acc)
+    return grads, want
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_dropped_forward_before_the_trained_one(worlds, impl):
+    for grads, want in worlds(2).run(_dropped_forward_body, impl):
+        for step in range(2):
+            for n, w in want[step].items():
+                torch.testing.assert_close(grads[step][n], w, rtol=1e-5, atol=1e-6,
+                                           msg=f"{impl} step {step} {n}")
