@@ -28,6 +28,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_vescale._lightning.activation_checkpointing import ActivationCheckpointingPolicy
 from lightning_vescale._lightning.core import RegistryEntry, VeScaleStrategyCore
 from lightning_vescale._lightning.device_mesh import DeviceMeshArg
 from lightning_vescale._lightning.sharding import (
@@ -103,6 +104,11 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
             ``comm_policy: {all_gather: int8, reduce_scatter_dtype: bf16}``): int8/fp8
             block-quantized all-gather and the gradients' wire dtype, for every group
             (``block_size`` defaults to ``optimizer_block_size``; design note [comm-policy]).
+        activation_checkpointing_policy: layers that recompute their forward in backward
+            instead of keeping activations (Lightning's ``FSDPStrategy`` meaning): a set of
+            module classes or class names (``{Block}``; ``[Block]`` in YAML), or a callable
+            ``(module) -> bool``. Applied before sharding; parameter names do not change. See
+            design note [activation-checkpointing].
     """
 
     _registry_entries = (RegistryEntry(
@@ -124,6 +130,7 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
         flat_optimizer: bool = True,
         sync_module_states: bool = True,
         comm_policy: Optional[Union[CommPolicy, dict[str, Any]]] = None,
+        activation_checkpointing_policy: ActivationCheckpointingPolicy = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -141,6 +148,7 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
                         process_group_backend=process_group_backend, timeout=timeout,
                         device_mesh=device_mesh, flat_optimizer=flat_optimizer,
                         sync_module_states=sync_module_states, comm_policy=comm_policy)
+        self._init_activation_checkpointing(activation_checkpointing_policy)
         self._backward_sync_control = _VeScaleBackwardSyncControl()
         self._set_up_modules: list[weakref.ref[Module]] = []
 

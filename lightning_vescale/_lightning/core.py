@@ -57,6 +57,11 @@ from torch.nn import Module
 from typing_extensions import override
 
 from lightning_vescale._lightning.comm import validate_comm_policy
+from lightning_vescale._lightning.activation_checkpointing import (
+    CheckpointSelection,
+    apply_activation_checkpointing,
+    validate_activation_checkpointing_policy,
+)
 from lightning_vescale._lightning.device_mesh import (
     build_device_mesh,
     check_world_size,
@@ -154,6 +159,8 @@ class VeScaleStrategyCore:
 
     #: The names the face registers in its framework's strategy registry.
     _registry_entries: tuple[RegistryEntry, ...] = ()
+    #: ``activation_checkpointing_policy``, validated (:meth:`_init_activation_checkpointing`).
+    _activation_checkpointing: Optional[CheckpointSelection] = None
 
     def _init_core(
         self,
@@ -196,6 +203,11 @@ class VeScaleStrategyCore:
         self._pretrained_weights = validate_pretrained_weights(pretrained_weights)
         self._device_mesh: Optional[DeviceMesh] = None
         self._exception_agreement = ExceptionAgreement()
+
+    def _init_activation_checkpointing(self, policy: Any) -> None:
+        """Validate and store ``activation_checkpointing_policy`` (design note
+        [activation-checkpointing]); applied to the model in :meth:`_shard`."""
+        self._activation_checkpointing = validate_activation_checkpointing_policy(policy)
 
     # -- what a face provides --------------------------------------------------------------------
     @property
@@ -324,6 +336,7 @@ class VeScaleStrategyCore:
         then ``pretrained_weights`` are loaded ([pretrained-weights])."""
         if self._sync_module_states:
             broadcast_module_states(module, self.device_mesh)
+        apply_activation_checkpointing(module, self._activation_checkpointing)  # before sharding
         shard_model(module, units=self._sharding_units, mesh=self.device_mesh,
                     device=self.root_device,
                     mp_policy=self._vescale_precision.mixed_precision_policy,

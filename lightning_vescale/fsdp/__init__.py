@@ -20,7 +20,8 @@ Design notes of layer 3 (the package's convention and the other layers' notes:
 * ``_param_group.py``: [fsdp-buffer-order] (matrices first; frozen parameters apart)
 * ``_param_group_grads.py``: [fsdp-grads] (grad buffer, reduce-scatter, publication)
 * ``_state.py``: [fsdp-schedule] (the hooks, prefetch) [fsdp-backward-completion] (when a
-  group's backward is over, on every rank) [fsdp-reentrant] [fsdp-profiling] [fsdp-compile]
+  group's backward is over, on every rank) [fsdp-multi-forward] (several forwards before one
+  backward) [fsdp-reentrant] [fsdp-profiling] [fsdp-compile]
 * ``_root.py``: [fsdp-final-callback] (the end of a backward, the gradient flags)
 * ``_collective_check.py``: [fsdp-collective-check] (opt-in: every rank runs the same group)
 * ``_training_state.py``: [fsdp-training-state]

@@ -127,10 +127,17 @@ class RootContext:
             if event is not None:
                 event.wait()
             self.finish_flags()
-            # finish anything left from an interrupted iteration (a backward that raised)
+            # A backward began (its first hook queued the final callback) and never reached
+            # the callback: it raised. Forget it. Otherwise the last backward's callback already
+            # forgot everything, or no backward ran since the last forward: several forwards
+            # before one backward keep counting their uses (design note [fsdp-multi-forward]).
+            interrupted = self.final_callback_queued
             self.finish_reduce()
             self.final_callback_queued = False
-            self.forget_iteration()
+            if interrupted:
+                self.forget_iteration()
+            for st in self.all_states:
+                st._pending = set()  # a list group that ran partly in the last forward
             for group in self.groups:
                 # A forward whose output never went through backward (e.g. a loss computed
                 # twice, or an evaluation with grad enabled) leaves the root (and groups with

@@ -29,31 +29,50 @@ group's gradients arrived, the next group in the recorded backward order that ha
 its backward is prefetched (late enough not to coincide with the activation peak at the start
 of the group's backward, early enough to overlap its second half).
 
-Design note [fsdp-backward-completion]
---------------------------------------
-When a group's backward is *complete* must not depend on which gradients a rank received: a
-parameter may get a gradient on one rank and none on another (data-dependent routing, e.g. an
-MoE expert inside a block), and if the ranks then reduce-scattered different groups at
-different times, their collectives would pair wrongly. So completion is structural, as in
-FSDP2: the pre-forward wraps the module's forward inputs that require grad in
-:class:`_PostBackward`, an identity whose backward runs once the gradients of those inputs
-are complete. That needs the module's whole backward, and it is the same point in the backward
-pass on every rank. (With several forwards of one module, the last one's backward counts; if any
-forward with grad had no input needing a gradient, e.g. the token ids of a list group's
-embedding, the group has no structural end in this iteration and the final callback completes
-it.) Inputs and outputs are searched for tensors through dataclasses, namedtuples, dicts, lists
-and pytree-registered classes (``_tree.py``). The
-gradient arrivals only time the early prefetch; if that has not fired by completion, it is
-issued then, before the reduce-scatter, so every rank's collectives come in the same order.
-A complete group first reshards (its parameters are no longer needed, frozen ones included)
-and then reduce-scatters every buffer holding trainable parameters, with zeros where the rank
-got no gradient: asynchronously on accelerators (the previous one is waited first, so at most
-one is in flight, bounding memory), synchronously on CPU.
+Design note [fsdp-backward-completion] -------------------------------------- When a group's
+backward is *complete* must not depend on which gradients a rank received: a parameter may get a
+gradient on one rank and none on another (data-dependent routing, e.g. an MoE expert inside a
+block), and if the ranks then reduce-scattered different groups at different times, their
+collectives would pair wrongly. So completion is structural, as in FSDP2: the pre-forward wraps the
+module's forward inputs that require grad in :class:`_PostBackward`, an identity whose backward
+runs once the gradients of those inputs are complete. That needs the module's whole backward, and
+it is the same point in the backward pass on every rank. (With several forwards of one module, the
+last one's backward counts, design note [fsdp-multi-forward]; if any forward with grad had no input
+needing a gradient, e.g. the token ids of a list group's embedding, the group has no structural end
+in this iteration and the final callback completes it.) Inputs and outputs are searched for tensors
+through dataclasses, namedtuples, dicts, lists and pytree-registered classes (``_tree.py``). The
+gradient arrivals only time the early prefetch; if that has not fired by completion, it is issued
+then, before the reduce-scatter, so every rank's collectives come in the same order. A complete
+group first reshards (its parameters are no longer needed, frozen ones included) and then
+reduce-scatters every buffer holding trainable parameters, with zeros where the rank got no
+gradient: asynchronously on accelerators (the previous one is waited first, so at most one is in
+flight, bounding memory), synchronously on CPU.
 
 Limits: a module whose forward runs on some ranks and not on others in the same iteration (an
 expert *module* that is its own group and gets no tokens on one rank) is still not supported:
 only the ranks that ran it have its completion. Run it on an empty batch instead. The opt-in
 check of design note [fsdp-collective-check] names such a group instead of hanging.
+
+Design note [fsdp-multi-forward]
+--------------------------------
+A group may be used several times before one backward: a module called twice in a forward,
+or the whole model run twice and the two losses combined (DPO), with or without activation
+checkpointing. Each forward with grad whose inputs need a gradient is a *use*: it wraps the
+inputs in a :class:`_PostBackward` and hooks its outputs, both tagged with the use's number.
+Uses add up from the end of one backward (the root's final callback) to the end of the next,
+*across* root forwards: the root's pre-forward forgets the counts only when the last backward
+began and never reached its final callback (it raised). The group's backward is complete when
+every use's :class:`_PostBackward` ran; only then is it resharded and reduce-scattered. This
+matters because of ``AccumulateGrad``: a parameter used twice receives its gradient once, after
+*both* uses' backward, so completing the group at the first use's end (what a per-forward count
+did) reduce-scattered before the gradient arrived ("received its gradient after its group was
+reduce-scattered"). A use whose backward ends while others are still to come and none is under
+way (its output hooks fired, its ``_PostBackward`` not yet) reshards the group (FSDP2 reshards
+at every post-backward too); the next use's output hook gathers it again, so two forwards do not
+keep every group gathered for the whole backward. A forward whose output never goes through
+backward (an evaluation with grad on) leaves its use open: the final callback then completes
+the group, correct but without the early reshard, for that iteration only. An activation-
+checkpointing recompute is not a use (design note [fsdp-final-callback]): it only unshards.
 
 Design note [fsdp-reentrant]
 ----------------------------
@@ -89,6 +108,7 @@ backward. Compiling the root module as a whole (with its hooks inside) is not te
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -115,20 +135,22 @@ class _PostBackward(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, state: "FSDPState", *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, state: "FSDPState", use: int,
+                *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # Weakly: the autograd node lives in C++ and may outlive the iteration (a loss tensor
         # kept by the user keeps its grad_fn chain); a strong reference would keep the state,
         # its DBuffers and the process group alive until that node dies, possibly during
         # interpreter shutdown.
         ctx.state_weakref = weakref.ref(state)
+        ctx.use = use
         return inputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         state = ctx.state_weakref()
         if state is not None:
-            state._post_backward()
-        return (None, *grads)
+            state._post_backward(ctx.use)
+        return (None, None, *grads)
 
 
 class FSDPState:
@@ -152,9 +174,14 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         # How many calls of this module's forward are running (design note [fsdp-reentrant]).
         self._forward_depth = 0
-        # Forwards that registered a _PostBackward, and how many of those completed.
+        # Forwards ("uses") that registered a _PostBackward since the last backward (several
+        # root forwards before one backward add up), how many of those completed, and the uses
+        # whose backward is under way: a gradient reached their outputs, not yet their inputs
+        # (design note [fsdp-multi-forward]).
         self._post_backward_seen = 0
         self._post_backward_expected = 0
+        self._open_uses: set[int] = set()
+        self._use: int | None = None  # the current forward's use, for its output hooks
         # A forward with grad whose inputs needed no gradient registered no _PostBackward: the
         # group's backward has no structural end then, and the final callback completes it.
         self._unhooked_forward = False
@@ -258,13 +285,15 @@ class FSDPState:
 
     def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         inputs = [t for t in tensors_in((args, kwargs) if kwargs else args) if t.requires_grad]
+        self._use = None
         if not inputs:
             # no input gradient: the group's backward has no structural end this iteration,
             # the final callback completes it
             self._unhooked_forward = True
             return args, kwargs
         unique = list({id(t): t for t in inputs}.values())
-        outs = _PostBackward.apply(self, *unique)
+        self._use = use = self._post_backward_expected
+        outs = _PostBackward.apply(self, use, *unique)
         replace = {id(t): o for t, o in zip(unique, outs)}
         self._post_backward_expected += 1
 
@@ -291,8 +320,9 @@ class FSDPState:
                     shard_size=group.mesh_info.shard_size, is_root=self.is_root,
                     is_last_in_forward=bool(grad and tensors) and self._is_last_in_forward()))
             if grad and tensors:
+                hook = functools.partial(self._pre_backward, use=self._use)
                 for t in tensors:
-                    t.register_hook(self._pre_backward)
+                    t.register_hook(hook)
             if self.is_root:
                 self.ctx.forward_recorded = True
                 if not grad or not tensors:
@@ -314,11 +344,13 @@ class FSDPState:
             self.training_state = TrainingState.IDLE  # the forward raised
 
     # -- backward --------------------------------------------------------------------------------
-    def _pre_backward(self, grad: torch.Tensor) -> None:
+    def _pre_backward(self, grad: torch.Tensor, use: int | None = None) -> None:
         with record_function("vescale::pre_backward"):
             self.ctx.queue_final_callback()
+            if use is not None:
+                self._open_uses.add(use)
             if self.training_state is TrainingState.PRE_BACKWARD:
-                return  # once per backward
+                return  # once per backward (or per use after a reshard between uses)
             self.training_state = TrainingState.PRE_BACKWARD
             self.ctx.record_backward(self)
             if self.group is not None:
@@ -332,12 +364,26 @@ class FSDPState:
             else:
                 self.ctx.prefetch_backward(self)
 
-    def _post_backward(self) -> None:
+    def _post_backward(self, use: int) -> None:
         self._post_backward_seen += 1
+        self._open_uses.discard(use)
         if self._unhooked_forward:
             return  # a forward without input gradients: the final callback completes the group
         if self._post_backward_seen == self._post_backward_expected:  # the last use's backward
             self._complete_backward()
+        elif not self._open_uses:
+            self._reshard_between_uses()
+
+    def _reshard_between_uses(self) -> None:
+        """One use's backward is over, others are to come and none is under way: free the
+        gathered parameters until the next use's pre-backward gathers them again (design note
+        [fsdp-multi-forward]). Gradients stay in the grad buffer; nothing is reduced."""
+        group = self.group
+        if group is None or not group.reshard_after_backward or not group.is_unsharded:
+            return
+        with record_function("vescale::reshard_between_uses"):
+            group.reshard()
+            self.training_state = TrainingState.IDLE  # the next use's pre-backward re-gathers
 
     def _complete_backward(self) -> None:
         """The group's backward is over (on every rank at this point): reshard, then reduce."""
@@ -353,6 +399,8 @@ class FSDPState:
 
     def reset_post_backward(self) -> None:
         self._post_backward_expected = self._post_backward_seen = 0
+        self._open_uses = set()
+        self._use = None
         self._unhooked_forward = False
         self._pending = set()
 
