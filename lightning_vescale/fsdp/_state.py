@@ -29,8 +29,9 @@ group's gradients arrived, the next group in the recorded backward order that ha
 its backward is prefetched (late enough not to coincide with the activation peak at the start
 of the group's backward, early enough to overlap its second half).
 
-Design note [fsdp-backward-completion] -------------------------------------- When a group's
-backward is *complete* must not depend on which gradients a rank received: a parameter may get a
+Design note [fsdp-backward-completion]
+--------------------------------------
+When a group's backward is *complete* must not depend on which gradients a rank received: a parameter may get a
 gradient on one rank and none on another (data-dependent routing, e.g. an MoE expert inside a
 block), and if the ranks then reduce-scattered different groups at different times, their
 collectives would pair wrongly. So completion is structural, as in FSDP2: the pre-forward wraps the
