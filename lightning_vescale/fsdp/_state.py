@@ -31,23 +31,24 @@ of the group's backward, early enough to overlap its second half).
 
 Design note [fsdp-backward-completion]
 --------------------------------------
-When a group's backward is *complete* must not depend on which gradients a rank received: a parameter may get a
-gradient on one rank and none on another (data-dependent routing, e.g. an MoE expert inside a
-block), and if the ranks then reduce-scattered different groups at different times, their
-collectives would pair wrongly. So completion is structural, as in FSDP2: the pre-forward wraps the
-module's forward inputs that require grad in :class:`_PostBackward`, an identity whose backward
-runs once the gradients of those inputs are complete. That needs the module's whole backward, and
-it is the same point in the backward pass on every rank. (With several forwards of one module, the
-last one's backward counts, design note [fsdp-multi-forward]; if any forward with grad had no input
-needing a gradient, e.g. the token ids of a list group's embedding, the group has no structural end
-in this iteration and the final callback completes it.) Inputs and outputs are searched for tensors
-through dataclasses, namedtuples, dicts, lists and pytree-registered classes (``_tree.py``). The
-gradient arrivals only time the early prefetch; if that has not fired by completion, it is issued
-then, before the reduce-scatter, so every rank's collectives come in the same order. A complete
-group first reshards (its parameters are no longer needed, frozen ones included) and then
-reduce-scatters every buffer holding trainable parameters, with zeros where the rank got no
-gradient: asynchronously on accelerators (the previous one is waited first, so at most one is in
-flight, bounding memory), synchronously on CPU.
+When a group's backward is *complete* must not depend on which gradients a rank received: a
+parameter may get a gradient on one rank and none on another (data-dependent routing, e.g. an
+MoE expert inside a block), and if the ranks then reduce-scattered different groups at different
+times, their collectives would pair wrongly. So completion is structural, as in FSDP2: the
+pre-forward wraps the module's forward inputs that require grad in :class:`_PostBackward`, an
+identity whose backward runs once the gradients of those inputs are complete. That needs the
+module's whole backward, and it is the same point in the backward pass on every rank. (With
+several forwards of one module, the last one's backward counts, design note
+[fsdp-multi-forward]; if any forward with grad had no input needing a gradient, e.g. the token
+ids of a list group's embedding, the group has no structural end in this iteration and the final
+callback completes it.) Inputs and outputs are searched for tensors through dataclasses,
+namedtuples, dicts, lists and pytree-registered classes (``_tree.py``). The gradient arrivals
+only time the early prefetch; if that has not fired by completion, it is issued then, before the
+reduce-scatter, so every rank's collectives come in the same order. A complete group first
+reshards (its parameters are no longer needed, frozen ones included) and then reduce-scatters
+every buffer holding trainable parameters, with zeros where the rank got no gradient:
+asynchronously on accelerators (the previous one is waited first, so at most one is in flight,
+bounding memory), synchronously on CPU.
 
 Limits: a module whose forward runs on some ranks and not on others in the same iteration (an
 expert *module* that is its own group and gets no tokens on one rank) is still not supported:
