@@ -5,9 +5,12 @@ Same GPT-style matrices, same world size, same gradients, CPU + gloo, forked ran
 * ``adamw``        — ``torch.optim.AdamW`` on the local shards (the element-wise baseline);
 * ``soap-matrix``  — :class:`lightning_vescale.optim.SOAP` with every matrix whole on one rank
   (the planner's ``"matrix"`` layout): each rank preconditions its own, no collective;
-* ``soap-naive``   — the same SOAP on FSDP2's layout (every tensor split by rows over all
-  ranks, ``Shard(0)``): every matrix's gradient is gathered to every rank, which keeps the whole state and computes the whole update
-  (what a gather-based SOAP does; our fallback for split matrices);
+* ``soap-owners``  — the same SOAP on FSDP2's layout (every tensor split by rows over all
+  ranks, ``Shard(0)``): each split matrix goes to one load-balanced owner rank (one all-to-all
+  per parameter), is stepped there, and its update comes back;
+* ``soap-naive``   — gather-everything SOAP on that layout: every matrix's gradient is
+  all-gathered to every rank, which keeps the whole state and computes the whole update, and
+  keeps its own slice (what ``p.grad.full_tensor()``-style code does);
 * ``shampoo-matrix`` — :class:`lightning_vescale.optim.Shampoo` on the ``"matrix"`` layout.
 
 Printed per variant: step time averaged over every step of ``--steps`` (the refresh every
@@ -46,7 +49,7 @@ from lightning_vescale.placement import (  # noqa: E402
 from lightning_vescale.planner import plan_layout  # noqa: E402
 from lightning_vescale.testing import CopyCommCounter  # noqa: E402
 
-VARIANTS = ("adamw", "soap-matrix", "soap-naive", "shampoo-matrix")
+VARIANTS = ("adamw", "soap-matrix", "soap-owners", "soap-naive", "shampoo-matrix")
 
 
 def model_shapes(d: int, layers: int) -> dict[str, tuple[int, ...]]:
@@ -61,7 +64,35 @@ def model_shapes(d: int, layers: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+class NaiveSOAP:
+    """Gather-everything SOAP: full gradients on every rank, plain SOAP on full copies."""
+
+    def __init__(self, params: list) -> None:
+        self.params = params
+        self.full = [torch.nn.Parameter(p.detach().full_tensor()) for p in params]
+        self.opt = SOAP(self.full, lr=3e-3, precondition_frequency=10)
+        self.state = self.opt.state
+
+    def step(self) -> None:
+        for p, f in zip(self.params, self.full):
+            f.grad = p.grad.full_tensor()
+        self.opt.step()
+        with torch.no_grad():
+            for p, f in zip(self.params, self.full):
+                local = p.to_local()
+                lo = _local_start(p)
+                local.view(-1).copy_(f.detach().reshape(-1)[lo:lo + local.numel()])
+
+
+def _local_start(p) -> int:
+    from lightning_vescale.optim._base import param_layout
+
+    return param_layout(p, where="naive").start
+
+
 def _make(variant: str, params: list) -> torch.optim.Optimizer:
+    if variant == "soap-naive":
+        return NaiveSOAP(params)
     if variant == "adamw":
         return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
     if variant.startswith("soap"):
@@ -106,7 +137,7 @@ def _rank_main(rank, world, init_file, args, results):
              for _ in range(args.steps)]
     out = {}
     for variant in VARIANTS:
-        place = even if variant.endswith("naive") else \
+        place = even if variant in ("soap-naive", "soap-owners") else \
             {n: matrix_plan.placement(n) for n in shapes}
         runs, comm = [], 0
         for _ in range(args.repeats):
@@ -135,8 +166,8 @@ def _rank_main(rank, world, init_file, args, results):
                             state_bytes=_state_bytes(opt),
                             local_params=sum(p.to_local().numel() for p in params.values()),
                             comm_bytes=comm / (args.repeats * args.steps), finals=finals)
-    diff = max(float((out["soap-matrix"]["finals"][n] - out["soap-naive"]["finals"][n])
-                     .abs().max()) for n in shapes)
+    diff = max(float((out["soap-matrix"]["finals"][n] - out[v]["finals"][n]).abs().max())
+               for n in shapes for v in ("soap-naive", "soap-owners"))
     for v in VARIANTS:
         del out[v]["finals"]
     out["soap_diff"] = diff
@@ -201,7 +232,8 @@ def main(argv=None) -> None:
             print(f"| {world} | {v} | {1e3 * step:.2f} | {step / base:.2f} | "
                   f"{rows[0]['comm_bytes'] / 1024:.1f} | {imbalance:.3f} | {per_param:.1f} |",
                   flush=True)
-        print(f"\nworld {world}: soap-matrix vs soap-naive parameters, max abs difference "
+        print(f"\nworld {world}: soap-matrix vs soap-owners and soap-naive parameters, max abs "
+              f"difference "
               f"{max(per_rank[r]['soap_diff'] for r in range(world)):.2e}\n")
 
 

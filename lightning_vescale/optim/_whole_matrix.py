@@ -1,10 +1,11 @@
 """Layer 4: the base of optimizers that need whole matrices (SOAP, Shampoo).
 
 What they share (design note [distributed-soap] in ``soap.py``): the parameter checks, the
-per-parameter choice between stepping local whole matrices and the replicated fallback for
-split ones (``_matrix_layout.py``), applying the update and decoupled weight decay to the local
-slice, and the state export/import for distributed checkpoint. A subclass says how its
-matrices are laid out (:meth:`_layout`) and steps them (:meth:`_step_matrices`).
+per-parameter choice between stepping local whole matrices and moving split ones to their
+owner ranks and back (``_matrix_layout.py``; the owners are planned once over all parameters),
+applying the update and decoupled weight decay to the local slice, and the state export/import
+for distributed checkpoint. A subclass says which dimensions it preconditions
+(:meth:`_unit_args`) and steps the matrices (:meth:`_step_matrices`).
 """
 
 from __future__ import annotations
@@ -12,11 +13,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_vescale.optim._base import ShardedOptimizer, local_view
-from lightning_vescale.optim._matrix_layout import MatrixLayout
+from lightning_vescale.optim._matrix_layout import (
+    MatrixLayout,
+    assign_owners,
+    matrix_layout,
+    needs_owners,
+)
 
 __all__ = ["WholeMatrixOptimizer"]
 
@@ -30,14 +37,36 @@ class WholeMatrixOptimizer(ShardedOptimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer.add_param_group``; complex parameters are refused."""
         super().add_param_group(param_group)
+        self._owners: dict[int, tuple[int, ...]] | None = None  # planned again at first use
         for p in self.param_groups[-1]["params"]:
             if torch.is_complex(p):
                 raise TypeError(f"{self.who} does not support complex parameters (its factors "
                                 "are real); view them as real with torch.view_as_real or use "
                                 "torch.optim.AdamW for them.")
 
-    def _layout(self, p: Tensor, group: dict[str, Any], name: str) -> MatrixLayout:
+    def _unit_args(self, group: dict[str, Any]) -> dict[str, Any]:
+        """``max_precond_dim`` and ``precondition_1d`` for ``matrix_layout``."""
         raise NotImplementedError
+
+    def _layout(self, p: Tensor, group: dict[str, Any], name: str) -> MatrixLayout:
+        if getattr(self, "_owners", None) is None:
+            self._owners = self._plan_owners()
+        return matrix_layout(p, **self._unit_args(group), name=f"{self.who}: {name}",
+                             owners=self._owners.get(id(p)))
+
+    def _plan_owners(self) -> dict[int, tuple[int, ...]]:
+        """Owner ranks of every split matrix, balanced over all parameters at once (the same
+        plan on every rank: parameters in group order)."""
+        split, items, ranks = [], [], 1
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                item = needs_owners(p, **self._unit_args(group),
+                                    name=f"{self.who}: #{i} of group {gi}")
+                if item is not None:
+                    split.append(id(p))
+                    items.append(item)
+                    ranks = len(item[0])
+        return dict(zip(split, assign_owners(items, ranks)))
 
     def _step_matrices(self, st: dict[str, Any], grad: Tensor, group: dict[str, Any],
                        lay: MatrixLayout) -> Tensor | None:
@@ -58,13 +87,13 @@ class WholeMatrixOptimizer(ShardedOptimizer):
     def _step_param(self, p: Tensor, group: dict[str, Any], name: str) -> None:
         lay = self._layout(p, group, name)
         local = local_view(p.detach())
-        if lay.replicated:  # split matrices: the whole parameter on every rank of the group
-            update = self._step_matrices(self.state[p], p.grad.full_tensor().float(), group,
-                                         lay)
+        grad = local_view(p.grad.detach()).float().reshape(-1)
+        if lay.owned:  # split matrices: to their owners, stepped there, and back
+            owned = _exchange(grad, lay.recv_splits, lay.send_splits, lay)
+            update = self._step_matrices(self.state[p], owned, group, lay)
             if update is not None:
-                update = update.reshape(-1)[lay.layout.start:lay.layout.end]
+                update = _exchange(update.reshape(-1), lay.send_splits, lay.recv_splits, lay)
         else:
-            grad = local_view(p.grad.detach()).float().reshape(-1)
             update = self._step_matrices(self.state[p], grad, group, lay)
         if update is not None:
             local.view(-1).sub_(update.reshape(-1).to(local.dtype))
@@ -99,3 +128,16 @@ class WholeMatrixOptimizer(ShardedOptimizer):
             lay = self._layout(ref.param, ref.group, ref.name)
             self.state[ref.param] = {key: lay.import_(key, v, ref.param, ref.name, self.who)
                                      for key, v in st.items()}
+
+
+def _exchange(send: Tensor, recv_splits: tuple[int, ...], send_splits: tuple[int, ...],
+              lay: MatrixLayout) -> Tensor:
+    """One ``all_to_all_single`` over the shard group: ``send`` (split ``send_splits`` by
+    destination) in, ``sum(recv_splits)`` elements out. Every rank of the group joins (the
+    layouts are the same everywhere), with empty splits where it has nothing."""
+    info = lay.layout.mesh_info
+    assert info is not None
+    out = send.new_empty(sum(recv_splits))
+    dist.all_to_all_single(out, send.contiguous(), list(recv_splits), list(send_splits),
+                           group=info.shard_group)
+    return out

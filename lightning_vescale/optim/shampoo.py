@@ -17,7 +17,7 @@ preconditioned (Adam along them); Distributed Shampoo's splitting of a large dim
 blocks is not done. The factor functions are ``_kronecker.py``'s.
 
 *Distribution and states* are SOAP's (design note [distributed-soap]): whole matrices local
-under ``granularity="matrix"`` (no collective), replicated fallback for split ones; ``GG{i}``
+under ``granularity="matrix"`` (no collective), owner ranks for split ones; ``GG{i}``
 (factors) and ``R{i}`` (inverse roots) per preconditioned dimension, ``exp_avg``/``exp_avg_sq``
 in the parameter's layout.
 """
@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from lightning_vescale.optim._kronecker import accumulate_factors_, inverse_root, precondition
-from lightning_vescale.optim._matrix_layout import MatrixLayout, matrix_layout
+from lightning_vescale.optim._matrix_layout import MatrixLayout
 from lightning_vescale.optim._whole_matrix import WholeMatrixOptimizer
 
 __all__ = ["Shampoo"]
@@ -80,9 +80,9 @@ class Shampoo(WholeMatrixOptimizer):
                            where=f"Shampoo param group #{len(self.param_groups)}")
         super().add_param_group(param_group)
 
-    def _layout(self, p: Tensor, group: dict[str, Any], name: str) -> MatrixLayout:
-        return matrix_layout(p, max_precond_dim=int(group["max_preconditioner_dim"]),
-                             precondition_1d=False, name=f"Shampoo: {name}")
+    def _unit_args(self, group: dict[str, Any]) -> dict[str, Any]:
+        return dict(max_precond_dim=int(group["max_preconditioner_dim"]),
+                    precondition_1d=False)
 
     def _step_matrices(self, st: dict[str, Any], grad: Tensor, group: dict[str, Any],
                        lay: MatrixLayout) -> Tensor | None:

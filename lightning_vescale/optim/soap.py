@@ -21,20 +21,22 @@ preconditioned only with ``precondition_1d`` (else Adam, as the authors do); a d
 
 *Distribution.* A preconditioner needs its whole matrix. Under ``granularity="matrix"`` (or any
 layout whose every rank range starts and ends on matrix boundaries) each rank steps the matrices
-it holds, with their factors, on local data: **no collective**. For a parameter whose matrices
-are split across ranks the step falls back to *replicated* preconditioning: its gradient is
-gathered (``full_tensor()``) and every rank of the shard group keeps the whole parameter's SOAP
-state and computes the whole update, applying its own slice; exact, but ``W x`` the work and
-state for that parameter. Vectors and tensors without factors are element-wise and always local.
-Moving split matrices to load-balanced owner ranks instead (Muon's plan) is not done yet: choose
-``"matrix"`` for the parameters SOAP preconditions.
+it holds, with their factors, on local data: **no collective**. A parameter whose matrices are
+split across ranks (FSDP2's row layout, the default block-aligned one) has each matrix *owned*
+by one rank: one of those holding most of it (fewest bytes moved), balanced over all parameters
+by the cost ``m n (m + n)`` of a step, and contiguous within a parameter (owners never decrease
+along the tensor), planned once from the layouts alone so every rank computes the same owners
+(``_matrix_layout.assign_owners``, like Muon's [distributed-muon] but with the state living on
+the owner). Per step and parameter: one ``all_to_all_single`` brings the gradient pieces to the
+owners, the owner steps its matrices, a second brings the updates back; the results are bitwise
+those of one process. Vectors and tensors without factors are element-wise and always local.
 
-*States.* ``step``; ``exp_avg``, ``exp_avg_sq`` shaped like the parameter (for a DTensor
-parameter: in its layout, so distributed checkpoint reshards them); per preconditioned dimension
-``i`` of the matrices, ``GG{i}`` and ``Q{i}`` of shape ``(matrices, d, d)``, exported as DTensors
-split over the matrix dimension the way the parameter's ranges split its matrices (replicated
-state: full plain tensors). ``load_state_dict`` takes those, full single-process states, or a
-state saved at another world size through distributed checkpoint.
+*States* live where the matrices are stepped: ``step``; ``exp_avg``, ``exp_avg_sq`` for the
+rank's matrices (exported as DTensors of the parameter's global shape: in its layout when its
+matrices are whole, split by owner otherwise, so distributed checkpoint reshards them); per
+preconditioned dimension ``i``, ``GG{i}`` and ``Q{i}`` of shape ``(matrices, d, d)``, exported
+split over the matrix dimension the same way. ``load_state_dict`` takes those, full
+single-process states, or a state saved at another world size through distributed checkpoint.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from lightning_vescale.optim._kronecker import (
     project_back,
     refresh_eigenbasis_qr,
 )
-from lightning_vescale.optim._matrix_layout import MatrixLayout, matrix_layout
+from lightning_vescale.optim._matrix_layout import MatrixLayout
 from lightning_vescale.optim._whole_matrix import WholeMatrixOptimizer
 
 __all__ = ["SOAP"]
@@ -101,9 +103,9 @@ class SOAP(WholeMatrixOptimizer):
                            where=f"SOAP param group #{len(self.param_groups)}")
         super().add_param_group(param_group)
 
-    def _layout(self, p: Tensor, group: dict[str, Any], name: str) -> MatrixLayout:
-        return matrix_layout(p, max_precond_dim=int(group["max_precond_dim"]),
-                             precondition_1d=bool(group["precondition_1d"]), name=f"SOAP: {name}")
+    def _unit_args(self, group: dict[str, Any]) -> dict[str, Any]:
+        return dict(max_precond_dim=int(group["max_precond_dim"]),
+                    precondition_1d=bool(group["precondition_1d"]))
 
     def _step_matrices(self, st: dict[str, Any], grad: Tensor, group: dict[str, Any],
                        lay: MatrixLayout) -> Tensor | None:
@@ -178,8 +180,9 @@ def _check_hparams(h: dict[str, Any], *, where: str) -> None:
     for key in ("precondition_frequency", "max_precond_dim"):
         v = h[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            example = "precondition_frequency=10" if key[0] == "p" else "max_precond_dim=10000"
             raise ValueError(f"{where}: {key} must be an int >= 1, got {key}={v!r}; e.g. "
-                             f"{'precondition_frequency=10' if key[0] == 'p' else 'max_precond_dim=10000'}")
+                             f"{example}")
     if h["merge_dims"]:
         raise ValueError(f"{where}: merge_dims=True is not supported: tensors of 3+ dims are "
                          "stacks of their trailing 2-D matrices, each preconditioned on its own; "

@@ -46,6 +46,7 @@ RUN = {
     "examples/configs/gpt_vescale.yaml": "test_configs_run_tiny_on_cpu and test_readme",
     "examples/configs/adamw8bit.yaml": "test_configs_run_tiny_on_cpu and test_cli_optimizers",
     "examples/configs/muon.yaml": "test_configs_run_tiny_on_cpu and test_cli_optimizers",
+    "examples/configs/soap.yaml": "test_cli_optimizers (the SOAP section)",
     "examples/configs/bf16_gpu.yaml": "test_configs_run_tiny_on_cpu (CPU, bf16-mixed)",
     "examples/configs/llama_8gpu_multinode.yaml": "test_llama_config_runs_tiny_on_cpu",
     "examples/configs/hsdp_llama_2x8gpu.yaml":
@@ -229,15 +230,17 @@ def test_validation_perplexity_equals_ddps(tmp_path):
 
 @pytest.mark.slow  # fresh processes: the second CI step
 def test_soap_benchmark_runs_tiny():
-    """``benchmarks/soap.py`` at toy size: every variant, and the matrix layout moves nothing
-    while the naive one (FSDP2's row layout) gathers, with equal results."""
+    """``benchmarks/soap.py`` at toy size: every variant; the matrix layout moves nothing while
+    owner ranks and the naive SOAP on FSDP2's row layout move bytes, with equal results."""
     out = run([sys.executable, "benchmarks/soap.py", "--world-size", "2", "--d-model", "16",
                "--layers", "2", "--steps", "3", "--repeats", "1"])
     rows = {line.split("|")[2].strip(): line for line in out.splitlines()
             if line.startswith("| 2 |")}
-    assert sorted(rows) == ["adamw", "shampoo-matrix", "soap-matrix", "soap-naive"], out
+    assert sorted(rows) == ["adamw", "shampoo-matrix", "soap-matrix", "soap-naive",
+                            "soap-owners"], out
     assert rows["soap-matrix"].split("|")[5].strip() == "0.0"
     assert float(rows["soap-naive"].split("|")[5]) > 0
+    assert float(rows["soap-owners"].split("|")[5]) > 0
     assert "max abs difference 0.00e+00" in out
 
 
