@@ -28,7 +28,8 @@ def _root(F, r, eps):
 
 
 def _reference_matrix(w, grads, lr, betas, epsilon, weight_decay, precondition_frequency,
-                      start_preconditioning_step, grafting_beta2, grafting_epsilon, r=4.0):
+                      start_preconditioning_step, grafting_beta2, grafting_epsilon, r=4.0,
+                      sides=(True, True)):
     w = w.double().clone()
     b1, b2 = betas
     m = torch.zeros_like(w)
@@ -50,7 +51,8 @@ def _reference_matrix(w, grads, lr, betas, epsilon, weight_decay, precondition_f
         if RL is None:
             d = graft
         else:
-            d = RL @ m_hat @ RR
+            d = (RL if sides[0] else torch.eye(w.shape[0], dtype=w.dtype)) @ m_hat
+            d = d @ (RR if sides[1] else torch.eye(w.shape[1], dtype=w.dtype))
             d = d * graft.norm() / d.norm()
         w = (w - lr * d) * (1 - lr * weight_decay)
     return w.float()
@@ -84,6 +86,31 @@ def test_shampoo_equals_the_paper_configuration():
     for e in range(3):  # a stack: each (4, 2) matrix on its own
         want = _reference_matrix(init[2][e], [g[2][e] for g in grads], **HP)
         torch.testing.assert_close(params[2].detach()[e], want, atol=1e-5, rtol=1e-5)
+
+
+def _run_one(shape, steps=10, **kwargs):
+    torch.manual_seed(0)
+    init = torch.randn(shape)
+    p = torch.nn.Parameter(init.clone())
+    opt = Shampoo([p], **{**HP, **kwargs})
+    for step in range(steps):
+        p.grad = _grads(step, [shape])[0]
+        opt.step()
+    return init, p, opt.state[p]
+
+
+def test_dims_over_max_preconditioner_dim_are_adam_along_them():
+    grads = [_grads(s, [(6, 5)])[0] for s in range(10)]
+    # every dim over the limit: no factor at all, Adam (not a silent no-op)
+    init, p, st = _run_one((6, 5), max_preconditioner_dim=4)
+    assert not any(k.startswith(("GG", "R")) for k in st)
+    torch.testing.assert_close(p.detach(), _reference_adam(init, grads, **HP), atol=1e-6,
+                               rtol=1e-6)
+    # the 6-row dim over the limit, the 5-column dim preconditioned: one-sided Shampoo
+    init, p, st = _run_one((6, 5), max_preconditioner_dim=5)
+    assert "GG0" not in st and "GG1" in st
+    want = _reference_matrix(init, grads, **HP, sides=(False, True))
+    torch.testing.assert_close(p.detach(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_shampoo_state_dict_round_trip():
