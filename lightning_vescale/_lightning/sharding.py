@@ -64,7 +64,11 @@ from lightning_vescale._lightning.granularity_rules import (
     GranularityRules,
     check_matrix_fits_block,
 )
-from lightning_vescale.planner import check_granularity, resolve_granularity
+from lightning_vescale.planner import (
+    check_granularity,
+    is_matrix_granularity,
+    resolve_granularity,
+)
 
 __all__ = [
     "DEFAULT_OPTIMIZER_BLOCK_SIZE",
@@ -323,8 +327,7 @@ class ShardGranularity:
         shape = tuple(param.shape)
         large = self.optimizer_block_size is not None and math.prod(shape) >= self.min_block_numel
         form = self.form_for(name)
-        if large and isinstance(form, str) and form.strip().lower() in ("matrix", "matrices",
-                                                                         "mat"):
+        if large and is_matrix_granularity(form):
             check_matrix_fits_block(name, shape, self.optimizer_block_size)
         return resolve_granularity(form, shape,
                                    multiple_of=self.optimizer_block_size if large else None)

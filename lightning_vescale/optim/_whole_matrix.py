@@ -34,8 +34,18 @@ class WholeMatrixOptimizer(ShardedOptimizer):
     #: the optimizer's name in messages
     who = "WholeMatrixOptimizer"
 
+    @staticmethod
+    def check_hparams(h: dict[str, Any], *, where: str) -> None:
+        """Raise ``ValueError`` for a bad hyper-parameter of ``h`` (the subclass's checks)."""
+        raise NotImplementedError
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As ``torch.optim.Optimizer.add_param_group``; complex parameters are refused."""
+        """As ``torch.optim.Optimizer.add_param_group``, with :meth:`check_hparams` applied to
+        the group's settings over the defaults; complex parameters are refused."""
+        if isinstance(param_group, dict):
+            self.check_hparams({**self.defaults, **{k: v for k, v in param_group.items()
+                                                    if k != "params"}},
+                               where=f"{self.who} param group #{len(self.param_groups)}")
         super().add_param_group(param_group)
         self._owners: dict[int, tuple[int, ...]] | None = None  # planned again at first use
         for p in self.param_groups[-1]["params"]:
@@ -141,3 +151,51 @@ def _exchange(send: Tensor, recv_splits: tuple[int, ...], send_splits: tuple[int
     dist.all_to_all_single(out, send.contiguous(), list(recv_splits), list(send_splits),
                            group=info.shard_group)
     return out
+
+
+# -- what SOAP's and Shampoo's states and checks share ---------------------------------------------
+def new_matrix_state(g: Tensor, lay: MatrixLayout, basis_key: str) -> dict[str, Any]:
+    """Fresh state for the matrices ``g`` (``(count, *unit_shape)``): ``step``, Adam's two
+    moments (flat, like ``g``), and per preconditioned dimension ``i`` zero ``GG{i}`` factors
+    and ``{basis_key}{i}`` matrices derived from them (SOAP's eigenbases, Shampoo's roots),
+    each ``(count, d, d)``."""
+    st: dict[str, Any] = {"step": torch.tensor(0.0),
+                          "exp_avg": torch.zeros(g.numel(), device=g.device),
+                          "exp_avg_sq": torch.zeros(g.numel(), device=g.device)}
+    for i, d in enumerate(lay.unit_shape):
+        if lay.preconditioned[i]:
+            st[f"GG{i}"] = torch.zeros(lay.count, d, d, device=g.device)
+            st[f"{basis_key}{i}"] = torch.zeros(lay.count, d, d, device=g.device)
+    return st
+
+
+def per_matrix(st: dict[str, Any], key: str, j: int, lay: MatrixLayout) -> list[Tensor | None]:
+    """Matrix ``j``'s ``key{i}`` state for each dimension ``i`` (``None`` where that dimension
+    is not preconditioned): what ``_kronecker.py``'s functions take."""
+    return [st[f"{key}{i}"][j] if f"{key}{i}" in st else None
+            for i in range(len(lay.unit_shape))]
+
+
+def check_non_negative(h: dict[str, Any], keys: tuple[str, ...], *, where: str) -> None:
+    """Each of ``keys`` is a number >= 0."""
+    for key in keys:
+        v = h[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ValueError(f"{where}: {key} must be a number >= 0, got {key}={v!r}")
+
+
+def check_betas(betas: Any, *, where: str, example: str) -> None:
+    """A pair of rates in ``[0, 1)``."""
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{where}: betas must be a pair in [0, 1), got betas={betas!r}; e.g. "
+                         f"betas={example}")
+
+
+def check_positive_ints(h: dict[str, Any], examples: dict[str, str | None], *,
+                        where: str) -> None:
+    """Each key of ``examples`` is an ``int >= 1``; the error shows the example if any."""
+    for key, example in examples.items():
+        v = h[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            hint = f"; e.g. {example}" if example else ""
+            raise ValueError(f"{where}: {key} must be an int >= 1, got {key}={v!r}{hint}")

@@ -33,7 +33,14 @@ from torch import Tensor
 
 from lightning_vescale.optim._kronecker import accumulate_factors_, inverse_root, precondition
 from lightning_vescale.optim._matrix_layout import MatrixLayout
-from lightning_vescale.optim._whole_matrix import WholeMatrixOptimizer
+from lightning_vescale.optim._whole_matrix import (
+    WholeMatrixOptimizer,
+    check_betas,
+    check_non_negative,
+    check_positive_ints,
+    new_matrix_state,
+    per_matrix,
+)
 
 __all__ = ["Shampoo"]
 
@@ -69,16 +76,8 @@ class Shampoo(WholeMatrixOptimizer):
                         start_preconditioning_step=start_preconditioning_step,
                         inverse_root_exponent=inverse_root_exponent,
                         grafting_beta2=grafting_beta2, grafting_epsilon=grafting_epsilon)
-        _check_hparams(defaults, where="Shampoo")
+        self.check_hparams(defaults, where="Shampoo")
         super().__init__(params, defaults)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As ``torch.optim.Optimizer.add_param_group``, with the constructor's checks."""
-        if isinstance(param_group, dict):
-            _check_hparams({**self.defaults, **{k: v for k, v in param_group.items()
-                                                if k != "params"}},
-                           where=f"Shampoo param group #{len(self.param_groups)}")
-        super().add_param_group(param_group)
 
     def _unit_args(self, group: dict[str, Any]) -> dict[str, Any]:
         return dict(max_precond_dim=int(group["max_preconditioner_dim"]),
@@ -89,20 +88,20 @@ class Shampoo(WholeMatrixOptimizer):
         b1, b2 = group["betas"]
         g = grad.reshape(lay.count, *lay.unit_shape)
         if not st:
-            _init_state(st, g, lay)
+            st.update(new_matrix_state(g, lay, "R"))
         st["step"] += 1
         t = float(st["step"])
         exp_avg = st["exp_avg"].view(g.shape).lerp_(g, 1.0 - b1)
-        exp_avg_sq = st["exp_avg_sq"].view(g.shape).lerp_(g.square(), 1.0 - group["grafting_beta2"])
+        exp_avg_sq = st["exp_avg_sq"].view(g.shape).lerp_(g.square(),
+                                                          1.0 - group["grafting_beta2"])
         m_hat = exp_avg / (1.0 - b1 ** t)
         graft = m_hat / ((exp_avg_sq / (1.0 - group["grafting_beta2"] ** t)).sqrt()
                          + group["grafting_epsilon"])
         start = group["start_preconditioning_step"] or group["precondition_frequency"]
         refresh = t >= start and (int(t) - start) % int(group["precondition_frequency"]) == 0
         out = torch.empty_like(g)
-        dims = range(len(lay.unit_shape))
         for j in range(lay.count):
-            factors = [st[f"GG{i}"][j] if f"GG{i}" in st else None for i in dims]
+            factors = per_matrix(st, "GG", j, lay)
             accumulate_factors_(factors, g[j], b2)
             if refresh:
                 for i, f in enumerate(factors):
@@ -112,44 +111,27 @@ class Shampoo(WholeMatrixOptimizer):
             if t < start or not any(f is not None for f in factors):
                 out[j] = graft[j]
                 continue
-            roots = [st[f"R{i}"][j] if f"R{i}" in st else None for i in dims]
-            direction = precondition(m_hat[j], roots)
+            direction = precondition(m_hat[j], per_matrix(st, "R", j, lay))
             scale = graft[j].norm() / direction.norm().clamp_min(1e-30)
             out[j] = direction * scale
         return out * group["lr"]
 
-
-def _init_state(st: dict[str, Any], g: Tensor, lay: MatrixLayout) -> None:
-    st["step"] = torch.tensor(0.0)
-    st["exp_avg"] = torch.zeros(g.numel(), device=g.device)
-    st["exp_avg_sq"] = torch.zeros(g.numel(), device=g.device)
-    for i, d in enumerate(lay.unit_shape):
-        if lay.preconditioned[i]:
-            st[f"GG{i}"] = torch.zeros(lay.count, d, d, device=g.device)
-            st[f"R{i}"] = torch.zeros(lay.count, d, d, device=g.device)
-
-
-def _check_hparams(h: dict[str, Any], *, where: str) -> None:
-    for key in ("lr", "epsilon", "weight_decay", "grafting_epsilon"):
-        v = h[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            raise ValueError(f"{where}: {key} must be a number >= 0, got {key}={v!r}")
-    betas = h["betas"]
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"{where}: betas must be a pair in [0, 1), got betas={betas!r}; e.g. "
-                         "betas=(0.9, 0.999)")
-    if not 0.0 <= h["grafting_beta2"] < 1.0:
-        raise ValueError(f"{where}: grafting_beta2 must be in [0, 1), got "
-                         f"grafting_beta2={h['grafting_beta2']!r}")
-    for key in ("max_preconditioner_dim", "precondition_frequency"):
-        v = h[key]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{where}: {key} must be an int >= 1, got {key}={v!r}")
-    s = h["start_preconditioning_step"]
-    if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
-        raise ValueError(f"{where}: start_preconditioning_step must be an int >= 1 or None "
-                         f"(= precondition_frequency), got {s!r}")
-    r = h["inverse_root_exponent"]
-    if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
-        raise ValueError(f"{where}: inverse_root_exponent must be a number > 0, got {r!r}; e.g. "
-                         "4 (the inverse 4th root, usual for matrices)")
+    @staticmethod
+    def check_hparams(h: dict[str, Any], *, where: str) -> None:
+        """The constructor's and every added group's checks."""
+        check_non_negative(h, ("lr", "epsilon", "weight_decay", "grafting_epsilon"), where=where)
+        check_betas(h["betas"], where=where, example="(0.9, 0.999)")
+        if not 0.0 <= h["grafting_beta2"] < 1.0:
+            raise ValueError(f"{where}: grafting_beta2 must be in [0, 1), got "
+                             f"grafting_beta2={h['grafting_beta2']!r}")
+        check_positive_ints(h, {"max_preconditioner_dim": None, "precondition_frequency": None},
+                            where=where)
+        s = h["start_preconditioning_step"]
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 1):
+            raise ValueError(f"{where}: start_preconditioning_step must be an int >= 1 or None "
+                             f"(= precondition_frequency), got {s!r}")
+        r = h["inverse_root_exponent"]
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or \
+                r <= 0:
+            raise ValueError(f"{where}: inverse_root_exponent must be a number > 0, got {r!r}; "
+                             "e.g. 4 (the inverse 4th root, usual for matrices)")

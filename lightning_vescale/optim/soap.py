@@ -57,7 +57,14 @@ from lightning_vescale.optim._kronecker import (
     refresh_eigenbasis_qr,
 )
 from lightning_vescale.optim._matrix_layout import MatrixLayout
-from lightning_vescale.optim._whole_matrix import WholeMatrixOptimizer
+from lightning_vescale.optim._whole_matrix import (
+    WholeMatrixOptimizer,
+    check_betas,
+    check_non_negative,
+    check_positive_ints,
+    new_matrix_state,
+    per_matrix,
+)
 
 __all__ = ["SOAP"]
 
@@ -90,18 +97,10 @@ class SOAP(WholeMatrixOptimizer):
                         max_precond_dim=max_precond_dim, merge_dims=merge_dims,
                         precondition_1d=precondition_1d, normalize_grads=normalize_grads,
                         correct_bias=correct_bias)
-        _check_hparams(defaults, where="SOAP")
+        self.check_hparams(defaults, where="SOAP")
         super().__init__(params, defaults)
 
     who = "SOAP"
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As ``torch.optim.Optimizer.add_param_group``, with the constructor's checks."""
-        if isinstance(param_group, dict):
-            _check_hparams({**self.defaults, **{k: v for k, v in param_group.items()
-                                                if k != "params"}},
-                           where=f"SOAP param group #{len(self.param_groups)}")
-        super().add_param_group(param_group)
 
     def _unit_args(self, group: dict[str, Any]) -> dict[str, Any]:
         return dict(max_precond_dim=int(group["max_precond_dim"]),
@@ -129,7 +128,7 @@ class SOAP(WholeMatrixOptimizer):
         out = torch.empty_like(g)
         refresh = int(step) % int(group["precondition_frequency"]) == 0
         for j in range(lay.count):
-            basis = [st[f"Q{i}"][j] if f"Q{i}" in st else None for i in range(len(lay.unit_shape))]
+            basis = per_matrix(st, "Q", j, lay)
             gp = project(g[j], basis)
             exp_avg_sq[j].lerp_(gp.square(), 1.0 - beta2)
             denom = exp_avg_sq[j].sqrt().add_(group["eps"])
@@ -137,8 +136,7 @@ class SOAP(WholeMatrixOptimizer):
             if group["normalize_grads"]:
                 norm = norm / (1e-30 + norm.square().mean().sqrt())
             out[j] = norm * step_size
-            factors = [st[f"GG{i}"][j] if f"GG{i}" in st else None
-                       for i in range(len(lay.unit_shape))]
+            factors = per_matrix(st, "GG", j, lay)
             accumulate_factors_(factors, g[j], shampoo_beta)
             if refresh and any(f is not None for f in factors):
                 new, exp_avg_sq[j] = refresh_eigenbasis_qr(factors, basis, exp_avg_sq[j])
@@ -149,42 +147,27 @@ class SOAP(WholeMatrixOptimizer):
 
     @staticmethod
     def _init_state(st: dict[str, Any], g: Tensor, lay: MatrixLayout, beta: float) -> None:
-        st["step"] = torch.tensor(0.0)
-        st["exp_avg"] = torch.zeros(g.numel(), device=g.device)
-        st["exp_avg_sq"] = torch.zeros(g.numel(), device=g.device)
-        for i, d in enumerate(lay.unit_shape):
-            if lay.preconditioned[i]:
-                st[f"GG{i}"] = torch.zeros(lay.count, d, d, device=g.device)
-                st[f"Q{i}"] = torch.zeros(lay.count, d, d, device=g.device)
+        st.update(new_matrix_state(g, lay, "Q"))
         for j in range(lay.count):
-            factors = [st[f"GG{i}"][j] if f"GG{i}" in st else None
-                       for i in range(len(lay.unit_shape))]
+            factors = per_matrix(st, "GG", j, lay)
             accumulate_factors_(factors, g[j], beta)
             for i, q in enumerate(eigenbasis(factors)):
                 if q is not None:
                     st[f"Q{i}"][j] = q
 
-
-def _check_hparams(h: dict[str, Any], *, where: str) -> None:
-    for key in ("lr", "eps", "weight_decay"):
-        if not isinstance(h[key], (int, float)) or isinstance(h[key], bool) or h[key] < 0:
-            raise ValueError(f"{where}: {key} must be a number >= 0, got {key}={h[key]!r}")
-    betas = h["betas"]
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"{where}: betas must be a pair in [0, 1), got betas={betas!r}; e.g. "
-                         "betas=(0.95, 0.95)")
-    sb = h["shampoo_beta"]
-    if sb is not None and not 0.0 <= sb < 1.0:
-        raise ValueError(f"{where}: shampoo_beta must be in [0, 1) or None (betas[1]), got "
-                         f"shampoo_beta={sb!r}")
-    for key in ("precondition_frequency", "max_precond_dim"):
-        v = h[key]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            example = "precondition_frequency=10" if key[0] == "p" else "max_precond_dim=10000"
-            raise ValueError(f"{where}: {key} must be an int >= 1, got {key}={v!r}; e.g. "
-                             f"{example}")
-    if h["merge_dims"]:
-        raise ValueError(f"{where}: merge_dims=True is not supported: tensors of 3+ dims are "
-                         "stacks of their trailing 2-D matrices, each preconditioned on its own; "
-                         "reshape a convolution weight to 2-D yourself, or use merge_dims=False.")
-
+    @staticmethod
+    def check_hparams(h: dict[str, Any], *, where: str) -> None:
+        """The constructor's and every added group's checks."""
+        check_non_negative(h, ("lr", "eps", "weight_decay"), where=where)
+        check_betas(h["betas"], where=where, example="(0.95, 0.95)")
+        sb = h["shampoo_beta"]
+        if sb is not None and not 0.0 <= sb < 1.0:
+            raise ValueError(f"{where}: shampoo_beta must be in [0, 1) or None (betas[1]), got "
+                             f"shampoo_beta={sb!r}")
+        check_positive_ints(h, {"precondition_frequency": "precondition_frequency=10",
+                                "max_precond_dim": "max_precond_dim=10000"}, where=where)
+        if h["merge_dims"]:
+            raise ValueError(f"{where}: merge_dims=True is not supported: tensors of 3+ dims are "
+                             "stacks of their trailing 2-D matrices, each preconditioned on its "
+                             "own; reshape a convolution weight to 2-D yourself, or use "
+                             "merge_dims=False.")

@@ -24,6 +24,7 @@ from lightning_vescale.planner._granularity import (
     Granularity,
     check_granularity,
     default_granularity,
+    is_matrix_granularity,
     matrix_numel,
     resolve_granularity,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "TransformerConfig",
     "check_granularity",
     "default_granularity",
+    "is_matrix_granularity",
     "matrix_numel",
     "fsdp1_flat",
     "fsdp2_even_rowwise",

@@ -49,6 +49,7 @@ __all__ = [
     "Granularity",
     "check_granularity",
     "default_granularity",
+    "is_matrix_granularity",
     "matrix_numel",
     "resolve_granularity",
 ]
@@ -169,6 +170,12 @@ def resolve_granularity(
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of < 1:
         raise ValueError(f"multiple_of must be an int >= 1 or None, got {multiple_of!r}")
     return math.lcm(elements, multiple_of)
+
+
+def is_matrix_granularity(granularity: Granularity | None) -> bool:
+    """Whether ``granularity`` is the ``"matrix"`` form (in any spelling this module reads)."""
+    form = _parse_text(granularity) if isinstance(granularity, str) else None
+    return form is not None and form.matrix
 
 
 def matrix_numel(shape: Sequence[int]) -> int:
