@@ -12,14 +12,30 @@ first moment ``M`` (``betas[0]``, bias-corrected) is preconditioned, ``D = L^(-1
 and *grafted* onto Adam: ``A = M / (sqrt(V) + grafting_epsilon)`` with ``V`` Adam's second moment
 (``grafting_beta2``, bias-corrected), and the step direction is ``D * ||A|| / ||D||`` (Adam before
 the first roots exist). Then ``p <- p - lr * direction`` and decoupled weight decay
-``p *= 1 - lr * wd``. Vectors and dimensions over ``max_preconditioner_dim`` are not
-preconditioned (Adam along them); Distributed Shampoo's splitting of a large dimension into
-blocks is not done. The factor functions are ``_kronecker.py``'s.
+``p *= 1 - lr * wd``. Vectors get Adam. The factor functions are ``_kronecker.py``'s.
+
+*Blocks* (design note [shampoo-blocks]), as Distributed Shampoo does by default: a matrix with a
+dimension over ``max_preconditioner_dim`` is cut into tiles of at most that many rows and
+columns (the last run shorter where the size does not divide; Distributed Shampoo's
+``multi_dim_split``, ``torch.split`` along dim 0 then dim 1, in facebookresearch/optimizers'
+``distributed_shampoo/utils/shampoo_utils.py``), each trailing matrix of a 3+-dim stack on its
+own. Every tile is a small Shampoo: its own ``L``, ``R`` and roots, and the grafting norm
+``||A_tile|| / ||D_tile||`` per tile (their ``_precondition_and_grafting`` takes
+``torch._foreach_norm`` over the blocks). Blocking is the only behaviour: it bounds the factors
+at ``max_preconditioner_dim^2`` per tile (a ``4096 x 1024`` matrix at 1024: 24 state bytes per
+parameter against 42 whole), and the earlier "Adam along a long dimension" was a gap, not an
+option worth keeping (SOAP keeps it: it is the SOAP authors' behaviour). Not matched:
+Distributed Shampoo's ``merge_small_dims`` (we keep 3+-dim tensors as stacks of matrices) and
+its preconditioning of vectors (Adam here, as before). A matrix within the limit is one tile:
+the numbers are those of the unblocked Shampoo.
 
 *Distribution and states* are SOAP's (design note [distributed-soap]): whole matrices local
-under ``granularity="matrix"`` (no collective), owner ranks for split ones; ``GG{i}``
-(factors) and ``R{i}`` (inverse roots) per preconditioned dimension, ``exp_avg``/``exp_avg_sq``
-in the parameter's layout.
+under ``granularity="matrix"`` (no collective), owner ranks for split ones (a matrix's tiles
+stay together on its owner; the owner plan weighs a matrix by its tiles' ``r c (r + c)``);
+``exp_avg``/``exp_avg_sq`` in the parameter's layout, and per matrix ``GG0``/``R0`` (the
+tiles' left factors and roots) and ``GG1``/``R1`` (right), each ``(matrices, sum over tiles of
+d^2)``: the tiles' ``d x d`` matrices end to end, tiles row-major. They export as DTensors
+split over the matrix dimension like SOAP's, so distributed checkpoint reshards them.
 """
 
 from __future__ import annotations
@@ -57,7 +73,9 @@ class Shampoo(WholeMatrixOptimizer):
         lr: learning rate. betas: ``(momentum of the gradient, EMA rate of the factors)``.
         epsilon: added to the factors' eigenvalues before the inverse root.
         weight_decay: decoupled weight decay.
-        max_preconditioner_dim: dimensions larger than this are not preconditioned.
+        max_preconditioner_dim: the largest factor: a longer dimension is cut into tiles of
+            at most this many rows/columns, each preconditioned on its own (design note
+            [shampoo-blocks]).
         precondition_frequency: steps between inverse-root computations.
         start_preconditioning_step: first step that uses the preconditioner (Adam before);
             ``None``: ``precondition_frequency``.
