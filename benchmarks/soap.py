@@ -101,12 +101,25 @@ def _make(variant: str, params: list) -> torch.optim.Optimizer:
 
 
 def _eig_load(opt: torch.optim.Optimizer) -> float:
-    """``sum d^3`` over the factors this rank holds (what a refresh costs it)."""
+    """``sum d^3`` over the factors this rank holds (what a refresh costs it): SOAP's are
+    ``(matrices, d, d)``; Shampoo's ``(matrices, sum over tiles of d^2)``, its tiles those of
+    the parameter's trailing matrix (design note [shampoo-blocks])."""
+    from lightning_vescale.optim._kronecker import matrix_blocks
+
     total = 0.0
     for st in opt.state.values():
         for k, v in st.items():
             if (k.startswith("GG")) and isinstance(v, torch.Tensor) and v.dim() == 3:
                 total += v.shape[0] * float(v.shape[-1]) ** 3
+    if isinstance(opt, Shampoo):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                for k, v in opt.state.get(p, {}).items():
+                    if k in ("GG0", "GG1") and v.dim() == 2:
+                        side = int(k[-1])
+                        tiles = matrix_blocks(p.shape[-2:], group["max_preconditioner_dim"])
+                        total += v.shape[0] * sum(float(t[side].stop - t[side].start) ** 3
+                                                  for t in tiles)
     return total
 
 
