@@ -25,14 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -120,21 +117,10 @@ class NaiveDistributedMuon:
             local.add_(o[s:e], alpha=-(self.lr * math.sqrt(max(1, rows / cols))))
 
 
-def _rank_body(rank, world, layout, init_file, args, results):
-    try:
-        _rank_main(rank, world, layout, init_file, args, results)
-    except BaseException:  # report instead of leaving the parent waiting
-        import traceback
-
-        results.put((rank, {"error": traceback.format_exc()}))
-        raise
-
-
-def _rank_main(rank, world, layout, init_file, args, results):
-    torch.set_num_threads(1)
+def _rank_main(layout, args) -> dict:
+    """One rank's measurements (runs in a forked gloo rank of ``tests.harness.World``)."""
     warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor rename
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=300))
+    world, rank = dist.get_world_size(), dist.get_rank()
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -179,31 +165,18 @@ def _rank_main(rank, world, layout, init_file, args, results):
                    ns_flops=opts[v].ns_flops / args.steps) for v in VARIANTS}
     finals = {v: torch.cat([params[v][n].detach().to_local() for n in shapes]) for v in VARIANTS}
     out["equal"] = all(torch.equal(finals["ours"], finals[v]) for v in VARIANTS)
-    results.put((rank, out))
-    dist.destroy_process_group()
+    return out
 
 
 def run(world: int, layout: str, args) -> dict:
-    ctx = mp.get_context("fork")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_rank_body, args=(r, world, layout, init_file, args, results))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        per_rank = dict(results.get(timeout=1800) for _ in procs)
-        errors = [v["error"] for v in per_rank.values() if "error" in v]
-        if errors:
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"a rank failed:\n{errors[0]}")
-        for p in procs:
-            p.join()
+    from tests.harness import World
+
+    with World(world, pg_timeout_s=300) as ranks:  # a failing rank raises, none hangs
+        per_rank = ranks.run(_rank_main, layout, args, timeout=1800)
     shapes = model_shapes(args.d_model, args.layers)
     summary = {"world_size": world, "layout": layout, "matrices": len(shapes),
                "matrix_params": sum(math.prod(s) for s in shapes.values()),
-               "bitwise_equal": all(v["equal"] for v in per_rank.values())}
+               "bitwise_equal": all(v["equal"] for v in per_rank)}
     for variant in VARIANTS:
         rows = [per_rank[r][variant] for r in range(world)]
         flops = [r["ns_flops"] for r in rows]

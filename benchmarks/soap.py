@@ -26,14 +26,11 @@ Run:  python benchmarks/soap.py --world-size 2
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -130,11 +127,10 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
                for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
-def _rank_main(rank, world, init_file, args, results):
-    torch.set_num_threads(1)
+def _rank_main(args) -> dict:
+    """One rank's measurements (runs in a forked gloo rank of ``tests.harness.World``)."""
     warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=600))
+    world, rank = dist.get_world_size(), dist.get_rank()
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -184,38 +180,15 @@ def _rank_main(rank, world, init_file, args, results):
     for v in VARIANTS:
         del out[v]["finals"]
     out["soap_diff"] = diff
-    results.put((rank, out))
-    dist.destroy_process_group()
+    return out
 
 
-def _rank_body(rank, world, init_file, args, results):
-    try:
-        _rank_main(rank, world, init_file, args, results)
-    except BaseException:  # report instead of leaving the parent waiting
-        import traceback
+def run(world: int, args) -> list[dict]:
+    """Every rank's measurements, in rank order (forked gloo world; a failing rank raises)."""
+    from tests.harness import World
 
-        results.put((rank, {"error": traceback.format_exc()}))
-        raise
-
-
-def run(world: int, args) -> dict:
-    ctx = mp.get_context("fork")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_rank_body, args=(r, world, init_file, args, results))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        per_rank = dict(results.get(timeout=1800) for _ in procs)
-        errors = [v["error"] for v in per_rank.values() if "error" in v]
-        if errors:
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"a rank failed:\n{errors[0]}")
-        for p in procs:
-            p.join()
-    return per_rank
+    with World(world, pg_timeout_s=600) as ranks:
+        return ranks.run(_rank_main, args, timeout=1800)
 
 
 def main(argv=None) -> None:
