@@ -37,12 +37,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from lightning_vescale.optim import Muon, newton_schulz, newton_schulz_flops  # noqa: E402
-from lightning_vescale.placement import (  # noqa: E402
-    RaggedShard,
-    chunk_bounds,
-    ragged_from_local,
-)
+from lightning_vescale.placement import RaggedShard, chunk_bounds  # noqa: E402
 from lightning_vescale.planner import plan_layout  # noqa: E402
+from tests.distributed._ragged_helpers import ragged_params, set_ragged_grads  # noqa: E402
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 VARIANTS = ("ours", "ours-small-buckets", "naive", "naive-batched")
@@ -120,7 +117,7 @@ class NaiveDistributedMuon:
 def _rank_main(layout, args) -> dict:
     """One rank's measurements (runs in a forked gloo rank of ``tests.harness.World``)."""
     warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor rename
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -138,11 +135,7 @@ def _rank_main(layout, args) -> dict:
              for _ in range(args.steps)]
     params, opts, times = {}, {}, {v: [] for v in VARIANTS}
     for variant in VARIANTS:
-        params[variant] = {}
-        for n, s in shapes.items():
-            a, b = place[n].local_range(shapes[n], rank)
-            params[variant][n] = torch.nn.Parameter(ragged_from_local(
-                full[n].reshape(-1)[a:b].clone(), mesh, place[n], s))
+        params[variant] = ragged_params(full, place, mesh)
         if variant.startswith("ours"):
             cap = 32.0 if variant == "ours" else args.bucket_cap_mb  # 32 MB: Muon's default
             opts[variant] = Muon(list(params[variant].items()), lr=0.02, bucket_cap_mb=cap)
@@ -151,10 +144,7 @@ def _rank_main(layout, args) -> dict:
                                                  batched=variant == "naive-batched")
     for step in range(args.steps):  # variants interleaved: load changes hit all alike
         for variant in VARIANTS:
-            for n, p in params[variant].items():
-                a, b = place[n].local_range(shapes[n], rank)
-                p.grad = ragged_from_local(grads[step][n].reshape(-1)[a:b].clone(), mesh,
-                                           place[n], shapes[n])
+            set_ragged_grads(params[variant], grads[step], place, mesh)
             dist.barrier()
             t0 = time.perf_counter()
             opts[variant].step()

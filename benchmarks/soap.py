@@ -38,13 +38,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from lightning_vescale.optim import SOAP, Shampoo  # noqa: E402
-from lightning_vescale.placement import (  # noqa: E402
-    RaggedShard,
-    chunk_bounds,
-    ragged_from_local,
-)
+from lightning_vescale.placement import RaggedShard, chunk_bounds  # noqa: E402
 from lightning_vescale.planner import plan_layout  # noqa: E402
 from lightning_vescale.testing import CopyCommCounter  # noqa: E402
+from tests.distributed._ragged_helpers import ragged_params, set_ragged_grads  # noqa: E402
 
 VARIANTS = ("adamw", "soap-matrix", "soap-owners", "soap-naive", "shampoo-matrix")
 
@@ -130,7 +127,7 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
 def _rank_main(args) -> dict:
     """One rank's measurements (runs in a forked gloo rank of ``tests.harness.World``)."""
     warnings.filterwarnings("ignore")
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -150,18 +147,11 @@ def _rank_main(args) -> dict:
             {n: matrix_plan.placement(n) for n in shapes}
         runs, comm = [], 0
         for _ in range(args.repeats):
-            params = {}
-            for n, s in shapes.items():
-                a, b = place[n].local_range(s, rank)
-                params[n] = torch.nn.Parameter(ragged_from_local(
-                    full[n].reshape(-1)[a:b].clone(), mesh, place[n], s))
+            params = ragged_params(full, place, mesh)
             opt = _make(variant, list(params.values()))
             elapsed = 0.0
             for step in range(args.steps):
-                for n, p in params.items():
-                    a, b = place[n].local_range(shapes[n], rank)
-                    p.grad = ragged_from_local(grads[step][n].reshape(-1)[a:b].clone(), mesh,
-                                               place[n], shapes[n])
+                set_ragged_grads(params, grads[step], place, mesh)
                 dist.barrier()
                 t0 = time.perf_counter()
                 with CopyCommCounter() as counter:
