@@ -3,12 +3,18 @@
 Every rank holds the same full tensors (same seed); these helpers give each rank its own slice
 under a ``{name: RaggedShard}`` layout, as a DTensor on ``mesh``. On an N-D mesh the ragged dim
 is the last one and the others replicate (HSDP's ``(Replicate(), RaggedShard)``); the slice is
-the one of this rank's coordinate on that dim.
+the one of this rank's coordinate on that dim. :func:`count_collectives` counts the
+``torch.distributed`` collectives a redistribution or a step calls.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -38,3 +44,32 @@ def set_ragged_grads(params: dict[str, torch.nn.Parameter], grads: dict[str, tor
     """Give each parameter named in ``grads`` this rank's slice of its full gradient."""
     for n, g in grads.items():
         params[n].grad = ragged_tensor(g, layouts[n], mesh)
+
+
+#: the ``torch.distributed`` functions :func:`count_collectives` counts
+COLLECTIVES = ("all_to_all_single", "all_gather_single", "all_gather_into_tensor", "all_gather",
+               "broadcast", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+               "all_reduce", "all_to_all", "send", "recv", "batch_isend_irecv")
+
+
+@contextlib.contextmanager
+def count_collectives(*, by_group_size: bool = False) -> Iterator[Counter]:
+    """Count calls into the :data:`COLLECTIVES` inside the block, keyed by name, or with
+    ``by_group_size`` by ``(name, size of the group called on)``."""
+    counts: Counter = Counter()
+    saved = {n: getattr(dist, n) for n in COLLECTIVES if hasattr(dist, n)}
+
+    def wrap(name, fn):
+        def counted(*args, **kwargs):
+            key = (name, dist.get_world_size(kwargs.get("group"))) if by_group_size else name
+            counts[key] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    for n, fn in saved.items():
+        setattr(dist, n, wrap(n, fn))
+    try:
+        yield counts
+    finally:
+        for n, fn in saved.items():
+            setattr(dist, n, fn)

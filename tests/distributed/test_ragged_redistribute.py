@@ -7,9 +7,7 @@ Which collectives run is checked by counting calls into ``torch.distributed``.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections import Counter
 
 import pytest
 import torch
@@ -18,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lightning_vescale.placement import RaggedShard, install, ragged_from_local
+from tests.distributed._ragged_helpers import count_collectives
 
 SHAPE = (6, 5, 3)  # P = 6 over dims (0,), 30 over (0, 1), 90 over (0, 1, 2)
 
@@ -65,30 +64,6 @@ def _expect_local(full: torch.Tensor, pl, rank: int, world: int) -> torch.Tensor
         shape[pl.dim] = 0
         return full.new_empty(shape)
     return full
-
-
-@contextlib.contextmanager
-def _count_collectives():
-    """Count calls into the torch.distributed collectives a redistribution could use."""
-    names = ["all_to_all_single", "all_gather_single", "all_gather_into_tensor", "all_gather",
-             "broadcast", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
-             "all_reduce", "all_to_all", "send", "recv", "batch_isend_irecv"]
-    counts: Counter = Counter()
-    saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
-
-    def wrap(name, fn):
-        def counted(*args, **kwargs):
-            counts[name] += 1
-            return fn(*args, **kwargs)
-        return counted
-
-    for n, fn in saved.items():
-        setattr(dist, n, wrap(n, fn))
-    try:
-        yield counts
-    finally:
-        for n, fn in saved.items():
-            setattr(dist, n, fn)
 
 
 # -- bodies (run on every rank) --------------------------------------------------------------------
@@ -221,7 +196,7 @@ def _body_collectives():
             full, mesh, [Partial()], run_check=False).redistribute(mesh, [ragged_a]),
     }
     for name, fn in cases.items():
-        with _count_collectives() as counts:
+        with count_collectives() as counts:
             fn()
         seen[name] = dict(counts)
     return seen
