@@ -56,6 +56,23 @@ def model_shapes(d: int, layers: int) -> dict[str, tuple[int, int]]:
     return shapes
 
 
+def rows_layout(shapes: dict[str, tuple[int, ...]], world: int) -> dict[str, RaggedShard]:
+    """FSDP2's per-parameter ``Shard(0)`` as ``RaggedShard``s: every tensor split by rows over
+    all ranks (``torch.chunk``'s sizes)."""
+    return {n: RaggedShard((0,), [hi - lo for lo, hi in chunk_bounds(s[0], world)])
+            for n, s in shapes.items()}
+
+
+def weights_and_grads(shapes: dict[str, tuple[int, ...]], steps: int
+                      ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """The full initial weights (seed 0, std 0.02) and ``steps`` full gradients (seed 1)."""
+    torch.manual_seed(0)
+    full = {n: torch.randn(s) * 0.02 for n, s in shapes.items()}
+    gen = torch.Generator().manual_seed(1)
+    return full, [{n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+                  for _ in range(steps)]
+
+
 class NaiveDistributedMuon:
     """Momentum on shards; every rank all-gathers every whole update and runs NS redundantly."""
 
@@ -126,13 +143,8 @@ def _rank_main(layout, args) -> dict:
         plan = plan_layout(list(shapes.items()), world, granularity="row")
         place = {n: plan.placement(n) for n in shapes}
     else:  # "even": every matrix split over all ranks by rows (FSDP2's per-parameter Shard(0))
-        place = {n: RaggedShard((0,), [hi - lo for lo, hi in chunk_bounds(s[0], world)])
-                 for n, s in shapes.items()}
-    torch.manual_seed(0)
-    full = {n: torch.randn(s) * 0.02 for n, s in shapes.items()}
-    gen = torch.Generator().manual_seed(1)
-    grads = [{n: torch.randn(s, generator=gen) for n, s in shapes.items()}
-             for _ in range(args.steps)]
+        place = rows_layout(shapes, world)
+    full, grads = weights_and_grads(shapes, args.steps)
     params, opts, times = {}, {}, {v: [] for v in VARIANTS}
     for variant in VARIANTS:
         params[variant] = ragged_params(full, place, mesh)

@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from benchmarks.muon_vs_naive import rows_layout, weights_and_grads  # noqa: E402
 from lightning_vescale.optim import SOAP, Shampoo  # noqa: E402
-from lightning_vescale.placement import RaggedShard, chunk_bounds  # noqa: E402
 from lightning_vescale.planner import plan_layout  # noqa: E402
 from lightning_vescale.testing import CopyCommCounter  # noqa: E402
 from tests.distributed._ragged_helpers import ragged_params, set_ragged_grads  # noqa: E402
@@ -134,13 +134,8 @@ def _rank_main(args) -> dict:
     shapes = model_shapes(args.d_model, args.layers)
     matrix_plan = plan_layout(list(shapes.items()), world, granularity="matrix", align=1)
     # naive: FSDP2's layout, every tensor split over all ranks by rows (Shard(0))
-    even = {n: RaggedShard((0,), [hi - lo for lo, hi in chunk_bounds(s[0], world)])
-            for n, s in shapes.items()}
-    torch.manual_seed(0)
-    full = {n: torch.randn(s) * 0.02 for n, s in shapes.items()}
-    gen = torch.Generator().manual_seed(1)
-    grads = [{n: torch.randn(s, generator=gen) for n, s in shapes.items()}
-             for _ in range(args.steps)]
+    even = rows_layout(shapes, world)
+    full, grads = weights_and_grads(shapes, args.steps)
     out = {}
     for variant in VARIANTS:
         place = even if variant in ("soap-naive", "soap-owners") else \
