@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_vescale.placement import RaggedShard, local_slice, ragged_from_local
 
@@ -31,6 +31,23 @@ def ragged_tensor(full: torch.Tensor, layout: RaggedShard, mesh: DeviceMesh) -> 
     placements = [Replicate()] * (mesh.ndim - 1) + [layout] if mesh.ndim > 1 else layout
     local = local_slice(full, layout, shard_rank(mesh)).clone()
     return ragged_from_local(local, mesh, placements, tuple(full.shape))
+
+
+def expected_local(full: torch.Tensor, placement, rank: int, num_ranks: int) -> torch.Tensor:
+    """The reference local tensor of ``full`` on ``rank`` of ``num_ranks`` under ``placement``
+    (``RaggedShard``: the flat slice; ``Shard``: ``torch.chunk``'s piece, empty past the last;
+    else the whole tensor), by plain torch slicing, independent of the code under test."""
+    if isinstance(placement, RaggedShard):
+        start, end = placement.local_range(full.shape, rank)
+        return full.reshape(-1)[start:end]
+    if isinstance(placement, Shard):
+        chunks = full.chunk(num_ranks, dim=placement.dim)
+        if rank < len(chunks):
+            return chunks[rank]
+        shape = list(full.shape)
+        shape[placement.dim] = 0
+        return full.new_empty(shape)
+    return full
 
 
 def ragged_params(full: dict[str, torch.Tensor], layouts: dict[str, RaggedShard],

@@ -27,7 +27,7 @@ from lightning_vescale.placement import (
     ragged_from_local,
     ragged_ranges,
 )
-from tests.distributed._ragged_helpers import count_collectives
+from tests.distributed._ragged_helpers import count_collectives, expected_local
 
 SHAPE = (6, 5, 3)
 R = Replicate()
@@ -49,17 +49,7 @@ def _mesh2d():
 
 def _expect(full: torch.Tensor, pl, j: int, n: int = 2) -> torch.Tensor:
     """Shard-rank ``j``'s local tensor of ``full`` under ``pl`` (plain slicing / chunking)."""
-    if isinstance(pl, RaggedShard):
-        start, end = pl.local_range(full.shape, j)
-        return full.reshape(-1)[start:end]
-    if isinstance(pl, Shard):
-        chunks = full.chunk(n, dim=pl.dim)
-        if j < len(chunks):
-            return chunks[j]
-        shape = list(full.shape)
-        shape[pl.dim] = 0
-        return full.new_empty(shape)
-    return full
+    return expected_local(full, pl, j, n)
 
 
 def _rs(full: torch.Tensor, mesh, pl: RaggedShard, requires_grad: bool = False) -> DTensor:

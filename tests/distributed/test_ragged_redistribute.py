@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lightning_vescale.placement import RaggedShard, install, ragged_from_local
-from tests.distributed._ragged_helpers import count_collectives
+from tests.distributed._ragged_helpers import count_collectives, expected_local
 
 SHAPE = (6, 5, 3)  # P = 6 over dims (0,), 30 over (0, 1), 90 over (0, 1, 2)
 
@@ -51,21 +51,6 @@ def _ragged(full: torch.Tensor, mesh, pl: RaggedShard, requires_grad: bool = Fal
     return ragged_from_local(local, mesh, pl, full.shape)
 
 
-def _expect_local(full: torch.Tensor, pl, rank: int, world: int) -> torch.Tensor:
-    """The reference local tensor of ``full`` under ``pl`` (plain torch slicing/chunking)."""
-    if isinstance(pl, RaggedShard):
-        start, end = pl.local_range(full.shape, rank)
-        return full.reshape(-1)[start:end]
-    if isinstance(pl, Shard):
-        chunks = full.chunk(world, dim=pl.dim)
-        if rank < len(chunks):
-            return chunks[rank]
-        shape = list(full.shape)
-        shape[pl.dim] = 0
-        return full.new_empty(shape)
-    return full
-
-
 # -- bodies (run on every rank) --------------------------------------------------------------------
 def _body_from_local_full_tensor():
     mesh, world, rank = _setup()
@@ -74,7 +59,7 @@ def _body_from_local_full_tensor():
         dt = _ragged(full, mesh, pl)
         assert dt.shape == full.shape and dt.stride() == full.stride()
         assert dt.placements == (pl,)
-        torch.testing.assert_close(dt.to_local(), _expect_local(full, pl, rank, world))
+        torch.testing.assert_close(dt.to_local(), expected_local(full, pl, rank, world))
         torch.testing.assert_close(dt.full_tensor(), full, rtol=0, atol=0)
         rep = dt.redistribute(mesh, [Replicate()])
         assert rep.placements == (Replicate(),)
@@ -101,7 +86,7 @@ def _body_redistribute_pairs():
             out = dt.redistribute(mesh, [dst])
             norm = Shard(dst.dim % full.dim()) if isinstance(dst, Shard) else dst
             assert out.placements == (norm,), (src, dst, out.placements)
-            torch.testing.assert_close(out.to_local(), _expect_local(full, norm, rank, world),
+            torch.testing.assert_close(out.to_local(), expected_local(full, norm, rank, world),
                                        rtol=0, atol=0, msg=f"{src} -> {dst}")
             torch.testing.assert_close(out.full_tensor(), full, rtol=0, atol=0)
             back = out.redistribute(mesh, [src])
@@ -110,11 +95,11 @@ def _body_redistribute_pairs():
     for dst in layouts:
         rep = DTensor.from_local(full, mesh, [Replicate()], run_check=False)
         torch.testing.assert_close(rep.redistribute(mesh, [dst]).to_local(),
-                                   _expect_local(full, dst, rank, world), rtol=0, atol=0)
+                                   expected_local(full, dst, rank, world), rtol=0, atol=0)
         for sh in shards:
             sdt = rep.redistribute(mesh, [sh])
             torch.testing.assert_close(sdt.redistribute(mesh, [dst]).to_local(),
-                                       _expect_local(full, dst, rank, world), rtol=0, atol=0)
+                                       expected_local(full, dst, rank, world), rtol=0, atol=0)
     return True
 
 
@@ -128,7 +113,7 @@ def _body_partial_to_ragged():
             pdt = DTensor.from_local(parts[rank], mesh, [Partial(op)], run_check=False)
             out = pdt.redistribute(mesh, [dst])
             assert out.placements == (dst,)
-            torch.testing.assert_close(out.to_local(), _expect_local(ref, dst, rank, world))
+            torch.testing.assert_close(out.to_local(), expected_local(ref, dst, rank, world))
     return True
 
 
@@ -147,7 +132,7 @@ def _body_grads():
             (out.full_tensor() * weight).sum().backward()
             assert isinstance(leaf.grad, DTensor) and leaf.grad.placements == (src,), dst
             torch.testing.assert_close(leaf.grad.to_local(),
-                                       _expect_local(weight, src, rank, world), rtol=0, atol=0)
+                                       expected_local(weight, src, rank, world), rtol=0, atol=0)
         # through from_local: the plain local tensor gets the plain local gradient
         start, end = src.local_range(full.shape, rank)
         leaf_local = full.reshape(-1)[start:end].clone().requires_grad_()
