@@ -19,7 +19,13 @@ decided by :meth:`ParamGroup.should_reduce` alone. Then one small all-reduce (MA
 exactly those get a sharded gradient, as in single-process training over the global batch
 (:meth:`RootContext._publish_grads`). A rank whose flags are all set already knows the answer:
 it leaves that all-reduce in flight (no host sync at the end of backward) and finishes it at the
-next root pre-forward, where a ``set_post_optim_event`` event is also waited on. Forward and backward orders are recorded on the first
+next root pre-forward, where a ``set_post_optim_event`` event is also waited on. A rank that
+lacks a gradient (an expert that got no tokens here) must read the result before the backward
+returns: whether its ``.grad`` is ``None`` or zeros decides which collectives code between
+backward and step runs (``clip_grad_norm_`` reduces over exactly the parameters with a
+gradient), so deferring that read to the optimizer would let the ranks diverge. That host sync
+happens only on such ranks, only in such backwards; FSDP2 reduce-scatters different parameter
+sets on such ranks instead (a mismatch, or a hang). Forward and backward orders are recorded on the first
 iteration. A forward that runs *inside* backward (activation-checkpointing recompute,
 detected with ``torch._C._current_graph_task_id()``) leaves the group unsharded and registers
 nothing. No-grad/inference forwards reshard every group at the root's post-forward.
