@@ -151,6 +151,13 @@ def _param(mesh, shape=(8, 6), placement=SPLIT) -> torch.nn.Parameter:
     return p
 
 
+def _plain_dtensor(local: torch.Tensor, mesh, placement) -> DTensor:
+    """A DTensor with torch's ``placement`` whose local tensor stays on the CPU (what
+    ``DTensor.from_local`` would move to the mesh's device)."""
+    meta = TensorMeta(local.shape, local.stride(), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, (placement,), tensor_meta=meta), requires_grad=False)
+
+
 def _collectives(audit) -> list[str]:
     assert all(kinds <= {"cuda"} for _, kinds in audit.seen), audit.seen
     return [name for name, _ in audit.seen]
@@ -178,13 +185,12 @@ def test_states_built_for_an_offloaded_parameter_stay_on_its_device(nccl):
     assert state_like(p, local)._local_tensor is local  # no copy, no move
     layout = param_layout(p, where="test")
     assert layout.to_dtensor(local).to_local().device.type == "cpu"
-    whole = DTensor(torch.zeros(8, 6), DTensorSpec(nccl.mesh, (Replicate(),), tensor_meta=TensorMeta(
-        torch.Size((8, 6)), (6, 1), torch.float32)), requires_grad=False)
+    whole = _plain_dtensor(torch.zeros(8, 6), nccl.mesh, Replicate())
     assert state_like(whole, torch.ones(8, 6)).to_local().device.type == "cpu"
     assert nccl.audit.seen == []  # no communication either
 
 
-# -- the optimizers' own collectives ----------------------------------------------------------------
+# -- the optimizers' own collectives ---------------------------------------------------------------
 def test_muon_owner_all_to_all_with_offload(nccl):
     ps = [("a.weight", _param(nccl.mesh)), ("b.weight", _param(nccl.mesh, (4, 10),
                                                                 RaggedShard((0, 1), [10, 30])))]
@@ -252,8 +258,7 @@ def test_state_load_from_another_layout_with_offload(nccl, name):
 # -- DTensor redistribution, reductions and module-state broadcast of offloaded tensors ------------
 def test_ragged_redistribute_of_offloaded_dtensor(nccl):
     x = _offloaded(nccl.mesh)
-    partial = DTensor(torch.randn(8, 6), DTensorSpec(nccl.mesh, (Partial(),), tensor_meta=TensorMeta(
-        torch.Size((8, 6)), (6, 1), torch.float32)), requires_grad=False)
+    partial = _plain_dtensor(torch.randn(8, 6), nccl.mesh, Partial())
     outs = {
         "full_tensor (padded all-gather)": x.full_tensor(),
         "to Shard(0) (all-to-all)": x.redistribute(nccl.mesh, (Shard(0),)).to_local(),
@@ -287,7 +292,7 @@ def test_sync_module_states_broadcasts_offloaded_shards(nccl):
     assert module.w.to_local().device.type == "cpu"
 
 
-# -- the helpers themselves: copy-free where the backend takes the tensor ---------------------------
+# -- the helpers themselves: copy-free where the backend takes the tensor --------------------------
 class _Group:
     def __init__(self, *kinds: str) -> None:
         self._device_types = [torch.device(k) for k in kinds]
