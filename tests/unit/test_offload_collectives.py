@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import lightning_vescale.mesh as mesh_mod
-from lightning_vescale.optim import SOAP, AdamW8bit, Muon
+from lightning_vescale.optim import SOAP, AdamW8bit, FlatParamOptimizer, Muon
 from lightning_vescale.placement import RaggedShard, ragged_from_local
 
 pytestmark = pytest.mark.filterwarnings(  # the AdamW8bit fast path's storage key, on fakes
@@ -110,6 +110,12 @@ def nccl(monkeypatch):
     # dist.broadcast asks a CUDA tensor's GPU for its capability (fp8 handling)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     _quant_caches(warm=True)  # AdamW8bit's code books: real CPU tensors, built outside
+    # FlatParamOptimizer probes torch's AdamW on real values once per (options, dtype, device)
+    from lightning_vescale.placement._flat_probe import optimizer_alignment
+
+    probe = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(8))], lr=1e-3)
+    optimizer_alignment(torch.optim.AdamW, probe.param_groups[0], torch.float32,
+                        torch.device("cpu"))
     try:
         assert mesh_mod.group_device_types(None) == {"cuda"}
         mesh = init_device_mesh("cuda", (WORLD,))
@@ -231,6 +237,7 @@ LOADERS = {
     "muon": lambda p: Muon([("w", p)], lr=0.02),
     "adamw8bit": lambda p: AdamW8bit([p], min_8bit_size=0),
     "soap": lambda p: SOAP([p], precondition_frequency=1),
+    "flat-adamw": lambda p: FlatParamOptimizer(torch.optim.AdamW([p], lr=1e-3)),
 }
 
 
