@@ -19,6 +19,11 @@ NCCL) and, when there are several GPUs, all of them (one process per GPU, spawne
    GPUs, reduce-scatter kernels overlapping backward GEMMs in a profiler trace and HSDP on a
    ``(1, N)`` and an ``(N/2, 2)`` mesh (``(2, 1)`` at N=2) against single-device training.
    At world 1 every collective takes the local shortcut: the NCCL rows need 2+ GPUs.
+5b. **CPU offload in collectives** (``benchmarks/_gpu_offload_optim.py``): the
+   ``mesh.*_anywhere`` helpers on CPU tensors over NCCL against their expected values (a real
+   collective at world 1 too), Muon / SOAP / AdamW8bit with offload against the same runs
+   without (states stay on the CPU; owner all-to-alls with 2+ GPUs), and with 2+ GPUs their
+   state dicts resharded and loaded back bitwise.
 6. **MemoryProfiler snapshot**: a Lightning ``Trainer`` with ``VeScaleFSDPStrategy`` and
    ``MemoryProfiler(snapshot_dir=..., snapshot_at_step=1)`` on one GPU must write a loadable
    allocator snapshot.
@@ -56,6 +61,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._gpu_cuda_path import CHECKS as CUDA_PATH_CHECKS
+from benchmarks._gpu_offload_optim import CHECKS as OFFLOAD_OPTIM_CHECKS
 from examples.gpt import GPT, GPTConfig
 
 RESULTS = Path(__file__).with_name("RESULTS_gpu.md")
@@ -345,7 +351,7 @@ def run_checks(device: torch.device, cfg: ThroughputConfig | None) -> dict[str, 
     """Every rank-side check in this world; a failing check is a row, never an abort."""
     rows = []
     for fn in (check_parity, check_bf16, check_async, check_offload, check_quantized_comm,
-               *CUDA_PATH_CHECKS):
+               *CUDA_PATH_CHECKS, *OFFLOAD_OPTIM_CHECKS):
         try:
             rows.append(fn(device))
         except Exception:  # noqa: BLE001 - report it and go on with the other checks

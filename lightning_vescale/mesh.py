@@ -30,11 +30,27 @@ under NCCL computes on the mesh's device (:func:`mesh_device`, FSDP2's
 ``_get_device_from_mesh``) and moves the modules' buffers there, and the default mesh's device
 type comes from the default process group (:func:`default_device_type`: the accelerator when
 the backend runs on it). CPU offload keeps shards, gradients and optimizer states on the CPU
-while the mesh is a CUDA one; a collective on such a CPU tensor (the grad scaler's found-inf
-flag, ``clip_grad_norm_``'s sum, a full state dict's gather) goes through
-:func:`all_reduce_anywhere` / :func:`collective_device`: when the group's backend does not take
-CPU tensors (plain NCCL) the tensor is copied to the mesh's device and back, so offload works
-with ``backend="nccl"``; ``cpu:gloo,cuda:nccl`` runs it on the CPU, without the copies.
+while the mesh is a CUDA one; every collective that can meet such a CPU tensor goes through one
+of this module's helpers, which ask :func:`collective_device` where it must run:
+
+* :func:`all_reduce_anywhere` (the grad scaler's found-inf flag, ``clip_grad_norm_``'s sum,
+  ragged norms and comparisons, the checkpoint's rank-0 failure flag),
+  :func:`broadcast_anywhere` (``sync_module_states``, a one-hot ragged gather),
+  :func:`all_to_all_single_anywhere` (Muon's and SOAP/Shampoo's owner exchanges, ragged
+  redistribution) and :func:`reduce_scatter_anywhere` (``Partial -> RaggedShard``); the
+  placement package's ``all_gather_flat`` asks the same question.
+* When the group's backend takes the tensor's device (the GPU; or the CPU under
+  ``cpu:gloo,cuda:nccl`` or gloo) the helper *is* the torch call on the caller's tensors: no
+  copy. Otherwise (plain NCCL) the send buffer goes to the mesh's device in one copy and the
+  receive buffer comes back in one, per call (a bucket, however many pieces its splits cut),
+  never per piece; an asynchronous all-to-all copies back in its handle's ``wait()``
+  (:class:`StagedWork`). So offload works with ``backend="nccl"``.
+* A state built for an offloaded parameter stays on the CPU with it: the optimizers wrap local
+  tensors into DTensors without ``DTensor.from_local``, which would move them to the mesh's
+  device. The computation around a collective stays where its tensors are (Newton–Schulz of an
+  offloaded Muon matrix runs on the CPU, as every offloaded optimizer step does).
+* DTensors with torch's own placements go through torch's redistribution, which does not stage
+  (FSDP2's behaviour): the full state dict moves them to the mesh's device first.
 
 :func:`init_mesh` is the one factory for the default data-parallel mesh; the strategies and
 ``fully_shard(mesh=None)`` both use it, so they name the dimension the same way.
@@ -43,6 +59,8 @@ with ``backend="nccl"``; ``cpu:gloo,cuda:nccl`` runs it on the CPU, without the 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,7 +68,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate
 
 __all__ = ["MeshInfo", "init_mesh", "DP_SHARD_DIM_NAME", "DP_REPLICATE_DIM_NAME",
-           "all_reduce_anywhere", "collective_device", "default_device_type", "mesh_device"]
+           "StagedWork", "all_reduce_anywhere", "all_to_all_single_anywhere",
+           "broadcast_anywhere", "reduce_scatter_anywhere", "collective_device",
+           "default_device_type", "mesh_device"]
 
 #: Name of the shard dimension of the meshes this package creates.
 DP_SHARD_DIM_NAME = "dp_shard"
@@ -250,10 +270,16 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     kind = mesh.device_type
     if kind in ("cpu", "meta"):
         return torch.device(kind)
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if acc is not None and acc.type == kind:
-        return torch.device(kind, torch.accelerator.current_device_index())
-    return torch.device(kind)
+    acc = current_accelerator()
+    return acc if acc is not None and acc.type == kind else torch.device(kind)
+
+
+def current_accelerator() -> torch.device | None:
+    """The current accelerator device (with its index), ``None`` without one."""
+    if not torch.accelerator.is_available():
+        return None
+    acc = torch.accelerator.current_accelerator()
+    return torch.device(acc.type, torch.accelerator.current_device_index())
 
 
 def group_device_types(group: dist.ProcessGroup | None) -> set[str]:
@@ -276,9 +302,9 @@ def collective_device(group: dist.ProcessGroup | None, device: torch.device,
         return device
     if mesh is not None and mesh.device_type in kinds:
         return mesh_device(mesh)
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    acc = current_accelerator()
     if acc is not None and acc.type in kinds:
-        return torch.device(acc.type, torch.accelerator.current_device_index())
+        return acc
     raise RuntimeError(
         f"A collective on a {device.type} tensor needs a process group backend for "
         f"{device.type!r}, but this group runs on {sorted(kinds)}; initialise the process "
@@ -299,3 +325,90 @@ def all_reduce_anywhere(t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
     dist.all_reduce(moved, op=op, group=group)
     t.copy_(moved)
     return t
+
+
+def broadcast_anywhere(t: torch.Tensor, *, group_src: int, group: dist.ProcessGroup,
+                       mesh: DeviceMesh | None = None) -> torch.Tensor:
+    """``dist.broadcast(t, group_src=group_src)`` in place, through a device the group's backend
+    takes (one copy there and one back when ``t``'s is not one: design note [mesh-device]).
+    ``t`` must be contiguous. Returns ``t``."""
+    where = collective_device(group, t.device, mesh)
+    if where == t.device:
+        dist.broadcast(t, group=group, group_src=group_src)
+        return t
+    moved = t.to(where)
+    dist.broadcast(moved, group=group, group_src=group_src)
+    t.copy_(moved)
+    return t
+
+
+class StagedWork:
+    """The handle of an asynchronous collective that ran on staged copies (design note
+    [mesh-device]): :meth:`wait` waits for it, then copies the staged output back into the
+    caller's tensor (the staged tensors stay referenced until then)."""
+
+    def __init__(self, work: Any, finish: Callable[[], None]) -> None:
+        self._work, self._finish = work, finish
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._finish is not None:
+            if self._work is not None:
+                self._work.wait() if timeout is None else self._work.wait(timeout)
+            finish, self._finish, self._work = self._finish, None, None
+            finish()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._finish is None
+
+
+def all_to_all_single_anywhere(output: torch.Tensor, input: torch.Tensor,
+                               output_split_sizes: list[int] | None = None,
+                               input_split_sizes: list[int] | None = None, *,
+                               group: dist.ProcessGroup | None = None,
+                               mesh: DeviceMesh | None = None,
+                               async_op: bool = False) -> Any:
+    """``dist.all_to_all_single``, through a device the group's backend takes (design note
+    [mesh-device]).
+
+    When ``input``'s device is one (the GPU, or the CPU on ``cpu:gloo,cuda:nccl``), this *is*
+    ``dist.all_to_all_single``: no copy. Otherwise (CPU-offloaded tensors on plain NCCL) the
+    whole ``input`` goes to the mesh's device in one copy, the collective writes a staged output
+    there, and that comes back into ``output`` in one copy: once per call, whatever the number
+    of pieces the splits cut. With ``async_op`` the copy back happens in the returned handle's
+    ``wait()`` (a :class:`StagedWork`); without it, before returning ``None``.
+    """
+    where = collective_device(group, input.device, mesh)
+    if where == input.device and where == output.device:
+        return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                      group=group, async_op=async_op)
+    staged_in = input.to(where)
+    staged_out = torch.empty_like(output, device=where)
+    work = dist.all_to_all_single(staged_out, staged_in, output_split_sizes, input_split_sizes,
+                                  group=group, async_op=async_op)
+
+    def finish(staged_in: torch.Tensor = staged_in) -> None:  # ``staged_in`` kept alive
+        output.copy_(staged_out)
+
+    handle = StagedWork(work, finish)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def reduce_scatter_anywhere(output: torch.Tensor, input: torch.Tensor, split_sizes: list[int], *,
+                            op: dist.ReduceOp = dist.ReduceOp.SUM,
+                            group: dist.ProcessGroup | None = None,
+                            mesh: DeviceMesh | None = None) -> None:
+    """The list ``dist.reduce_scatter`` of the consecutive pieces ``input.split(split_sizes)``
+    (uneven allowed) into ``output``, through a device the group's backend takes: a
+    CPU-offloaded ``input`` goes to the mesh's device in one copy, the reduced piece comes back
+    in one (design note [mesh-device]); no copy when the backend takes ``input``'s device."""
+    where = collective_device(group, input.device, mesh)
+    staged = where != input.device or where != output.device
+    src = input.to(where) if staged else input
+    out = torch.empty_like(output, device=where) if staged else output
+    dist.reduce_scatter(out, list(src.split(split_sizes)), op=op, group=group)
+    if staged:
+        output.copy_(out)

@@ -33,13 +33,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn import Module
 
 from lightning_vescale._lightning.sharding import validate_bool
+from lightning_vescale.mesh import broadcast_anywhere
 
 __all__ = ["broadcast_module_states", "validate_sync_module_states"]
 
@@ -85,16 +85,17 @@ def broadcast_module_states(module: Module, mesh: DeviceMesh) -> int:
             local, t_dims = t.data, dims
         for d in t_dims:
             if mesh.size(d) > 1:
-                _broadcast(local, mesh.get_group(d))
+                _broadcast(local, mesh.get_group(d), mesh)
         count += 1
     return count
 
 
-def _broadcast(tensor: Tensor, group: Any) -> None:
-    """Broadcast from the group's first rank (mesh coordinate 0 of that dimension)."""
+def _broadcast(tensor: Tensor, group: Any, mesh: DeviceMesh) -> None:
+    """Broadcast from the group's first rank (mesh coordinate 0 of that dimension); a
+    CPU-offloaded shard on a plain NCCL mesh goes through the mesh's device ([mesh-device])."""
     if tensor.is_contiguous():
-        dist.broadcast(tensor, group=group, group_src=0)
+        broadcast_anywhere(tensor, group_src=0, group=group, mesh=mesh)
     else:
         buf = tensor.contiguous()
-        dist.broadcast(buf, group=group, group_src=0)
+        broadcast_anywhere(buf, group_src=0, group=group, mesh=mesh)
         tensor.copy_(buf)

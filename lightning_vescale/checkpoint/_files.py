@@ -37,6 +37,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from lightning_vescale.mesh import all_reduce_anywhere
+
 __all__ = [
     "METADATA_FILENAME",
     "is_sharded_checkpoint",
@@ -286,9 +288,7 @@ def rank0_agreed(fn: Callable[[], Any], what: str) -> Any:
             error = e
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
-        if dist.get_backend() == "nccl":
-            flag = flag.cuda()
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        all_reduce_anywhere(flag, op=dist.ReduceOp.MAX)  # NCCL: via the GPU ([mesh-device])
         failed = bool(flag.item())
     else:
         failed = error is not None

@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.optim import Optimizer
 
 from lightning_vescale.mesh import MeshInfo
@@ -72,11 +73,14 @@ def local_view(t: Tensor) -> Tensor:
 
 def _dtensor(local: Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
              shape: Sequence[int], stride: Sequence[int]) -> DTensor:
-    # ``local`` as this rank's part of a DTensor (no copy, differentiable like from_local).
+    # ``local`` itself as this rank's part of a DTensor: no copy, no autograd history (states
+    # are data), and on ``local``'s device. ``DTensor.from_local`` would move a CPU-offloaded
+    # state to the mesh's device (the GPU), where the next step meets its CPU parameter.
     if any(isinstance(pl, RaggedShard) for pl in placements):
-        return ragged_from_local(local, mesh, placements, shape, stride)
-    return DTensor.from_local(local, mesh, tuple(placements), run_check=False,
-                              shape=torch.Size(shape), stride=tuple(stride))
+        return ragged_from_local(local, mesh, placements, shape, stride, autograd=False)
+    spec = DTensorSpec(mesh, tuple(placements),
+                       tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
 
 
 def state_like(p: Tensor, local: Tensor) -> Tensor:
@@ -305,8 +309,8 @@ def state_in_param_layout(p: Tensor, value: Tensor, *, who: str, key: str, name:
     if not isinstance(p, DTensor):
         return value.full_tensor() if isinstance(value, DTensor) else value
     if isinstance(value, DTensor) and tuple(value.placements) == tuple(p.placements) and \
-            value.device_mesh == p.device_mesh:
-        return value
+            value.device_mesh == p.device_mesh and value.device == p.device:
+        return value  # else (e.g. a GPU state for a CPU-offloaded parameter): copied below
     layout = param_layout(p, where=f"{who}.load_state_dict: parameter {name}")
     local = layout.local_part(value).detach().to(device=p.device, dtype=p.dtype)
     return layout.to_dtensor(local.clone(), p.stride())

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_vescale.mesh import all_to_all_single_anywhere
 from lightning_vescale.optim._base import ShardLayout
 from lightning_vescale.optim._muon_plan import Bucket, CommPlan, build_plan
 from lightning_vescale.optim._newton_schulz import newton_schulz, newton_schulz_flops
@@ -171,6 +172,7 @@ def _orthogonalize_distributed(plan: CommPlan, group: Any, items: Sequence[Matri
                                batch: bool) -> OrthogonalizeCost:
     rank, world = plan.rank, plan.world_size
     dtype, device = torch.bfloat16, items[0].update.device
+    mesh = items[0].layout.mesh_info.mesh  # offloaded (CPU) updates travel via its device
     comm, flops = 0, 0
 
     def launch_gather(b: Bucket):
@@ -179,8 +181,9 @@ def _orthogonalize_distributed(plan: CommPlan, group: Any, items: Sequence[Matri
         send_t = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=device)
         recv = torch.empty(sum(b.to_owner_recv), dtype=dtype, device=device)
         comm += 2 * (sum(b.to_owner_send) - b.to_owner_send[rank])
-        work = dist.all_to_all_single(recv, send_t, list(b.to_owner_recv),
-                                      list(b.to_owner_send), group=group, async_op=True)
+        work = all_to_all_single_anywhere(recv, send_t, list(b.to_owner_recv),
+                                          list(b.to_owner_send), group=group, mesh=mesh,
+                                          async_op=True)
         return work, recv
 
     def finish_scatter(b: Bucket, work, recv: Tensor) -> None:
@@ -230,8 +233,9 @@ def _orthogonalize_distributed(plan: CommPlan, group: Any, items: Sequence[Matri
         send_t = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=device)
         recv_back = torch.empty(sum(b.to_owner_send), dtype=dtype, device=device)
         comm += 2 * (sum(b.to_owner_recv) - b.to_owner_recv[rank])
-        work_back = dist.all_to_all_single(recv_back, send_t, list(b.to_owner_send),
-                                           list(b.to_owner_recv), group=group, async_op=True)
+        work_back = all_to_all_single_anywhere(recv_back, send_t, list(b.to_owner_send),
+                                               list(b.to_owner_recv), group=group, mesh=mesh,
+                                               async_op=True)
         if pending_scatter is not None:
             finish_scatter(*pending_scatter)
         pending_scatter = (b, work_back, recv_back)

@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_vescale.mesh import all_to_all_single_anywhere
 from lightning_vescale.optim._base import ShardedOptimizer, local_view
 from lightning_vescale.optim._matrix_layout import (
     MatrixLayout,
@@ -148,8 +148,8 @@ def _exchange(send: Tensor, recv_splits: tuple[int, ...], send_splits: tuple[int
     info = lay.layout.mesh_info
     assert info is not None
     out = send.new_empty(sum(recv_splits))
-    dist.all_to_all_single(out, send.contiguous(), list(recv_splits), list(send_splits),
-                           group=info.shard_group)
+    all_to_all_single_anywhere(out, send.contiguous(), list(recv_splits), list(send_splits),
+                               group=info.shard_group, mesh=info.mesh)  # offload: [mesh-device]
     return out
 
 

@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from lightning_vescale.mesh import collective_device
 from lightning_vescale.placement._ragged_shard import RaggedShard
 
 __all__ = [
@@ -115,15 +117,24 @@ def bind_args(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str,
     return out
 
 
-def all_gather_flat(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup) -> None:
+def all_gather_flat(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup,
+                    mesh: DeviceMesh | None = None) -> None:
     """Gather every rank's equal-sized flat ``local`` into the flat ``output``, in rank order.
 
     ``all_gather_single`` (torch 2.13 deprecates ``all_gather_into_tensor`` in its favour), or the
     older name on a torch without it; looked up per call, so tests that count calls into
-    ``torch.distributed`` see it.
+    ``torch.distributed`` see it. CPU-offloaded tensors on a group whose backend refuses CPU
+    tensors (plain NCCL) gather on ``mesh``'s device (or the accelerator): one copy there, one
+    back (design note [mesh-device]); otherwise no copy.
     """
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, local, group=group)
+    where = collective_device(group, local.device, mesh)
+    if where == local.device:
+        gather(output, local, group=group)
+        return
+    staged = torch.empty_like(output, device=where)
+    gather(staged, local.to(where), group=group)
+    output.copy_(staged)
 
 
 #: The fused optimizer kernels, element-wise over their lists like ``_foreach_*`` ops

@@ -52,7 +52,10 @@ Communication per path (1-D mesh of ``P`` ranks; ``n`` = tensor numel, ``n_r`` =
 =================================  =======================================================
 
 Every redistribution of a ``RaggedShard`` runs under
-``record_function("vescale::ragged_redistribute")``, so that a profiler trace shows it.
+``record_function("vescale::ragged_redistribute")``, so that a profiler trace shows it. Its one
+collective runs on a device the group's backend takes: with a CPU-offloaded local tensor on a
+plain NCCL mesh, its send buffer goes to the mesh's device and its receive buffer comes back
+(one copy each way, ``mesh.*_anywhere``: design note [mesh-device]); otherwise no copy.
 
 N-D meshes (design note [ragged-nd] in ``_ragged_shard``; HSDP's ``(Replicate(), RaggedShard)``):
 the table above is the whole story. A ragged DTensor's local tensor depends only on the rank's
@@ -84,6 +87,11 @@ from torch.distributed.tensor import _api as _dt_api
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.profiler import record_function
 
+from lightning_vescale.mesh import (
+    all_to_all_single_anywhere,
+    broadcast_anywhere,
+    reduce_scatter_anywhere,
+)
 from lightning_vescale.placement._common import all_gather_flat, has_ragged_placement
 from lightning_vescale.placement._ragged_shard import (
     Box,
@@ -142,7 +150,7 @@ def redistribute_ragged_local(
     if src == dst:
         return local_tensor
     with record_function("vescale::ragged_redistribute"):
-        return _redistribute(local_tensor, src, dst, shape, mesh.get_group(dim), rank)
+        return _redistribute(local_tensor, src, dst, shape, mesh.get_group(dim), rank, mesh)
 
 
 def _ragged_pair_dim(src: tuple, dst: tuple) -> int:
@@ -169,19 +177,19 @@ def _ragged_pair_dim(src: tuple, dst: tuple) -> int:
     return ragged[0]
 
 
-def _redistribute(local_tensor, src, dst, shape, group, rank) -> torch.Tensor:
+def _redistribute(local_tensor, src, dst, shape, group, rank, mesh) -> torch.Tensor:
     """The path of the table in the module docstring for ``src -> dst`` (validated, distinct)."""
     if isinstance(src, RaggedShard):
         flat = local_tensor.reshape(-1)
         if isinstance(dst, RaggedShard):
             return _exchange_ranges(
-                flat, ragged_ranges(shape, src), ragged_ranges(shape, dst), group, rank
+                flat, ragged_ranges(shape, src), ragged_ranges(shape, dst), group, rank, mesh
             )
         if isinstance(dst, Replicate):
-            return _ragged_to_replicate(flat, src, shape, group, rank).view(shape)
+            return _ragged_to_replicate(flat, src, shape, group, rank, mesh).view(shape)
         if type(dst) is Shard:
             dim = _nonnegative_dim(dst.dim, shape)
-            return _ragged_to_shard(flat, src, shape, dim, group, rank)
+            return _ragged_to_shard(flat, src, shape, dim, group, rank, mesh)
         if isinstance(dst, Partial):
             return _ragged_to_partial(flat, src, shape, dst, rank)
     elif isinstance(dst, RaggedShard):
@@ -190,10 +198,10 @@ def _redistribute(local_tensor, src, dst, shape, group, rank) -> torch.Tensor:
             return local_tensor.reshape(-1)[start:end].clone()
         if type(src) is Shard:
             return _shard_to_ragged(
-                local_tensor, _nonnegative_dim(src.dim, shape), dst, shape, group, rank
+                local_tensor, _nonnegative_dim(src.dim, shape), dst, shape, group, rank, mesh
             )
         if isinstance(src, Partial):
-            return _partial_to_ragged(local_tensor, src, dst, shape, group, rank)
+            return _partial_to_ragged(local_tensor, src, dst, shape, group, rank, mesh)
     raise NotImplementedError(
         f"redistribute from {src} to {dst} is not supported for RaggedShard (supported: "
         "RaggedShard <-> Replicate / Shard(d) / RaggedShard, Partial -> RaggedShard)."
@@ -206,7 +214,7 @@ def _nonnegative_dim(dim: int, shape: tuple[int, ...]) -> int:
 
 def _all_to_all(
     send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group, rank: int,
-    *, nothing_moves: bool,
+    mesh, *, nothing_moves: bool,
 ) -> torch.Tensor:
     """One ``all_to_all_single`` with the given split sizes (none if ``nothing_moves``).
 
@@ -217,17 +225,15 @@ def _all_to_all(
         assert send_splits[rank] == recv_splits[rank] == send.numel() == out.numel()
         out.copy_(send)
         return out
-    dist.all_to_all_single(
-        out, send.contiguous(), output_split_sizes=recv_splits,
-        input_split_sizes=send_splits, group=group,
-    )
+    all_to_all_single_anywhere(out, send.contiguous(), recv_splits, send_splits, group=group,
+                               mesh=mesh)  # offloaded (CPU) tensors: design note [mesh-device]
     return out
 
 
-def _exchange_ranges(flat, src_ranges, dst_ranges, group, rank) -> torch.Tensor:
+def _exchange_ranges(flat, src_ranges, dst_ranges, group, rank, mesh) -> torch.Tensor:
     """Flat-range layout -> flat-range layout: the local buffers are the a2a buffers."""
     send_splits, recv_splits = overlap_splits(src_ranges, dst_ranges, rank)
-    return _all_to_all(flat, send_splits, recv_splits, group, rank,
+    return _all_to_all(flat, send_splits, recv_splits, group, rank, mesh,
                        nothing_moves=list(src_ranges) == list(dst_ranges))
 
 
@@ -288,14 +294,14 @@ def _slab_views(box_views: list[_BoxView], dim: int, lo: int, hi: int) -> list[t
     return out
 
 
-def _ragged_to_shard(flat, src: RaggedShard, shape, dim, group, rank) -> torch.Tensor:
+def _ragged_to_shard(flat, src: RaggedShard, shape, dim, group, rank, mesh) -> torch.Tensor:
     num_ranks = len(src.local_units)
     ranges = ragged_ranges(shape, src)
     layout = _shard_layout(shape, dim, num_ranks)
     bounds = layout.row_bounds
     block = _block_shape(shape, dim, *bounds[rank])
     if layout.flat_ranges is not None:  # zero-copy: both layouts are flat ranges
-        return _exchange_ranges(flat, ranges, layout.flat_ranges, group, rank).view(block)
+        return _exchange_ranges(flat, ranges, layout.flat_ranges, group, rank, mesh).view(block)
     send_splits = [_slab_count(shape, ranges[rank], dim, b) for b in bounds]
     recv_splits = [_slab_count(shape, rng, dim, bounds[rank]) for rng in ranges]
     views = _range_box_views(flat, shape, *ranges[rank])
@@ -304,12 +310,12 @@ def _ragged_to_shard(flat, src: RaggedShard, shape, dim, group, rank) -> torch.T
     # Received from r: r's range within my rows, in flat order; r's ranges ascend, so the
     # concatenation is my block in row-major order. (A slab of a dim with a non-trivial prefix
     # is never one flat range, so something always moves unless there is one rank.)
-    out = _all_to_all(send, send_splits, recv_splits, group, rank,
+    out = _all_to_all(send, send_splits, recv_splits, group, rank, mesh,
                       nothing_moves=num_ranks == 1)
     return out.view(block)
 
 
-def _shard_to_ragged(local, dim, dst: RaggedShard, shape, group, rank) -> torch.Tensor:
+def _shard_to_ragged(local, dim, dst: RaggedShard, shape, group, rank, mesh) -> torch.Tensor:
     num_ranks = len(dst.local_units)
     ranges = ragged_ranges(shape, dst)
     layout = _shard_layout(shape, dim, num_ranks)
@@ -324,10 +330,10 @@ def _shard_to_ragged(local, dim, dst: RaggedShard, shape, group, rank) -> torch.
     # ascend with the rank, so the message to each rank is one contiguous run: send as is.
     send = local.contiguous().view(-1)
     if layout.flat_ranges is not None:
-        return _exchange_ranges(send, layout.flat_ranges, ranges, group, rank)
+        return _exchange_ranges(send, layout.flat_ranges, ranges, group, rank, mesh)
     send_splits = [_slab_count(shape, rng, dim, bounds[rank]) for rng in ranges]
     recv_splits = [_slab_count(shape, ranges[rank], dim, b) for b in bounds]
-    recv = _all_to_all(send, send_splits, recv_splits, group, rank,
+    recv = _all_to_all(send, send_splits, recv_splits, group, rank, mesh,
                        nothing_moves=num_ranks == 1)
     start, end = ranges[rank]
     out = send.new_empty(end - start)
@@ -342,7 +348,7 @@ def _shard_to_ragged(local, dim, dst: RaggedShard, shape, group, rank) -> torch.
     return out
 
 
-def _ragged_to_replicate(flat, src: RaggedShard, shape, group, rank) -> torch.Tensor:
+def _ragged_to_replicate(flat, src: RaggedShard, shape, group, rank, mesh) -> torch.Tensor:
     sizes = [end - start for start, end in ragged_ranges(shape, src)]
     numel = math.prod(shape)
     num_ranks = len(sizes)
@@ -352,17 +358,17 @@ def _ragged_to_replicate(flat, src: RaggedShard, shape, group, rank) -> torch.Te
     if len(owners) == 1:  # one-hot: the owner broadcasts, nobody pads
         owner = owners[0]
         out = flat.clone() if rank == owner else flat.new_empty(numel)
-        dist.broadcast(out, src=dist.get_global_rank(group, owner), group=group)
+        broadcast_anywhere(out, group_src=owner, group=group, mesh=mesh)
         return out
     width = max(sizes)
     if all(n == width for n in sizes):  # even: gather straight into the result
         out = flat.new_empty(numel)
-        all_gather_flat(out, flat.contiguous(), group=group)
+        all_gather_flat(out, flat.contiguous(), group=group, mesh=mesh)
         return out
     padded = flat.new_zeros(width)
     padded[: sizes[rank]].copy_(flat)
     buf = flat.new_empty(num_ranks * width)
-    all_gather_flat(buf, padded, group=group)
+    all_gather_flat(buf, padded, group=group, mesh=mesh)
     buf = buf.view(num_ranks, width)
     return torch.cat([buf[r, :n] for r, n in enumerate(sizes)])
 
@@ -371,7 +377,7 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
                "product": dist.ReduceOp.PRODUCT}
 
 
-def _partial_to_ragged(local, src: Partial, dst: RaggedShard, shape, group, rank):
+def _partial_to_ragged(local, src: Partial, dst: RaggedShard, shape, group, rank, mesh):
     op_name = src.reduce_op
     if op_name not in _REDUCE_OPS and op_name != "avg":
         raise NotImplementedError(
@@ -385,10 +391,10 @@ def _partial_to_ragged(local, src: Partial, dst: RaggedShard, shape, group, rank
         out = full[start:end].clone()
     else:
         out = full.new_empty(end - start)
-        dist.reduce_scatter(
-            out, [full[s:e] for s, e in ranges], op=_REDUCE_OPS.get(op_name, dist.ReduceOp.SUM),
-            group=group,
-        )
+        # ranges are consecutive from 0: the pieces are full.split(sizes); offloaded: staged
+        reduce_scatter_anywhere(out, full, [e - s for s, e in ranges],
+                                op=_REDUCE_OPS.get(op_name, dist.ReduceOp.SUM), group=group,
+                                mesh=mesh)
     if op_name == "avg":
         out.div_(num_ranks)
     return out

@@ -493,8 +493,8 @@ def _compare(op, args, kwargs):
     flag = torch.tensor(int(ok), device=a._local_tensor.device)
     groups = _reduce_groups(op, a)
     with record_function("vescale::ragged_reduce"):
-        for g in groups:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=g)
+        for g in groups:  # offloaded (CPU) operands on NCCL: via the mesh's device
+            all_reduce_anywhere(flag, op=dist.ReduceOp.MIN, group=g, mesh=a.device_mesh)
     return bool(flag.item())
 
 

@@ -56,6 +56,12 @@ def test_checks_run_on_cpu(world_size):
     assert status["reduce-scatter overlaps backward GEMMs"] == "SKIP", res["rows"]
     assert status["HSDP meshes vs single device"] == ("PASS" if world_size > 1 else "SKIP"), \
         res["rows"]
+    # CPU offload in collectives: gloo takes CPU tensors (the copy-free path), same values
+    assert status["offloaded (CPU) tensors in collectives (mesh.*_anywhere)"] == "PASS", \
+        res["rows"]
+    assert status["Muon / SOAP / AdamW8bit + CPU offload"] == "PASS", res["rows"]
+    assert status["optimizer-state reshard + load with offload"] == (
+        "PASS" if world_size > 1 else "SKIP"), res["rows"]
     engines = [p["engine"] for p in res["perf"]]
     assert engines == ["vescale", "vescale-flat", "fsdp2"], res["perf"]
     assert all("error" not in p and p["tokens_per_s"] > 0 for p in res["perf"]), res["perf"]
