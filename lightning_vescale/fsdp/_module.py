@@ -225,10 +225,18 @@ class VeScaleFSDPModule(FSDPModule):
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
-        """Accepted for FSDP2 compatibility: this engine always reduce-scatters whole buffers,
-        with zeros for parameters a rank computed no gradient for (FSDP2's ``True``), so ranks
-        with different unused parameters never issue mismatched collectives."""
+        """FSDP2's meaning: with ``True`` every trainable parameter gets a gradient after each
+        backward, zeros where no rank computed one (an expert no rank routed tokens to), never
+        ``None``. This engine always reduce-scatters whole buffers, so ranks with different
+        unused parameters never issue mismatched collectives either way; the setting decides
+        what a parameter unused on *every* rank gets. ``False`` (the default): ``grad=None``, as
+        in single-process training, found by one small all-reduce of "received a gradient"
+        flags per backward, which a rank lacking a gradient must read on the host before the
+        backward returns. ``True`` skips that all-reduce and its host sync (design note
+        [fsdp-final-callback]). Recursive by default, as in FSDP2; set it on every rank."""
         _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
+        for group in self._groups(recurse=recurse):
+            group.grads_for_unused = reduce_scatter_unused_params
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """With ``False``, this module's group is not all-gathered in backward (only for groups

@@ -87,6 +87,10 @@ class ParamGroup(GroupGradients):
         self.unshard_in_backward = True
         self.gradient_divide_factor: float | None = None  # None: the shard-group size (AVG)
         self.force_sum_reduction = False
+        #: FSDP2's ``set_reduce_scatter_unused_params(True)``: every trainable parameter gets a
+        #: gradient after a backward that reduced the group (zeros where no rank computed one),
+        #: so the root needs no flag all-reduce for it (design note [fsdp-final-callback])
+        self.grads_for_unused = False
         self.explicit_backward_prefetch: list[ParamGroup] | None = None
         # list groups: (the ``_apply`` function, modules of the list it reached) of the last pass
         self.applying: tuple[Any, set[int]] | None = None

@@ -73,6 +73,7 @@ class GroupGradients:
     reduce_grads: bool
     gradient_divide_factor: float | None
     force_sum_reduction: bool
+    grads_for_unused: bool
     needs_reduce: bool
     reduced: bool
     _reduce: list[CommHandle] | None

@@ -24,8 +24,11 @@ lacks a gradient (an expert that got no tokens here) must read the result before
 returns: whether its ``.grad`` is ``None`` or zeros decides which collectives code between
 backward and step runs (``clip_grad_norm_`` reduces over exactly the parameters with a
 gradient), so deferring that read to the optimizer would let the ranks diverge. That host sync
-happens only on such ranks, only in such backwards; FSDP2 reduce-scatters different parameter
-sets on such ranks instead (a mismatch, or a hang). Forward and backward orders are recorded on the first
+happens only on such ranks, only in such backwards (FSDP2 by default reduce-scatters different
+parameter sets on such ranks instead: a mismatch, or a hang). Groups set with
+``set_reduce_scatter_unused_params(True)`` take FSDP2's answer instead: every trainable
+parameter gets a gradient, zeros where no rank computed one, and no flag is exchanged for them
+(no all-reduce, no host sync). Forward and backward orders are recorded on the first
 iteration. A forward that runs *inside* backward (activation-checkpointing recompute,
 detected with ``torch._C._current_graph_task_id()``) leaves the group unsharded and registers
 nothing. No-grad/inference forwards reshard every group at the root's post-forward.
@@ -273,6 +276,10 @@ class RootContext:
         Which groups were reduced is the same on every rank, so is the message.
         """
         groups = [g for g in self.groups if g.reduced]
+        for g in groups:  # set_reduce_scatter_unused_params(True): every parameter, no flags
+            if g.grads_for_unused:
+                g.publish_grads([True] * len(g.trainable()))
+        groups = [g for g in groups if not g.grads_for_unused]
         if not groups:
             return
         per_group = [g.trainable() for g in groups]

@@ -98,7 +98,7 @@ def _isinstance_body():
     }.items():
         out[name] = expect_raises(call, NotImplementedError, "not supported")
     # accepted: every backward already ends like FSDP2's last one; 1-D meshes have no all-reduce;
-    # unused parameters are always reduce-scattered as zeros; collectives follow stream order
+    # collectives follow stream order (set_reduce_scatter_unused_params: test_fsdp2_compat_results)
     model.set_is_last_backward(False)
     model.set_requires_all_reduce(False)
     model.set_reduce_scatter_unused_params(True)

@@ -221,3 +221,64 @@ def test_fsdp2_is_silent_with_an_optimizer_over_replaced_parameters(worlds):
     # the reference side: FSDP2 steps on the orphans, no parameter changes (what we beat above)
     kind, unchanged = worlds(2).run(_stale_optimizer_body, "torch", "before_fully_shard")[0]
     assert kind == "silent" and unchanged
+
+
+# -- set_reduce_scatter_unused_params: parameters some or all ranks did not use ---------------------
+class _Routed(nn.Module):
+    """Two "experts" and a third nobody calls: rank r sends its batch through ``experts[r % 2]``
+    only. One group holds them all (an MoE block): the group runs on every rank, the parameters
+    each rank computes gradients for differ."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts[dist.get_rank() % 2](x)
+
+
+def _unused_params_body(impl: str, on: bool):
+    from tests.distributed._fsdp2_compat import fully_shard_of
+
+    shard = fully_shard_of(impl)
+    torch.manual_seed(0)
+    model = _Routed()
+    ref = copy.deepcopy(model)
+    shard(model)
+    model.set_reduce_scatter_unused_params(on)
+    x = torch.randn(4 * dist.get_world_size(), 8, generator=torch.Generator().manual_seed(1))
+    calls = []
+    real = dist.all_reduce
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dist, "all_reduce", lambda *a, **k: calls.append(1) or real(*a, **k))
+        model(micro(x)).square().mean().backward()
+    # Single process over the global batch: each expert's loss terms, averaged over the ranks.
+    b, world = x.shape[0] // dist.get_world_size(), dist.get_world_size()
+    for r in range(world):
+        (ref.experts[r % 2](x[r * b:(r + 1) * b]).square().mean() / world).backward()
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    return full_grads(model), want, len(calls)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_reduce_scatter_unused_params_gives_zeros_and_skips_the_flag_all_reduce(worlds, impl):
+    """FSDP2's ``set_reduce_scatter_unused_params(True)``, ported and run on both: every trainable
+    parameter gets a gradient (zeros for the expert no rank used), the used ones equal one
+    process; ours then runs no gradient-flag all-reduce (no host sync at the end of backward)."""
+    for got, want, calls in worlds(2).run(_unused_params_body, impl, True):
+        for n, g in got.items():
+            expected = want[n] if want[n] is not None else torch.zeros_like(g)
+            torch.testing.assert_close(g, expected, rtol=1e-5, atol=1e-6, msg=n)
+        if impl == "ours":
+            assert calls == 0
+
+
+def test_without_it_a_parameter_no_rank_used_has_no_gradient(worlds):
+    """Ours by default (single-process semantics): ``grad=None`` where no rank computed one,
+    found by one flag all-reduce; the experts used on one rank only train as in one process.
+    (FSDP2 without the setting reduce-scatters a different parameter set on each rank here.)"""
+    for got, want, calls in worlds(2).run(_unused_params_body, "ours", False):
+        assert got["experts.2.weight"] is None and want["experts.2.weight"] is None
+        for n in ("experts.0.weight", "experts.1.bias"):
+            torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
+        assert calls == 1
