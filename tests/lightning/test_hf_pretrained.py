@@ -184,10 +184,14 @@ def test_a_non_strict_load_initialises_what_the_checkpoint_lacks(tmp_path, monke
                          enable_progress_bar=False,
                          strategy=VeScaleFSDPStrategy(pretrained_weights=src))
     module = _NonStrict(src)
-    trainer.fit(module, torch.utils.data.DataLoader(X, batch_size=2))
-    assert calls[0] > 0
-    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
-             for k, v in module.model.state_dict().items()}
+    try:  # in this process (the counter must see the calls): leave no process group behind
+        trainer.fit(module, torch.utils.data.DataLoader(X, batch_size=2))
+        assert calls[0] > 0
+        state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+                 for k, v in module.model.state_dict().items()}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     torch.testing.assert_close(state["model.layers.1.mlp.down_proj.weight"],
                                weights["model.layers.1.mlp.down_proj.weight"])
     w = state[dropped]
