@@ -116,3 +116,43 @@ def test_one_rank_failure_raises_everywhere(kind, function, fail_at_step, world,
         if rank in failing:  # the original error is chained where it was raised
             assert cause == ("RuntimeError" if kind == "muon" else "_LinAlgError"), (rank, cause)
         assert after == float(world)
+
+
+# -- the same rule elsewhere: save_safetensors' gathers of non-RaggedShard DTensors -----------------
+def _save_with_failing_write_body(path, failing):
+    """Two ``Shard(0)`` DTensors (each gathered with ``full_tensor()``, then written by rank 0):
+    rank 0's first write raises; returns (error type, message) per rank and an all-reduce."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import lightning_vescale.checkpoint._hf_save as hf_save
+    from lightning_vescale.checkpoint import save_safetensors
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    sd = {f"w{i}": distribute_tensor(torch.full((4, 3), float(i)), mesh, [Shard(0)])
+          for i in range(2)}
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "injected: no space left on device")
+
+    patch = mock.patch.object(hf_save, "_pwrite", fail) if dist.get_rank() in failing else \
+        contextlib.nullcontext()
+    outcome = None
+    try:
+        with patch:
+            save_safetensors(sd, path)
+    except Exception as err:  # noqa: BLE001
+        outcome = (type(err).__name__, str(err))
+    after = torch.ones(1)
+    dist.all_reduce(after)
+    return outcome, float(after)
+
+
+def test_save_safetensors_write_failure_on_one_rank_raises_everywhere(tmp_path):
+    with World(2, pg_timeout_s=PG_TIMEOUT_S, run_timeout_s=3 * PG_TIMEOUT_S) as w:
+        outs = w.run(_save_with_failing_write_body, str(tmp_path / "hf"), (0,))
+    (e0, m0), _ = outs[0]
+    (e1, m1), _ = outs[1]
+    assert e0 == "OSError" and "injected" in m0, outs
+    assert e1 == "RuntimeError" and "failed on rank(s) [0]" in m1, outs
+    assert [after for _, after in outs] == [2.0, 2.0]
+    assert not any(p.name.startswith(".") for p in (tmp_path / "hf").iterdir())  # temps removed
