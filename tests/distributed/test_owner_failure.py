@@ -156,3 +156,34 @@ def test_save_safetensors_write_failure_on_one_rank_raises_everywhere(tmp_path):
     assert e1 == "RuntimeError" and "failed on rank(s) [0]" in m1, outs
     assert [after for _, after in outs] == [2.0, 2.0]
     assert not any(p.name.startswith(".") for p in (tmp_path / "hf").iterdir())  # temps removed
+
+
+# -- and a check that must give the same answer on every rank before a gather -----------------------
+def _load_factor_of_another_model_body():
+    """SOAP's split (5, 6, 4) parameter at 2 ranks: owners hold 2 and 3 matrices. A saved
+    ``GG0`` DTensor of 2 matrices (another model) must be refused on both ranks, before the
+    gathers of the next states (rank 0 alone used to take it as its own slice)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    p, bounds = _param(SHAPE, mesh)
+    opt = SOAP([p])
+    _set_grad(p, bounds, 0, mesh)
+    opt.step()
+    sd = opt.state_dict()
+    wrong = ragged_from_local(torch.zeros(36), mesh, [RaggedShard((0,), [1, 1])], (2, 6, 6))
+    sd["state"][0]["GG0"] = wrong
+    outcome = None
+    try:
+        SOAP([p]).load_state_dict(sd)
+    except ValueError as err:
+        outcome = str(err)
+    after = torch.ones(1)
+    dist.all_reduce(after)
+    return outcome, float(after)
+
+
+def test_soap_refuses_a_factor_of_another_model_on_every_rank():
+    with World(2, pg_timeout_s=PG_TIMEOUT_S, run_timeout_s=3 * PG_TIMEOUT_S) as w:
+        outs = w.run(_load_factor_of_another_model_body)
+    for msg, after in outs:
+        assert msg is not None and "'GG0'" in msg and "holds 2 matrices, expected 5" in msg, outs
+        assert after == 2.0
