@@ -187,3 +187,37 @@ def test_soap_refuses_a_factor_of_another_model_on_every_rank():
     for msg, after in outs:
         assert msg is not None and "'GG0'" in msg and "holds 2 matrices, expected 5" in msg, outs
         assert after == 2.0
+
+
+def _adamw8bit_load_wrong_size_body():
+    """A (12,) parameter cut 4 + 8: a saved ``exp_avg`` DTensor of 4 elements matches rank 0's
+    part only; both ranks must refuse it before any gather."""
+    from lightning_vescale.optim import AdamW8bit
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    placement = RaggedShard((0,), [4, 8])
+    a, b = placement.local_range((12,), dist.get_rank())
+    p = torch.nn.Parameter(ragged_from_local(torch.arange(12.0)[a:b].clone(), mesh, placement,
+                                             (12,)))
+    opt = AdamW8bit([p])
+    p.grad = ragged_from_local(torch.ones(b - a), mesh, placement, (12,))
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["exp_avg"] = ragged_from_local(torch.zeros(2), mesh,
+                                                  [RaggedShard((0,), [1, 1])], (4,))
+    outcome = None
+    try:
+        AdamW8bit([p]).load_state_dict(sd)
+    except ValueError as err:
+        outcome = str(err)
+    after = torch.ones(1)
+    dist.all_reduce(after)
+    return outcome, float(after)
+
+
+def test_adamw8bit_refuses_a_state_of_another_size_on_every_rank():
+    with World(2, pg_timeout_s=PG_TIMEOUT_S, run_timeout_s=3 * PG_TIMEOUT_S) as w:
+        outs = w.run(_adamw8bit_load_wrong_size_body)
+    for msg, after in outs:
+        assert msg is not None and "'exp_avg'" in msg and "has 4 elements" in msg, outs
+        assert after == 2.0
