@@ -23,19 +23,16 @@ Results: ``benchmarks/RESULTS_checkpoint.md``.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import tempfile
 import time
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
 from examples.gpt import GPT, GPTConfig
 from lightning_vescale import checkpoint as ckpt
@@ -57,10 +54,10 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _rank_main(rank: int, world: int, port: int, args, root: str, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+def _rank_main(args, root: str):
+    """One rank's timings (runs in a forked gloo rank of ``tests.harness.World``); rank 0
+    returns ``(parameters, checkpoint bytes, {variant: seconds per run})``, the others None."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=args.vocab, block_size=64, n_layer=args.n_layer,
@@ -101,10 +98,8 @@ def _rank_main(rank: int, world: int, port: int, args, root: str, queue) -> None
             shutil.rmtree(plain)
             shutil.rmtree(fresh)
     size = sum(f.stat().st_size for f in ours.iterdir())
-    if rank == 0:
-        queue.put((n_params, size, times))
     dist.barrier()
-    dist.destroy_process_group()
+    return (n_params, size, times) if rank == 0 else None
 
 
 def main() -> None:
@@ -114,19 +109,15 @@ def main() -> None:
     p.add_argument("--n-embd", type=int, default=512)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--port", type=int, default=29613)
     args = p.parse_args()
+    from tests.harness import World
+
     root = tempfile.mkdtemp(prefix="ckpt-integrity-")
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, args.world_size, args.port, args, root,
-                                                   queue)) for r in range(args.world_size)]
-    for proc in procs:
-        proc.start()
-    n_params, size, times = queue.get()
-    for proc in procs:
-        proc.join()
-    shutil.rmtree(root, ignore_errors=True)
+    try:
+        with World(args.world_size, pg_timeout_s=600) as ranks:  # a failing rank raises
+            n_params, size, times = ranks.run(_rank_main, args, root, timeout=3600)[0]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"model: {n_params / 1e6:.1f}M parameters; checkpoint (model + AdamW states): "
           f"{size / 2**20:.0f} MiB; world {args.world_size}; medians of {args.runs} runs")

@@ -136,7 +136,10 @@ class StepTimes(NamedTuple):
     optim_s: float
 
 
-def _build(engine: str, cfg: GPTConfig, seed: int = 0, compile_blocks: bool = False) -> Engine:
+def shard_gpt(engine: str, cfg: GPTConfig, seed: int = 0, compile_blocks: bool = False) -> GPT:
+    """``cfg``'s GPT initialised from ``seed`` and sharded by ``engine`` (``"vescale"``: this
+    package's ``fully_shard``, ``"fsdp2"``: torch's) as FSDP2 does it: each block, then the root.
+    The benchmarks that compare the two engines all build their model here."""
     torch.manual_seed(seed)
     model = GPT(cfg)
     if engine == "vescale":
@@ -148,6 +151,11 @@ def _build(engine: str, cfg: GPTConfig, seed: int = 0, compile_blocks: bool = Fa
         if compile_blocks:  # FSDP2's pattern: compile each block, engine hooks stay eager
             block.compile()
     fully_shard(model)
+    return model
+
+
+def _build(engine: str, cfg: GPTConfig, seed: int = 0, compile_blocks: bool = False) -> Engine:
+    model = shard_gpt(engine, cfg, seed, compile_blocks)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
     return Engine(model, opt)
 

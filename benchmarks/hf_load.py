@@ -7,6 +7,9 @@ written by ``save_pretrained`` in 200 MB shards) is loaded by, each rank a fresh
   ``model.load_state_dict`` into a model built normally (world 1 only);
 * ``ours``: the model built on meta, ``fully_shard`` per decoder layer + root, then
   ``lightning_vescale.checkpoint.load_safetensors`` (storage allocation included in the time);
+* ``init_then_load``: as ``ours``, but the shards are first initialised (``materialize``: every
+  ``reset_parameters()``, group by group), as the strategies did before a strict
+  ``pretrained_weights`` load skipped it (design note [pretrained-weights]);
 * ``dcp_hf``: the same sharded model, storage allocated, then torch's distributed checkpoint
   ``dcp.load(model.state_dict(), storage_reader=HuggingFaceStorageReader(dir))``;
 * ``naive_sharded``: the same sharded model, every rank ``load_file``-s the whole checkpoint
@@ -108,12 +111,15 @@ def _build(args: argparse.Namespace):
     from transformers import LlamaForCausalLM
 
     from lightning_vescale._meta_buffers import allocate
+    from lightning_vescale.fsdp import materialize
     from lightning_vescale.mesh import init_mesh
 
     if args.method == "plain":
         return LlamaForCausalLM(_config(args))
     with torch.device("meta"):
         model = LlamaForCausalLM(_config(args))
+    if args.method == "init_then_load":
+        return materialize(_shard(model, init_mesh("cpu")), torch.device("cpu"))
     return allocate(_shard(model, init_mesh("cpu")), torch.device("cpu"))
 
 
@@ -142,7 +148,8 @@ def rank_main(args: argparse.Namespace) -> dict:
     model = _build(args)
     t1 = time.perf_counter()
     load = {"plain": _load_plain, "naive_sharded": _load_plain, "dcp_hf": _load_dcp,
-            "ours": lambda m, c: load_safetensors(m, c)}[args.method]
+            "ours": lambda m, c: load_safetensors(m, c),
+            "init_then_load": lambda m, c: load_safetensors(m, c)}[args.method]
     load(model, Path(args.ckpt))
     t2 = time.perf_counter()
     return {"method": args.method, "rank": int(os.environ.get("RANK", args.rank)),
@@ -190,7 +197,8 @@ def _runs(args: argparse.Namespace) -> list[tuple[str, int, int | None]]:
     """(method, world, fake rank) of every measurement."""
     runs = [("plain", 1, None)]
     for world in (1, 2):
-        runs += [("ours", world, None), ("dcp_hf", world, None)]
+        runs += [("ours", world, None), ("init_then_load", world, None),
+                 ("dcp_hf", world, None)]
     runs.append(("naive_sharded", 2, None))
     if args.fake_world:
         for method in ("ours", "dcp_hf", "naive_sharded"):

@@ -26,21 +26,14 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from examples.gpt import GPT, GPTConfig, make_batches
+from benchmarks.fsdp2_vs_vescale import shard_gpt
+from examples.gpt import GPTConfig, make_batches
 
 PREFIXES = {"vescale": "vescale::", "fsdp2": "FSDP::"}
 
 
 def _build(engine: str, cfg: GPTConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    if engine == "vescale":
-        from lightning_vescale.fsdp import fully_shard
-    else:
-        from torch.distributed.fsdp import fully_shard  # type: ignore[no-redef]
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    model = shard_gpt(engine, cfg)
     return model, torch.optim.SGD(model.parameters(), lr=1e-3)
 
 

@@ -35,22 +35,8 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
 from examples.gpt import GPT, GPTConfig, CharDataset  # noqa: E402
+from examples.memory_profile import LitGPT  # noqa: E402  (the example's module)
 from lightning_vescale import MemoryProfiler  # noqa: E402
-
-
-class LitGPT(L.LightningModule):
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.model = GPT(config)
-
-    def training_step(self, batch, batch_idx):  # noqa: ANN001
-        x, y = batch
-        loss = self.model(x, y)
-        self.log("loss", loss)
-        return loss
-
-    def configure_optimizers(self):  # noqa: ANN201
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
 class StepTimer(L.Callback):
@@ -109,7 +95,7 @@ def run(variant: str, args: argparse.Namespace, config: GPTConfig,
         enable_model_summary=False, enable_checkpointing=False,
     )
     start = time.perf_counter()
-    trainer.fit(LitGPT(config), torch.utils.data.DataLoader(data, batch_size=args.batch_size))
+    trainer.fit(LitGPT(config, lr=1e-3), torch.utils.data.DataLoader(data, batch_size=args.batch_size))
     total = time.perf_counter() - start
     n = args.steps - args.warmup
     per_step = (timer.t1 - timer.t0) / n

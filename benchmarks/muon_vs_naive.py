@@ -25,14 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -40,12 +37,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from lightning_vescale.optim import Muon, newton_schulz, newton_schulz_flops  # noqa: E402
-from lightning_vescale.placement import (  # noqa: E402
-    RaggedShard,
-    chunk_bounds,
-    ragged_from_local,
-)
+from lightning_vescale.placement import RaggedShard, chunk_bounds  # noqa: E402
 from lightning_vescale.planner import plan_layout  # noqa: E402
+from tests.distributed._ragged_helpers import ragged_params, set_ragged_grads  # noqa: E402
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 VARIANTS = ("ours", "ours-small-buckets", "naive", "naive-batched")
@@ -60,6 +54,23 @@ def model_shapes(d: int, layers: int) -> dict[str, tuple[int, int]]:
         shapes[f"blocks.{i}.mlp.fc.weight"] = (4 * d, d)
         shapes[f"blocks.{i}.mlp.proj.weight"] = (d, 4 * d)
     return shapes
+
+
+def rows_layout(shapes: dict[str, tuple[int, ...]], world: int) -> dict[str, RaggedShard]:
+    """FSDP2's per-parameter ``Shard(0)`` as ``RaggedShard``s: every tensor split by rows over
+    all ranks (``torch.chunk``'s sizes)."""
+    return {n: RaggedShard((0,), [hi - lo for lo, hi in chunk_bounds(s[0], world)])
+            for n, s in shapes.items()}
+
+
+def weights_and_grads(shapes: dict[str, tuple[int, ...]], steps: int
+                      ) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """The full initial weights (seed 0, std 0.02) and ``steps`` full gradients (seed 1)."""
+    torch.manual_seed(0)
+    full = {n: torch.randn(s) * 0.02 for n, s in shapes.items()}
+    gen = torch.Generator().manual_seed(1)
+    return full, [{n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+                  for _ in range(steps)]
 
 
 class NaiveDistributedMuon:
@@ -120,21 +131,10 @@ class NaiveDistributedMuon:
             local.add_(o[s:e], alpha=-(self.lr * math.sqrt(max(1, rows / cols))))
 
 
-def _rank_body(rank, world, layout, init_file, args, results):
-    try:
-        _rank_main(rank, world, layout, init_file, args, results)
-    except BaseException:  # report instead of leaving the parent waiting
-        import traceback
-
-        results.put((rank, {"error": traceback.format_exc()}))
-        raise
-
-
-def _rank_main(rank, world, layout, init_file, args, results):
-    torch.set_num_threads(1)
+def _rank_main(layout, args) -> dict:
+    """One rank's measurements (runs in a forked gloo rank of ``tests.harness.World``)."""
     warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor rename
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=300))
+    world = dist.get_world_size()
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -143,20 +143,11 @@ def _rank_main(rank, world, layout, init_file, args, results):
         plan = plan_layout(list(shapes.items()), world, granularity="row")
         place = {n: plan.placement(n) for n in shapes}
     else:  # "even": every matrix split over all ranks by rows (FSDP2's per-parameter Shard(0))
-        place = {n: RaggedShard((0,), [hi - lo for lo, hi in chunk_bounds(s[0], world)])
-                 for n, s in shapes.items()}
-    torch.manual_seed(0)
-    full = {n: torch.randn(s) * 0.02 for n, s in shapes.items()}
-    gen = torch.Generator().manual_seed(1)
-    grads = [{n: torch.randn(s, generator=gen) for n, s in shapes.items()}
-             for _ in range(args.steps)]
+        place = rows_layout(shapes, world)
+    full, grads = weights_and_grads(shapes, args.steps)
     params, opts, times = {}, {}, {v: [] for v in VARIANTS}
     for variant in VARIANTS:
-        params[variant] = {}
-        for n, s in shapes.items():
-            a, b = place[n].local_range(shapes[n], rank)
-            params[variant][n] = torch.nn.Parameter(ragged_from_local(
-                full[n].reshape(-1)[a:b].clone(), mesh, place[n], s))
+        params[variant] = ragged_params(full, place, mesh)
         if variant.startswith("ours"):
             cap = 32.0 if variant == "ours" else args.bucket_cap_mb  # 32 MB: Muon's default
             opts[variant] = Muon(list(params[variant].items()), lr=0.02, bucket_cap_mb=cap)
@@ -165,10 +156,7 @@ def _rank_main(rank, world, layout, init_file, args, results):
                                                  batched=variant == "naive-batched")
     for step in range(args.steps):  # variants interleaved: load changes hit all alike
         for variant in VARIANTS:
-            for n, p in params[variant].items():
-                a, b = place[n].local_range(shapes[n], rank)
-                p.grad = ragged_from_local(grads[step][n].reshape(-1)[a:b].clone(), mesh,
-                                           place[n], shapes[n])
+            set_ragged_grads(params[variant], grads[step], place, mesh)
             dist.barrier()
             t0 = time.perf_counter()
             opts[variant].step()
@@ -179,31 +167,18 @@ def _rank_main(rank, world, layout, init_file, args, results):
                    ns_flops=opts[v].ns_flops / args.steps) for v in VARIANTS}
     finals = {v: torch.cat([params[v][n].detach().to_local() for n in shapes]) for v in VARIANTS}
     out["equal"] = all(torch.equal(finals["ours"], finals[v]) for v in VARIANTS)
-    results.put((rank, out))
-    dist.destroy_process_group()
+    return out
 
 
 def run(world: int, layout: str, args) -> dict:
-    ctx = mp.get_context("fork")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_rank_body, args=(r, world, layout, init_file, args, results))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        per_rank = dict(results.get(timeout=1800) for _ in procs)
-        errors = [v["error"] for v in per_rank.values() if "error" in v]
-        if errors:
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"a rank failed:\n{errors[0]}")
-        for p in procs:
-            p.join()
+    from tests.harness import World
+
+    with World(world, pg_timeout_s=300) as ranks:  # a failing rank raises, none hangs
+        per_rank = ranks.run(_rank_main, layout, args, timeout=1800)
     shapes = model_shapes(args.d_model, args.layers)
     summary = {"world_size": world, "layout": layout, "matrices": len(shapes),
                "matrix_params": sum(math.prod(s) for s in shapes.values()),
-               "bitwise_equal": all(v["equal"] for v in per_rank.values())}
+               "bitwise_equal": all(v["equal"] for v in per_rank)}
     for variant in VARIANTS:
         rows = [per_rank[r][variant] for r in range(world)]
         flops = [r["ns_flops"] for r in rows]

@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from examples.gpt import GPT, GPTConfig, make_batches
+from benchmarks.fsdp2_vs_vescale import shard_gpt
+from examples.gpt import GPTConfig, make_batches
 
 VARIANTS = ("vescale flat-params", "vescale", "vescale per-tensor", "fsdp2", "fsdp2 + handlers", "local per-tensor",
             "layout limit", "flat limit", "flat limit fused")
@@ -83,15 +84,7 @@ def param_groups(model: torch.nn.Module, n: int) -> list[dict[str, Any]]:
 
 
 def _sharded(engine: str, cfg: GPTConfig, x, y) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    if engine == "vescale":
-        from lightning_vescale.fsdp import fully_shard
-    else:
-        from torch.distributed.fsdp import fully_shard  # type: ignore[no-redef]
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    model = shard_gpt(engine, cfg)
     model(x, y).backward()
     return model
 

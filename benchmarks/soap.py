@@ -26,28 +26,22 @@ Run:  python benchmarks/soap.py --world-size 2
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from benchmarks.muon_vs_naive import rows_layout, weights_and_grads  # noqa: E402
 from lightning_vescale.optim import SOAP, Shampoo  # noqa: E402
-from lightning_vescale.placement import (  # noqa: E402
-    RaggedShard,
-    chunk_bounds,
-    ragged_from_local,
-)
 from lightning_vescale.planner import plan_layout  # noqa: E402
 from lightning_vescale.testing import CopyCommCounter  # noqa: E402
+from tests.distributed._ragged_helpers import ragged_params, set_ragged_grads  # noqa: E402
 
 VARIANTS = ("adamw", "soap-matrix", "soap-owners", "soap-naive", "shampoo-matrix")
 
@@ -101,12 +95,25 @@ def _make(variant: str, params: list) -> torch.optim.Optimizer:
 
 
 def _eig_load(opt: torch.optim.Optimizer) -> float:
-    """``sum d^3`` over the factors this rank holds (what a refresh costs it)."""
+    """``sum d^3`` over the factors this rank holds (what a refresh costs it): SOAP's are
+    ``(matrices, d, d)``; Shampoo's ``(matrices, sum over tiles of d^2)``, its tiles those of
+    the parameter's trailing matrix (design note [shampoo-blocks])."""
+    from lightning_vescale.optim._kronecker import matrix_blocks
+
     total = 0.0
     for st in opt.state.values():
         for k, v in st.items():
             if (k.startswith("GG")) and isinstance(v, torch.Tensor) and v.dim() == 3:
                 total += v.shape[0] * float(v.shape[-1]) ** 3
+    if isinstance(opt, Shampoo):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                for k, v in opt.state.get(p, {}).items():
+                    if k in ("GG0", "GG1") and v.dim() == 2:
+                        side = int(k[-1])
+                        tiles = matrix_blocks(p.shape[-2:], group["max_preconditioner_dim"])
+                        total += v.shape[0] * sum(float(t[side].stop - t[side].start) ** 3
+                                                  for t in tiles)
     return total
 
 
@@ -117,42 +124,29 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
                for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 
-def _rank_main(rank, world, init_file, args, results):
-    torch.set_num_threads(1)
+def _rank_main(args) -> dict:
+    """One rank's measurements (runs in a forked gloo rank of ``tests.harness.World``)."""
     warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=600))
+    world = dist.get_world_size()
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     shapes = model_shapes(args.d_model, args.layers)
     matrix_plan = plan_layout(list(shapes.items()), world, granularity="matrix", align=1)
     # naive: FSDP2's layout, every tensor split over all ranks by rows (Shard(0))
-    even = {n: RaggedShard((0,), [hi - lo for lo, hi in chunk_bounds(s[0], world)])
-            for n, s in shapes.items()}
-    torch.manual_seed(0)
-    full = {n: torch.randn(s) * 0.02 for n, s in shapes.items()}
-    gen = torch.Generator().manual_seed(1)
-    grads = [{n: torch.randn(s, generator=gen) for n, s in shapes.items()}
-             for _ in range(args.steps)]
+    even = rows_layout(shapes, world)
+    full, grads = weights_and_grads(shapes, args.steps)
     out = {}
     for variant in VARIANTS:
         place = even if variant in ("soap-naive", "soap-owners") else \
             {n: matrix_plan.placement(n) for n in shapes}
         runs, comm = [], 0
         for _ in range(args.repeats):
-            params = {}
-            for n, s in shapes.items():
-                a, b = place[n].local_range(s, rank)
-                params[n] = torch.nn.Parameter(ragged_from_local(
-                    full[n].reshape(-1)[a:b].clone(), mesh, place[n], s))
+            params = ragged_params(full, place, mesh)
             opt = _make(variant, list(params.values()))
             elapsed = 0.0
             for step in range(args.steps):
-                for n, p in params.items():
-                    a, b = place[n].local_range(shapes[n], rank)
-                    p.grad = ragged_from_local(grads[step][n].reshape(-1)[a:b].clone(), mesh,
-                                               place[n], shapes[n])
+                set_ragged_grads(params, grads[step], place, mesh)
                 dist.barrier()
                 t0 = time.perf_counter()
                 with CopyCommCounter() as counter:
@@ -171,38 +165,15 @@ def _rank_main(rank, world, init_file, args, results):
     for v in VARIANTS:
         del out[v]["finals"]
     out["soap_diff"] = diff
-    results.put((rank, out))
-    dist.destroy_process_group()
+    return out
 
 
-def _rank_body(rank, world, init_file, args, results):
-    try:
-        _rank_main(rank, world, init_file, args, results)
-    except BaseException:  # report instead of leaving the parent waiting
-        import traceback
+def run(world: int, args) -> list[dict]:
+    """Every rank's measurements, in rank order (forked gloo world; a failing rank raises)."""
+    from tests.harness import World
 
-        results.put((rank, {"error": traceback.format_exc()}))
-        raise
-
-
-def run(world: int, args) -> dict:
-    ctx = mp.get_context("fork")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_rank_body, args=(r, world, init_file, args, results))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        per_rank = dict(results.get(timeout=1800) for _ in procs)
-        errors = [v["error"] for v in per_rank.values() if "error" in v]
-        if errors:
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"a rank failed:\n{errors[0]}")
-        for p in procs:
-            p.join()
-    return per_rank
+    with World(world, pg_timeout_s=600) as ranks:
+        return ranks.run(_rank_main, args, timeout=1800)
 
 
 def main(argv=None) -> None:

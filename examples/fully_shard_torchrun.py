@@ -38,19 +38,13 @@ except ImportError:  # pragma: no cover - the script's own directory is on sys.p
     from gpt import GPT, GPTConfig, make_batches
 
 
-def main(argv: list[str] | None = None) -> float:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=8, help="global batch size")
-    p.add_argument("--replicas", type=int, default=1,
-                   help="HSDP: replicate over this many groups of world/replicas ranks")
-    args = p.parse_args(argv)
-
+def init_distributed(master_port: int = 29517) -> torch.device:
+    """Join torchrun's process group (nccl on GPUs, gloo on CPU); return this rank's device."""
     # torchrun sets RANK/WORLD_SIZE/MASTER_ADDR; a plain `python` run is a world of one.
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
+    os.environ.setdefault("MASTER_PORT", str(master_port))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         device = torch.device("cuda", torch.cuda.current_device())
@@ -58,10 +52,38 @@ def main(argv: list[str] | None = None) -> float:
         device = torch.device("cpu")
         torch.set_num_threads(1)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, batch_size: int,
+          device: torch.device) -> list[float]:
+    """Each rank trains on its slice of every global batch; returns the global mean losses."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    if args.batch_size % world:
-        raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of the "
+    if batch_size % world:
+        raise SystemExit(f"--batch-size {batch_size} must be a multiple of the "
                          f"{world} processes")
+    per_rank = batch_size // world
+    losses = []
+    for x, y in make_batches(steps, batch_size, model.config.block_size, seed=0):
+        x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        loss = model(x.to(device), y.to(device))
+        loss.backward()                          # gradients are reduce-scattered to the shards
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = loss.detach().float()
+        dist.all_reduce(loss)                    # the global batch's mean loss, for printing
+        losses.append(loss.item() / world)
+    return losses
+
+
+def main(argv: list[str] | None = None) -> float:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=8, help="global batch size")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="HSDP: replicate over this many groups of world/replicas ranks")
+    args = p.parse_args(argv)
+    device = init_distributed()
 
     torch.manual_seed(0)  # the same initial weights on every rank (each keeps its shard)
     model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4)).to(device)
@@ -74,22 +96,11 @@ def main(argv: list[str] | None = None) -> float:
     fully_shard(model, mesh=mesh, mp_policy=mp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)  # RaggedShard DTensors
 
-    per_rank = args.batch_size // world
-    losses = []
-    for x, y in make_batches(args.steps, args.batch_size, model.config.block_size, seed=0):
-        x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
-        loss = model(x.to(device), y.to(device))
-        loss.backward()                          # gradients are reduce-scattered to the shards
-        optimizer.step()
-        optimizer.zero_grad()
-        loss = loss.detach().float()
-        dist.all_reduce(loss)                    # the global batch's mean loss, for printing
-        losses.append(loss.item() / world)
-
-    if rank == 0:
+    losses = train(model, optimizer, args.steps, args.batch_size, device)
+    if dist.get_rank() == 0:
         layout = f"HSDP {tuple(mesh.shape)}" if mesh.ndim == 2 else "full sharding"
-        print(f"fully_shard: {world} process(es), {layout}, {args.steps} steps, bf16 compute, "
-              f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        print(f"fully_shard: {dist.get_world_size()} process(es), {layout}, {args.steps} steps, "
+              f"bf16 compute, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     # Tear down together: a rank that exits while its peer still talks to it can abort in gloo's
     # transport threads ("terminate called without an active exception").
     dist.barrier()

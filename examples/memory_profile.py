@@ -39,9 +39,10 @@ from lightning_vescale.callbacks.memory import MemoryProfiler  # noqa: E402
 
 
 class LitGPT(L.LightningModule):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, lr: float = 3e-4) -> None:
         super().__init__()
         self.model = GPT(config)
+        self.lr = lr
 
     def training_step(self, batch, batch_idx):  # noqa: ANN001
         x, y = batch
@@ -50,7 +51,7 @@ class LitGPT(L.LightningModule):
         return loss
 
     def configure_optimizers(self):  # noqa: ANN201
-        return torch.optim.AdamW(self.parameters(), lr=3e-4)
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
 def main() -> None:

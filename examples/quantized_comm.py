@@ -8,13 +8,13 @@
 shard of every matrix in blocks of 256 elements (absmax scale per block), all-gathers the codes
 and scales and dequantizes into the parameters forward uses; the master shards, the optimizer
 and checkpoints stay full precision. Gradients travel in bf16 and are summed in fp32. Rank 0
-prints the sharding summary (with the bytes the policy saves) and the loss.
+prints the sharding summary (with the bytes the policy saves) and the loss. The process group
+and the training loop are ``fully_shard_torchrun.py``'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -29,9 +29,11 @@ from lightning_vescale import CommPolicy, fully_shard
 from lightning_vescale.sharding_summary import sharding_summary
 
 try:
-    from examples.gpt import GPT, GPTConfig, make_batches
+    from examples.fully_shard_torchrun import init_distributed, train
+    from examples.gpt import GPT, GPTConfig
 except ImportError:  # pragma: no cover - the script's own directory is on sys.path
-    from gpt import GPT, GPTConfig, make_batches
+    from fully_shard_torchrun import init_distributed, train
+    from gpt import GPT, GPTConfig
 
 
 def main(argv: list[str] | None = None) -> float:
@@ -40,17 +42,7 @@ def main(argv: list[str] | None = None) -> float:
     p.add_argument("--batch-size", type=int, default=8, help="global batch size")
     p.add_argument("--all-gather", default="int8", choices=["int8", "fp8"])
     args = p.parse_args(argv)
-    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                 ("MASTER_PORT", "29518")):
-        os.environ.setdefault(k, v)  # a plain `python` run is a world of one
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(1)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    device = init_distributed(master_port=29518)  # torchrun's group, or a world of one
 
     torch.manual_seed(0)  # the same initial weights on every rank (each keeps its shard)
     model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4)).to(device)
@@ -62,21 +54,11 @@ def main(argv: list[str] | None = None) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)  # steps the fp32 shards
 
     summary = str(sharding_summary(model))
-    per_rank = args.batch_size // world
-    losses = []
-    for x, y in make_batches(args.steps, args.batch_size, model.config.block_size, seed=0):
-        x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
-        loss = model(x.to(device), y.to(device))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        loss = loss.detach().float()
-        dist.all_reduce(loss)
-        losses.append(loss.item() / world)
-    if rank == 0:
+    losses = train(model, optimizer, args.steps, args.batch_size, device)
+    if dist.get_rank() == 0:
         print(summary)
-        print(f"quantized_comm: {world} process(es), {args.all_gather} all-gather, bf16 "
-              f"gradients, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        print(f"quantized_comm: {dist.get_world_size()} process(es), {args.all_gather} "
+              f"all-gather, bf16 gradients, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     dist.barrier()  # tear down together (see fully_shard_torchrun.py)
     dist.destroy_process_group()
     return losses[-1]

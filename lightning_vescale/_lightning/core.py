@@ -337,17 +337,20 @@ class VeScaleStrategyCore:
         if self._sync_module_states:
             broadcast_module_states(module, self.device_mesh)
         apply_activation_checkpointing(module, self._activation_checkpointing)  # before sharding
+        # [pretrained-weights]: a strict load overwrites every parameter, so a meta model's
+        # parameters are only allocated, not initialised first
+        strict = bool(getattr(module, "strict_loading", True))
         shard_model(module, units=self._sharding_units, mesh=self.device_mesh,
                     device=self.root_device,
                     mp_policy=self._vescale_precision.mixed_precision_policy,
                     granularity=self._granularity,
                     reshard_after_forward=self._reshard_policy,
-                    comm_policy=self._comm_policy)
+                    comm_policy=self._comm_policy,
+                    init_params=self._pretrained_weights is None or not strict)
         # AdamW8bit(block_size=None) built on these checks them against this block at once
         mark_sharded_for_block_size(module.parameters(), self._optimizer_block_size)
         if self._pretrained_weights is not None:  # [pretrained-weights]: before any optimizer
-            load_pretrained(module, self._pretrained_weights,
-                            strict=getattr(module, "strict_loading", True))
+            load_pretrained(module, self._pretrained_weights, strict=strict)
 
     def _adopt_optimizer(self, optimizer: Any, module: Module,
                          names_before_sharding: dict[int, str]) -> None:

@@ -9,9 +9,12 @@ Trainer's ``setup``, Fabric's ``setup_module``), with
 :func:`lightning_vescale.checkpoint.load_safetensors`: each rank reads only the byte ranges of
 its own shards, so no host ever holds the full model when the model is built on the meta device
 (``configure_model`` under ``torch.device("meta")``, or ``init_module(empty_init=True)``). A meta
-model is first materialised as usual (design note [fsdp-materialize]: parameters initialised
-group by group, non-persistent buffers such as rotary ``inv_freq`` recomputed, design note
-[meta-buffers]), then overwritten by the checkpoint.
+model loaded strictly is only allocated (``materialize(..., init_params=False)``: no
+``reset_parameters()``, which for a multi-billion-parameter model is minutes of random numbers
+the checkpoint overwrites at once; non-persistent buffers such as rotary ``inv_freq`` are still
+recomputed, design note [meta-buffers]): a strict load writes every parameter or raises. A
+non-strict load (``strict_loading = False``) may leave parameters out, so the model is first
+materialised and initialised as usual (design note [fsdp-materialize]), then overwritten.
 
 The checkpoint's keys are the Hugging Face model's own (``model.layers.0...``), while the
 LightningModule usually holds that model as an attribute (``self.model``): the keys are matched

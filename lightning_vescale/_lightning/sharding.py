@@ -449,12 +449,15 @@ def shard_model(
     granularity: Optional[Callable[[str, Tensor], Any]],
     reshard_after_forward: Union[bool, int, ReshardPolicy, None],
     comm_policy: Any = None,
+    init_params: bool = True,
 ) -> None:
     """Apply ``fully_shard`` to the units of ``root``, then to ``root`` itself (the root group).
 
     If the user already sharded (parts of) the model, only the missing root group is added.
     A meta-device model is sharded on meta, then materialised (``fsdp.materialize``: DBuffers on
     ``device``, ``reset_parameters()`` of every submodule, each rank keeps its ranges).
+    ``init_params=False`` allocates a meta model's parameters without initialising them: every
+    one of them is about to be loaded (design note [pretrained-weights]).
     """
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
@@ -491,7 +494,7 @@ def shard_model(
         if isinstance(rules, GranularityRules):  # every parameter met the rules: a typo shows
             rules.check_all_used([n for n, _ in root.named_parameters()])
     if is_meta:
-        materialize(root, device)
+        materialize(root, device, init_params=init_params)
     _move_unsharded(root, device)
 
 

@@ -46,7 +46,9 @@ Outputs
   of the run's tensors on another device, e.g. CPU offload; not part of ``current``), each the
   largest value at the batch's phase boundaries.
 * A summary table at the end of ``fit`` on rank zero (``rank_zero_info``, also with
-  ``logger=False``), kept in :attr:`MemoryProfiler.table`.
+  ``logger=False``), kept in :attr:`MemoryProfiler.table`. Where the module's ``fully_shard``
+  groups have a :class:`~lightning_vescale.CommPolicy`, the table names it under the
+  communication buffers (its quantized all-gather codes and scales are counted there).
 * With ``plot_dir``: ``memory_timeline_rank{r}.png`` per rank (needs ``matplotlib``:
   ``pip install 'lightning-vescale[plot]'``).
 * On CUDA with ``snapshot_dir``: allocator snapshots (``oom_rank{r}.pickle`` on out-of-memory,
@@ -77,9 +79,10 @@ from lightning_vescale.callbacks._memory_device import DeviceMemory
 from lightning_vescale.callbacks._memory_plot import PLOT_HINT, plot_timeline
 from lightning_vescale.callbacks._memory_snapshots import SnapshotRecorder
 from lightning_vescale.dbuffer import DBuffer, live_dbuffers
-from lightning_vescale.fsdp import dbuffers
+from lightning_vescale.fsdp import dbuffers, iter_param_groups
 
-__all__ = ["MemoryProfiler", "MemorySample", "PHASES", "engine_tensors", "format_table"]
+__all__ = ["MemoryProfiler", "MemorySample", "PHASES", "comm_policy_text", "engine_tensors",
+           "format_table"]
 
 #: Phases in table order. ``other`` is everything outside the first four on profiled batches,
 #: plus every batch that is not profiled (so the overall peak is always covered).
@@ -121,6 +124,18 @@ def engine_tensors(module: torch.nn.Module | None = None
         except Exception:  # noqa: BLE001 - accounting must never break training
             pass
     return found, extra
+
+
+def comm_policy_text(module: torch.nn.Module | None) -> str | None:
+    """The ``CommPolicy`` of ``module``'s ``fully_shard`` groups in words
+    (``CommPolicy.describe()``: format, block, reduce-scatter dtype; distinct policies joined by
+    ``"; "``), or ``None`` where no group has one that changes a collective."""
+    found: list[str] = []
+    for _, group in iter_param_groups(module) if module is not None else ():
+        policy = group.comm_policy
+        if policy is not None and policy.is_active and policy.describe() not in found:
+            found.append(policy.describe())
+    return "; ".join(found) or None
 
 
 def _mib(x: int | float | None) -> float:
@@ -371,7 +386,8 @@ class MemoryProfiler(Callback):
         self._enter("other")  # close the trailing phase so its peak is counted
         rows = self._gather(self._summary_vector(), trainer)
         table = format_table(rows, source=self._mem.source if self._mem else "n/a",
-                             on_cpu=self._mem is not None and not self._mem.is_accelerator)
+                             on_cpu=self._mem is not None and not self._mem.is_accelerator,
+                             comm_policy=comm_policy_text(self._module))
         if trainer.is_global_zero:
             self.table = table
             if self.print_table:
@@ -518,13 +534,26 @@ CPU_OTHER_NOTE = ("on CPU, 'RSS - tensors (runtime)' is process memory minus the
                   "above: mostly the torch runtime and allocator cache, plus activations")
 
 
-def format_table(rows: torch.Tensor, *, source: str, on_cpu: bool = False) -> str:
+def _table_cells(col: torch.Tensor) -> str:
+    """Max, mean and the max's rank of one figure over the ranks (NaN: unknown on that rank)."""
+    ok = ~torch.isnan(col)
+    if not bool(ok.any()):
+        return f"{'n/a':>12}{'n/a':>12}{'':>10}"
+    vals = torch.where(ok, col, torch.full_like(col, -math.inf))
+    mx, arg = float(vals.max()), int(vals.argmax())
+    return f"{_fmt(mx):>12}{_fmt(float(col[ok].mean())):>12}{arg:>10d}"
+
+
+def format_table(rows: torch.Tensor, *, source: str, on_cpu: bool = False,
+                 comm_policy: str | None = None) -> str:
     """Summary table from ``(world, k)`` per-rank summary vectors (MiB).
 
     The first block is each phase's peak over the run; the second is the breakdown, each line
     being that figure's largest value at any phase boundary of the run (so the lines need not add
     up to ``current (total)``, the largest device figure at a boundary). ``on_cpu``: the figures
     are process RSS, so the rest is labelled for what it mostly is (:data:`CPU_OTHER_LABEL`).
+    ``comm_policy``: the run's ``CommPolicy`` in words (:func:`comm_policy_text`), printed under
+    the communication buffers; ``None``: no line.
     """
     world = rows.shape[0]
     head = f"{'':<24}{'max MiB':>12}{'mean MiB':>12}{'max rank':>10}"
@@ -538,15 +567,9 @@ def format_table(rows: torch.Tensor, *, source: str, on_cpu: bool = False) -> st
             label = CPU_OTHER_LABEL
         if j == len(PHASES):
             lines.append("breakdown (largest at any phase boundary):")
-        col = rows[:, j]
-        ok = ~torch.isnan(col)
-        if not bool(ok.any()):
-            lines.append(f"{label:<24}{'n/a':>12}{'n/a':>12}{'':>10}")
-            continue
-        vals = torch.where(ok, col, torch.full_like(col, -math.inf))
-        mx, arg = float(vals.max()), int(vals.argmax())
-        mean = float(col[ok].mean())
-        lines.append(f"{label:<24}{_fmt(mx):>12}{_fmt(mean):>12}{arg:>10d}")
+        lines.append(f"{label:<24}{_table_cells(rows[:, j])}")
+        if label == "communication buffers" and comm_policy:
+            lines.append(f"  (comm policy: {comm_policy})")
     if on_cpu:
         lines.append(f"({CPU_OTHER_NOTE})")
     return "\n".join(lines)

@@ -19,6 +19,18 @@ communication: the reference the optimizers are tested against, and the code the
 whole matrix wherever it lies (the rank holding it under ``granularity="matrix"``). A dimension
 larger than ``max_precond_dim`` has no factor (``None``): it is left unrotated, as the authors'
 implementation does, so the optimizer degrades to Adam along it.
+
+Design note [shampoo-blocks]
+----------------------------
+Shampoo instead *blocks* a large matrix, as Distributed Shampoo does (``multi_dim_split`` in
+facebookresearch/optimizers' ``distributed_shampoo/utils/shampoo_utils.py``: ``torch.split``
+with ``split_size=max_preconditioner_dim`` along every dimension, dimension 0 first): the rows
+are cut into runs of ``block`` (the last run shorter when ``block`` does not divide them), the
+columns likewise, and every tile is preconditioned as a small matrix of its own, with its own
+factors. :func:`split_sizes` and :func:`matrix_blocks` are that pure function of the shape;
+tiles are listed row-major, Distributed Shampoo's order. :func:`block_views` lays the tiles'
+``d x d`` factors end to end in one flat tensor per matrix and dimension (no padding), which is
+how the optimizer keeps and checkpoints them.
 """
 
 from __future__ import annotations
@@ -31,13 +43,16 @@ from torch import Tensor
 __all__ = [
     "Factors",
     "accumulate_factors_",
+    "block_views",
     "eigenbasis",
     "init_factors",
     "inverse_root",
+    "matrix_blocks",
     "precondition",
     "project",
     "project_back",
     "refresh_eigenbasis_qr",
+    "split_sizes",
 ]
 
 #: One factor per dimension of the preconditioned tensor (``None``: that dimension is not
@@ -138,3 +153,37 @@ def _contract(x: Tensor, basis: list[Tensor | None], *, transpose: bool) -> Tens
         else:
             x = torch.tensordot(x, q, dims=[[0], [1 if transpose else 0]])
     return x
+
+
+def split_sizes(d: int, block: int) -> tuple[int, ...]:
+    """The runs ``torch.split(range(d), block)`` makes: full ``block``s, then the rest."""
+    if block < 1:
+        raise ValueError(f"split_sizes: block must be >= 1, got {block!r}")
+    return tuple(min(block, d - start) for start in range(0, d, block))
+
+
+def matrix_blocks(shape: Sequence[int], block: int) -> list[tuple[slice, slice]]:
+    """The tiles of an ``m x n`` matrix cut into runs of at most ``block`` along both
+    dimensions, row-major (design note [shampoo-blocks])."""
+    m, n = shape
+    rows, cols = _starts(split_sizes(m, block)), _starts(split_sizes(n, block))
+    return [(slice(a, b), slice(c, d)) for a, b in rows for c, d in cols]
+
+
+def block_views(flat: Tensor, sizes: Sequence[int]) -> list[Tensor]:
+    """Consecutive ``d x d`` views of the 1-D ``flat`` (``sum d^2`` elements), one per ``d``
+    of ``sizes``: the tiles' factors for one dimension of one matrix."""
+    out, at = [], 0
+    for d in sizes:
+        out.append(flat[at:at + d * d].view(d, d))
+        at += d * d
+    assert at == flat.numel(), (at, flat.numel())
+    return out
+
+
+def _starts(sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+    out, at = [], 0
+    for d in sizes:
+        out.append((at, at + d))
+        at += d
+    return out

@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_vescale.optim._base import ShardLayout, local_view, param_layout
+from lightning_vescale.optim._kronecker import split_sizes
 from lightning_vescale.placement import RaggedShard, ragged_from_local
 
 __all__ = ["MatrixLayout", "matrix_layout"]
@@ -106,12 +107,14 @@ class MatrixLayout:
 
 
 def matrix_layout(p: Tensor, *, max_precond_dim: int, precondition_1d: bool, name: str,
-                  owners: tuple[int, ...] | None = None) -> MatrixLayout:
+                  owners: tuple[int, ...] | None = None,
+                  block: int | None = None) -> MatrixLayout:
     """How ``p`` is stepped on this rank (design note [distributed-soap]). ``owners``: matrices
     owned per shard rank for a parameter whose matrices are split (:func:`assign_owners`);
-    required then."""
+    required then. ``block``: the optimizer cuts large matrices into tiles of at most ``block``
+    (Shampoo, design note [shampoo-blocks]), so every matrix dimension is preconditioned."""
     layout = param_layout(p, where=name)
-    unit, pre = _unit(tuple(p.shape), max_precond_dim, precondition_1d)
+    unit, pre = _unit(tuple(p.shape), max_precond_dim, precondition_1d, block)
     ranks = len(layout.ranges)
     if not any(pre):  # element-wise: any layout is local
         n = layout.local_numel
@@ -138,29 +141,35 @@ def matrix_layout(p: Tensor, *, max_precond_dim: int, precondition_1d: bool, nam
                         layout=layout, owned=True, send_splits=send, recv_splits=recv)
 
 
-def _unit(shape: tuple[int, ...], max_precond_dim: int,
-          precondition_1d: bool) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+def _unit(shape: tuple[int, ...], max_precond_dim: int, precondition_1d: bool,
+          block: int | None = None) -> tuple[tuple[int, ...], tuple[bool, ...]]:
     """The matrix (or vector) a tensor of ``shape`` is a stack of, and which of its dims are
-    preconditioned."""
+    preconditioned (all of a matrix's when it is cut into ``block`` tiles)."""
     if len(shape) >= 2:
         unit = shape[-2:]
-        return unit, tuple(d <= max_precond_dim for d in unit)
+        return unit, tuple(block is not None or d <= max_precond_dim for d in unit)
     if len(shape) == 1:
         return shape, (bool(precondition_1d) and shape[0] <= max_precond_dim,)
     return (1,), (False,)
 
 
-def needs_owners(p: Tensor, *, max_precond_dim: int, precondition_1d: bool,
-                 name: str) -> tuple[tuple[tuple[int, int], ...], int, float] | None:
+def needs_owners(p: Tensor, *, max_precond_dim: int, precondition_1d: bool, name: str,
+                 block: int | None = None) -> tuple[tuple[tuple[int, int], ...], int,
+                                                     float] | None:
     """For a parameter whose preconditioned matrices are split across ranks: its ranks'
-    ranges, the matrix size and the cost of one matrix (``m n (m + n)``, the projections);
-    ``None`` when every rank steps its own (whole matrices, element-wise, unsharded)."""
+    ranges, the matrix size and the cost of one matrix (``m n (m + n)``, the projections, summed
+    over the tiles when cut into ``block`` tiles); ``None`` when every rank steps its own
+    (whole matrices, element-wise, unsharded)."""
     layout = param_layout(p, where=name)
-    unit, pre = _unit(tuple(p.shape), max_precond_dim, precondition_1d)
+    unit, pre = _unit(tuple(p.shape), max_precond_dim, precondition_1d, block)
     unit_numel = max(math.prod(unit), 1)
     if not any(pre) or layout.placement is None or is_whole(layout.ranges, unit_numel):
         return None
-    return layout.ranges, unit_numel, float(unit_numel * sum(unit))
+    if block is None or len(unit) != 2:
+        return layout.ranges, unit_numel, float(unit_numel * sum(unit))
+    return layout.ranges, unit_numel, float(sum(r * c * (r + c)
+                                                for r in split_sizes(unit[0], block)
+                                                for c in split_sizes(unit[1], block)))
 
 
 def is_whole(ranges: tuple[tuple[int, int], ...], unit_numel: int) -> bool:

@@ -111,6 +111,34 @@ def train_step(loss: torch.Tensor, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
 
 
+def train_against_reference(model, ref, opt, ref_opt, kind: str, steps: int,
+                            clip: float | None = None, per_rank_batch: int = 2):
+    """``steps`` steps of the sharded ``model`` (each rank its micro-batch of
+    ``per_rank_batch``) and of the plain ``ref`` (the global batch); optionally clipping both.
+    Returns the global-mean losses, the reference losses and (with ``clip``) both sides'
+    gradient norms."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses, ref_losses, norms, ref_norms = [], [], [], []
+    for x, y in batches(kind, steps, per_rank_batch * world):
+        loss = model(micro(x, rank, world), micro(y, rank, world))
+        loss.backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+        g = loss.detach().clone()
+        dist.all_reduce(g)
+        losses.append(g.item() / world)
+        rl = ref(x, y)
+        rl.backward()
+        if clip is not None:
+            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(rl.item())
+    return losses, ref_losses, norms, ref_norms
+
+
 # ------------------------------------------------------------------------------------------------
 # gathering and comparing
 # ------------------------------------------------------------------------------------------------

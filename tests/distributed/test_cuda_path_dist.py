@@ -100,7 +100,6 @@ def test_set_post_optim_event_is_waited_on(worlds):
 
 
 def _grad_flags_body():
-    from lightning_vescale.fsdp import fully_shard
     from lightning_vescale.fsdp._root import get_state
 
     torch.manual_seed(0)

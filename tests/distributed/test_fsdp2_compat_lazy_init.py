@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tests.distributed._fsdp2_compat import IMPLS, full, fully_shard_of

@@ -26,6 +26,7 @@ from tests.distributed._fully_shard_helpers import (
     make_opt,
     micro,
     shard,
+    train_against_reference,
     train_step,
 )
 
@@ -38,30 +39,13 @@ def train_pair(kind: str, opt_kind: str, steps: int, dtensor_opt: bool = False,
     ``clip``: also clip gradients with ``torch.nn.utils.clip_grad_norm_`` on both sides
     (needs DTensor ops, i.e. ``dtensor_opt=True``).
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
     model = build(kind)
     ref = copy.deepcopy(model)
     shard(model, **(shard_kw or {}))
     opt = make_opt(model.parameters(), opt_kind, dtensor_opt)
     ref_opt = OPTS[opt_kind][0](ref.parameters(), **OPTS[opt_kind][1])
-    losses, ref_losses = [], []
-    for x, y in batches(kind, steps, per_rank_batch * world):
-        loss = model(micro(x, rank, world), micro(y, rank, world))
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        g = loss.detach().clone()
-        dist.all_reduce(g)
-        losses.append(g.item() / world)
-        rl = ref(x, y)
-        rl.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(rl.item())
+    losses, ref_losses, _, _ = train_against_reference(model, ref, opt, ref_opt, kind, steps,
+                                                       clip, per_rank_batch)
     ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
     return losses, ref_losses, local_pieces(model), ref_params
 

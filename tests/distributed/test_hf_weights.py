@@ -6,7 +6,6 @@ HSDP meshes, sharded index and one file); training then ``save_safetensors`` is 
 from __future__ import annotations
 
 import os
-import tempfile
 
 import pytest
 import torch

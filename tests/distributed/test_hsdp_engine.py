@@ -23,7 +23,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate
 
-from tests.distributed._fully_shard_helpers import OPTS, batches, build, micro
+from tests.distributed._fully_shard_helpers import (
+    OPTS,
+    batches,
+    build,
+    micro,
+    train_against_reference,
+)
 
 
 def _mesh(replicas: int):
@@ -55,33 +61,6 @@ def _full_from_shard_group(per_rank: list[dict], shard_size: int, replica: int) 
 
 
 # -- parity with single-process training ---------------------------------------------------------
-def _train_against_reference(model, ref, opt, ref_opt, kind: str, steps: int,
-                             clip: float | None = None):
-    """``steps`` steps of the sharded ``model`` (each rank its micro-batch) and of the plain
-    ``ref`` (the global batch); optionally clipping both. Returns the global-mean losses, the
-    reference losses and (with ``clip``) both sides' gradient norms."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses, ref_losses, norms, ref_norms = [], [], [], []
-    for x, y in batches(kind, steps, 2 * world):
-        loss = model(micro(x, rank, world), micro(y, rank, world))
-        loss.backward()
-        if clip is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        opt.step()
-        opt.zero_grad()
-        g = loss.detach().clone()
-        dist.all_reduce(g)
-        losses.append(g.item() / world)
-        rl = ref(x, y)
-        rl.backward()
-        if clip is not None:
-            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(rl.item())
-    return losses, ref_losses, norms, ref_norms
-
-
 def _parity_body(kind: str, opt_kind: str, replicas: int, steps: int = 3, clip: float = 0.5):
     mesh = _mesh(replicas)
     model = build(kind)
@@ -89,7 +68,7 @@ def _parity_body(kind: str, opt_kind: str, replicas: int, steps: int = 3, clip: 
     _shard(model, mesh)
     cls, kw = OPTS[opt_kind]
     opt, ref_opt = cls(model.parameters(), **kw), cls(ref.parameters(), **kw)
-    losses, ref_losses, norms, ref_norms = _train_against_reference(
+    losses, ref_losses, norms, ref_norms = train_against_reference(
         model, ref, opt, ref_opt, kind, steps, clip=clip)
     placements = {n: tuple(p.placements) for n, p in model.named_parameters()}
     ref_full = {n: p.detach().reshape(-1).clone() for n, p in ref.named_parameters()}
@@ -366,7 +345,7 @@ def _options_body(variant: str):
         model.set_gradient_divide_factor(float(world))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    losses, ref_losses, _, _ = _train_against_reference(model, ref, opt, ref_opt, "gpt", 2)
+    losses, ref_losses, _, _ = train_against_reference(model, ref, opt, ref_opt, "gpt", 2)
     ref_full = {n: p.detach().reshape(-1).clone() for n, p in ref.named_parameters()}
     return losses, ref_losses, _locals(model), ref_full, str(sharding_summary(model))
 

@@ -13,7 +13,6 @@ summary's and the profiler's figures are checked against the layouts themselves.
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

@@ -40,8 +40,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_vescale.optim import Muon
-from lightning_vescale.placement import RaggedShard, ragged_from_local
+from lightning_vescale.placement import RaggedShard, local_slice
 from lightning_vescale.planner import plan_layout
+from tests.distributed._ragged_helpers import ragged_params, set_ragged_grads
 
 HP = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
 ADAMW_HP = dict(lr=3e-3, weight_decay=0.05)
@@ -120,28 +121,18 @@ def _muon_body(shapes, kind: str, steps: int):
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
     layouts = _layouts(shapes, world, kind)
-    full = _initial(shapes)
-    params = {}
-    for n, s in shapes.items():
-        a, b = layouts[n].local_range(s, rank)
-        params[n] = torch.nn.Parameter(ragged_from_local(full[n].reshape(-1)[a:b].clone(), mesh,
-                                                         layouts[n], s))
+    params = ragged_params(_initial(shapes), layouts, mesh)
     opt = Muon(list(params.items()), **HP, adamw_lr=ADAMW_HP["lr"],
                adamw_weight_decay=ADAMW_HP["weight_decay"], adamw_patterns=(r"^tok_emb",))
     comms = 0
     for step in range(steps):
-        for n, g in _grads(shapes, step).items():
-            a, b = layouts[n].local_range(shapes[n], rank)
-            params[n].grad = ragged_from_local(g.reshape(-1)[a:b].clone(), mesh, layouts[n],
-                                               shapes[n])
+        set_ragged_grads(params, _grads(shapes, step), layouts, mesh)
         with CopyCommCounter() as counter:
             opt.step()
         comms += counter.comms
     ref = _torch_reference(shapes, steps)
-    equal = {}
-    for n, s in shapes.items():
-        a, b = layouts[n].local_range(s, rank)
-        equal[n] = bool(torch.equal(params[n].detach().to_local(), ref[n].reshape(-1)[a:b]))
+    equal = {n: bool(torch.equal(params[n].detach().to_local(),
+                                 local_slice(ref[n], layouts[n], rank))) for n in shapes}
     return equal, comms, opt.comm_bytes, opt.ns_flops
 
 
@@ -207,25 +198,19 @@ def _elementwise_body(shapes, kind: str, optimizer: str, steps: int):
     full = _initial(shapes)
     make = (lambda ps: AdamW8bit(ps, **ADAMW_HP)) if optimizer == "adamw8bit" else (
         lambda ps: torch.optim.AdamW(ps, **ADAMW_HP, foreach=False))
-    params, plain = {}, {n: torch.nn.Parameter(full[n].clone()) for n in shapes}
-    for n, s in shapes.items():
-        a, b = layouts[n].local_range(s, rank)
-        params[n] = torch.nn.Parameter(ragged_from_local(full[n].reshape(-1)[a:b].clone(), mesh,
-                                                         layouts[n], s))
+    params = ragged_params(full, layouts, mesh)
+    plain = {n: torch.nn.Parameter(full[n].clone()) for n in shapes}
     opt, ref = make(list(params.values())), make(list(plain.values()))
     for step in range(steps):
-        for n, g in _grads(shapes, step).items():
-            a, b = layouts[n].local_range(shapes[n], rank)
-            params[n].grad = ragged_from_local(g.reshape(-1)[a:b].clone(), mesh, layouts[n],
-                                               shapes[n])
+        grads = _grads(shapes, step)
+        set_ragged_grads(params, grads, layouts, mesh)
+        for n, g in grads.items():
             plain[n].grad = g.clone()
         opt.step()
         ref.step()
-    equal = {}
-    for n, s in shapes.items():
-        a, b = layouts[n].local_range(s, rank)
-        equal[n] = bool(torch.equal(params[n].detach().to_local(),
-                                    plain[n].detach().reshape(-1)[a:b]))
+    equal = {n: bool(torch.equal(params[n].detach().to_local(),
+                                 local_slice(plain[n].detach(), layouts[n], rank)))
+             for n in shapes}
     return (equal,)
 
 

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_vescale.optim import Muon, newton_schulz_flops
-from lightning_vescale.placement import RaggedShard, ragged_from_local
+from lightning_vescale.placement import RaggedShard, local_slice
+from tests.distributed._ragged_helpers import ragged_params, set_ragged_grads
 
 # name -> shape. Matrices of assorted shapes (tall, wide, square, conv-style), an embedding and
 # 1-D params (AdamW), one matrix that never gets a gradient.
@@ -98,29 +99,15 @@ def _reference(shapes: dict, steps: int, grads_fn, **hp) -> dict[str, torch.Tens
     return {n: params[n].detach().reshape(shapes[n]) for n in shapes}
 
 
-def _set_sharded_grads(params, layouts, shapes, full_grads, mesh) -> None:
-    """Give each sharded parameter this rank's slice of its full gradient."""
-    rank = mesh.get_local_rank(0)
-    for n, g in full_grads.items():
-        a, b = layouts[n].local_range(shapes[n], rank)
-        params[n].grad = ragged_from_local(g.reshape(-1)[a:b].clone(), mesh, layouts[n],
-                                           shapes[n])
-
-
 def _sharded_run(shapes, layouts, steps, grads_fn, *, reload_at=None, **opt_kw):
     """Run distributed Muon on this rank; return {name: local flat slice}, optimizer."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     full = {n: torch.randn(s) for n, s in shapes.items()}
 
     def make_params():
-        out = {}
-        for n, s in shapes.items():
-            a, b = layouts[n].local_range(s, rank)
-            local = full[n].reshape(-1)[a:b].clone()
-            out[n] = torch.nn.Parameter(ragged_from_local(local, mesh, layouts[n], s))
-        return out
+        return ragged_params(full, layouts, mesh)
 
     params = make_params()
     opt = Muon(list(params.items()), **opt_kw)
@@ -133,7 +120,7 @@ def _sharded_run(shapes, layouts, steps, grads_fn, *, reload_at=None, **opt_kw):
             params = new_params
             opt = Muon(list(params.items()), **opt_kw)
             opt.load_state_dict(sd)
-        _set_sharded_grads(params, layouts, shapes, grads_fn(step), mesh)
+        set_ragged_grads(params, grads_fn(step), layouts, mesh)
         opt.step()
         opt.zero_grad()
     locals_ = {n: p.detach().to_local().clone() for n, p in params.items()}
@@ -143,9 +130,8 @@ def _sharded_run(shapes, layouts, steps, grads_fn, *, reload_at=None, **opt_kw):
 def _compare(shapes, layouts, locals_, ref, exact: bool):
     rank = dist.get_rank()
     out = {}
-    for n, s in shapes.items():
-        a, b = layouts[n].local_range(s, rank)
-        want = ref[n].reshape(-1)[a:b]
+    for n in shapes:
+        want = local_slice(ref[n], layouts[n], rank)
         got = locals_[n]
         if exact:
             out[n] = bool(torch.equal(got, want))
@@ -258,7 +244,7 @@ def _single_process_state_body(seed, steps_before, steps_after):
     """A single-process Muon's state dict (plain full tensors) loaded into the sharded Muon."""
     import copy
 
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     layouts = _layouts(SHAPES, world, seed)
     torch.manual_seed(0)
@@ -276,12 +262,10 @@ def _single_process_state_body(seed, steps_before, steps_after):
     sd = copy.deepcopy(opt1.state_dict())
 
     def make_params(layouts):
-        return {n: torch.nn.Parameter(ragged_from_local(
-            single[n].detach().reshape(-1)[slice(*layouts[n].local_range(s, rank))].clone(),
-            mesh, layouts[n], s)) for n, s in SHAPES.items()}
+        return ragged_params({n: p.detach() for n, p in single.items()}, layouts, mesh)
 
     def step_sharded(opt, params, layouts, step):
-        _set_sharded_grads(params, layouts, SHAPES, _grads(SHAPES, step, seed), mesh)
+        set_ragged_grads(params, _grads(SHAPES, step, seed), layouts, mesh)
         opt.step()
         opt.zero_grad()
 
@@ -396,14 +380,10 @@ def _dcp_load_body(path, full, steps_before, steps_after, seed):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     layouts = _layouts(SHAPES, world, seed + 1)  # another world size AND other layouts
-    params = {}
-    for n, s in SHAPES.items():
-        a, b = layouts[n].local_range(s, rank)
-        params[n] = torch.nn.Parameter(ragged_from_local(full[n].reshape(-1)[a:b].clone(), mesh,
-                                                         layouts[n], s))
+    params = ragged_params(full, layouts, mesh)
     opt = Muon(list(params.items()), **HP)
     opt.init_state()
     sd = {"optim": opt.state_dict()}
@@ -411,7 +391,7 @@ def _dcp_load_body(path, full, steps_before, steps_after, seed):
     dcp.load(sd, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
     opt.load_state_dict(sd["optim"])
     for step in range(steps_before, steps_before + steps_after):
-        _set_sharded_grads(params, layouts, SHAPES, _grads(SHAPES, step, seed), mesh)
+        set_ragged_grads(params, _grads(SHAPES, step, seed), layouts, mesh)
         opt.step()
         opt.zero_grad()
     ref = _reference(SHAPES, steps_before + steps_after, lambda s: _grads(SHAPES, s, seed), **HP)

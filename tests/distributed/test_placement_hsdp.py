@@ -11,9 +11,7 @@ code under test.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections import Counter
 
 import pytest
 import torch
@@ -29,6 +27,7 @@ from lightning_vescale.placement import (
     ragged_from_local,
     ragged_ranges,
 )
+from tests.distributed._ragged_helpers import count_collectives, expected_local
 
 SHAPE = (6, 5, 3)
 R = Replicate()
@@ -50,17 +49,7 @@ def _mesh2d():
 
 def _expect(full: torch.Tensor, pl, j: int, n: int = 2) -> torch.Tensor:
     """Shard-rank ``j``'s local tensor of ``full`` under ``pl`` (plain slicing / chunking)."""
-    if isinstance(pl, RaggedShard):
-        start, end = pl.local_range(full.shape, j)
-        return full.reshape(-1)[start:end]
-    if isinstance(pl, Shard):
-        chunks = full.chunk(n, dim=pl.dim)
-        if j < len(chunks):
-            return chunks[j]
-        shape = list(full.shape)
-        shape[pl.dim] = 0
-        return full.new_empty(shape)
-    return full
+    return expected_local(full, pl, j, n)
 
 
 def _rs(full: torch.Tensor, mesh, pl: RaggedShard, requires_grad: bool = False) -> DTensor:
@@ -69,29 +58,6 @@ def _rs(full: torch.Tensor, mesh, pl: RaggedShard, requires_grad: bool = False) 
     local = _expect(full, pl, mesh.get_local_rank(dim)).clone().requires_grad_(requires_grad)
     placements = (R,) * dim + (pl,)
     return ragged_from_local(local, mesh, placements, full.shape)
-
-
-@contextlib.contextmanager
-def _count_collectives():
-    """Count calls into torch.distributed collectives, keyed by (name, group size)."""
-    names = ["all_to_all_single", "all_gather_single", "all_gather_into_tensor", "broadcast",
-             "reduce_scatter", "all_reduce"]
-    counts: Counter = Counter()
-    saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
-
-    def wrap(name, fn):
-        def counted(*args, **kwargs):
-            counts[(name, dist.get_world_size(kwargs.get("group")))] += 1
-            return fn(*args, **kwargs)
-        return counted
-
-    for n, fn in saved.items():
-        setattr(dist, n, wrap(n, fn))
-    try:
-        yield counts
-    finally:
-        for n, fn in saved.items():
-            setattr(dist, n, fn)
 
 
 # -- bodies (run on every rank of the 2 x 2 world) -------------------------------------------------
@@ -140,7 +106,7 @@ def _body_partial_to_ragged():
     for op, ref in refs.items():
         for dst in LAYOUTS:
             pdt = DTensor.from_local(parts[j], mesh, [R, Partial(op)], run_check=False)
-            with _count_collectives() as counts:
+            with count_collectives(by_group_size=True) as counts:
                 out = pdt.redistribute(mesh, [R, dst])
             assert out.placements == (R, dst)
             assert set(counts) == {("reduce_scatter", 2)}, counts  # inside the shard group
@@ -160,12 +126,12 @@ def _body_collectives_in_shard_group():
     }
     out = {}
     for target, want in expected.items():
-        with _count_collectives() as counts:
+        with count_collectives(by_group_size=True) as counts:
             dt.redistribute(mesh, list(target))
         out[str(target)] = dict(counts)
         assert dict(counts) == want, (target, dict(counts))
     one_hot = _rs(full, mesh, LAYOUTS[4])
-    with _count_collectives() as counts:
+    with count_collectives(by_group_size=True) as counts:
         one_hot.full_tensor()
     assert dict(counts) == {("broadcast", 2): 1}, dict(counts)
     return out
@@ -305,7 +271,7 @@ def _body_reductions():
             "amax_dim0": (lambda t: t.amax(dim=0, keepdim=True), full.amax(dim=0, keepdim=True)),
         }
         for name, (fn, ref) in cases.items():
-            with _count_collectives() as counts:
+            with count_collectives(by_group_size=True) as counts:
                 out = fn(x)
             assert out.placements == (R, R), name
             # only the shard group communicates: each element is counted once, not per replica
@@ -426,7 +392,7 @@ def _body_ragged_on_dim0():
     torch.testing.assert_close(out.to_local(), _expect(full, Shard(0), i), rtol=0, atol=0)
     back = out.redistribute(mesh, [LAYOUTS[0], R])
     torch.testing.assert_close(back.to_local(), _expect(full, LAYOUTS[0], i), rtol=0, atol=0)
-    with _count_collectives() as counts:
+    with count_collectives(by_group_size=True) as counts:
         norm = torch.linalg.vector_norm(dt)
     assert norm.placements == (R, R) and set(counts) == {("all_reduce", 2)}
     torch.testing.assert_close(norm.to_local(), full.norm())

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, init_device_mesh
 
-from lightning_vescale.placement import RaggedShard, install, ragged_from_local
+from lightning_vescale.placement import RaggedShard, install
+from tests.distributed._ragged_helpers import ragged_tensor
 
 WORLD_SIZES = [1, 2, 3, 4]
 
@@ -43,9 +44,7 @@ def _mesh():
 
 
 def _shard(full: torch.Tensor, mesh, dims, units) -> DTensor:
-    pl = RaggedShard(dims, units)
-    start, end = pl.local_range(full.shape, dist.get_rank())
-    return ragged_from_local(full.reshape(-1)[start:end].clone(), mesh, pl, full.shape)
+    return ragged_tensor(full, RaggedShard(dims, units), mesh)
 
 
 def _dense_slice(dt: DTensor, full: torch.Tensor) -> torch.Tensor:

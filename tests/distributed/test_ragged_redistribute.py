@@ -7,9 +7,7 @@ Which collectives run is checked by counting calls into ``torch.distributed``.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections import Counter
 
 import pytest
 import torch
@@ -18,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lightning_vescale.placement import RaggedShard, install, ragged_from_local
+from tests.distributed._ragged_helpers import count_collectives, expected_local
 
 SHAPE = (6, 5, 3)  # P = 6 over dims (0,), 30 over (0, 1), 90 over (0, 1, 2)
 
@@ -52,45 +51,6 @@ def _ragged(full: torch.Tensor, mesh, pl: RaggedShard, requires_grad: bool = Fal
     return ragged_from_local(local, mesh, pl, full.shape)
 
 
-def _expect_local(full: torch.Tensor, pl, rank: int, world: int) -> torch.Tensor:
-    """The reference local tensor of ``full`` under ``pl`` (plain torch slicing/chunking)."""
-    if isinstance(pl, RaggedShard):
-        start, end = pl.local_range(full.shape, rank)
-        return full.reshape(-1)[start:end]
-    if isinstance(pl, Shard):
-        chunks = full.chunk(world, dim=pl.dim)
-        if rank < len(chunks):
-            return chunks[rank]
-        shape = list(full.shape)
-        shape[pl.dim] = 0
-        return full.new_empty(shape)
-    return full
-
-
-@contextlib.contextmanager
-def _count_collectives():
-    """Count calls into the torch.distributed collectives a redistribution could use."""
-    names = ["all_to_all_single", "all_gather_single", "all_gather_into_tensor", "all_gather",
-             "broadcast", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
-             "all_reduce", "all_to_all", "send", "recv", "batch_isend_irecv"]
-    counts: Counter = Counter()
-    saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
-
-    def wrap(name, fn):
-        def counted(*args, **kwargs):
-            counts[name] += 1
-            return fn(*args, **kwargs)
-        return counted
-
-    for n, fn in saved.items():
-        setattr(dist, n, wrap(n, fn))
-    try:
-        yield counts
-    finally:
-        for n, fn in saved.items():
-            setattr(dist, n, fn)
-
-
 # -- bodies (run on every rank) --------------------------------------------------------------------
 def _body_from_local_full_tensor():
     mesh, world, rank = _setup()
@@ -99,7 +59,7 @@ def _body_from_local_full_tensor():
         dt = _ragged(full, mesh, pl)
         assert dt.shape == full.shape and dt.stride() == full.stride()
         assert dt.placements == (pl,)
-        torch.testing.assert_close(dt.to_local(), _expect_local(full, pl, rank, world))
+        torch.testing.assert_close(dt.to_local(), expected_local(full, pl, rank, world))
         torch.testing.assert_close(dt.full_tensor(), full, rtol=0, atol=0)
         rep = dt.redistribute(mesh, [Replicate()])
         assert rep.placements == (Replicate(),)
@@ -126,7 +86,7 @@ def _body_redistribute_pairs():
             out = dt.redistribute(mesh, [dst])
             norm = Shard(dst.dim % full.dim()) if isinstance(dst, Shard) else dst
             assert out.placements == (norm,), (src, dst, out.placements)
-            torch.testing.assert_close(out.to_local(), _expect_local(full, norm, rank, world),
+            torch.testing.assert_close(out.to_local(), expected_local(full, norm, rank, world),
                                        rtol=0, atol=0, msg=f"{src} -> {dst}")
             torch.testing.assert_close(out.full_tensor(), full, rtol=0, atol=0)
             back = out.redistribute(mesh, [src])
@@ -135,11 +95,11 @@ def _body_redistribute_pairs():
     for dst in layouts:
         rep = DTensor.from_local(full, mesh, [Replicate()], run_check=False)
         torch.testing.assert_close(rep.redistribute(mesh, [dst]).to_local(),
-                                   _expect_local(full, dst, rank, world), rtol=0, atol=0)
+                                   expected_local(full, dst, rank, world), rtol=0, atol=0)
         for sh in shards:
             sdt = rep.redistribute(mesh, [sh])
             torch.testing.assert_close(sdt.redistribute(mesh, [dst]).to_local(),
-                                       _expect_local(full, dst, rank, world), rtol=0, atol=0)
+                                       expected_local(full, dst, rank, world), rtol=0, atol=0)
     return True
 
 
@@ -153,7 +113,7 @@ def _body_partial_to_ragged():
             pdt = DTensor.from_local(parts[rank], mesh, [Partial(op)], run_check=False)
             out = pdt.redistribute(mesh, [dst])
             assert out.placements == (dst,)
-            torch.testing.assert_close(out.to_local(), _expect_local(ref, dst, rank, world))
+            torch.testing.assert_close(out.to_local(), expected_local(ref, dst, rank, world))
     return True
 
 
@@ -172,7 +132,7 @@ def _body_grads():
             (out.full_tensor() * weight).sum().backward()
             assert isinstance(leaf.grad, DTensor) and leaf.grad.placements == (src,), dst
             torch.testing.assert_close(leaf.grad.to_local(),
-                                       _expect_local(weight, src, rank, world), rtol=0, atol=0)
+                                       expected_local(weight, src, rank, world), rtol=0, atol=0)
         # through from_local: the plain local tensor gets the plain local gradient
         start, end = src.local_range(full.shape, rank)
         leaf_local = full.reshape(-1)[start:end].clone().requires_grad_()
@@ -221,7 +181,7 @@ def _body_collectives():
             full, mesh, [Partial()], run_check=False).redistribute(mesh, [ragged_a]),
     }
     for name, fn in cases.items():
-        with _count_collectives() as counts:
+        with count_collectives() as counts:
             fn()
         seen[name] = dict(counts)
     return seen

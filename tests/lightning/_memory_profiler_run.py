@@ -132,11 +132,17 @@ class Dump(L.Callback):
                        "metrics_dir": trainer.logger.log_dir if trainer.logger else None}, f)
 
 
-def fit_and_dump(strategy: str, out: str) -> None:
-    """Train 4 steps with ``strategy`` (``single`` = one CPU process, else 2 processes)."""
+def fit_and_dump(strategy: str, out: str, comm_policy: dict | None = None) -> None:
+    """Train 4 steps with ``strategy`` (``single`` = one CPU process, else 2 processes);
+    ``comm_policy``: ``vescale_fsdp_fork`` with that ``CommPolicy``."""
     torch.set_num_threads(1)
     if strategy.startswith("vescale_fsdp"):
         import lightning_vescale  # noqa: F401  (registers the strategy names)
+    if comm_policy is not None:
+        from lightning_vescale import VeScaleFSDPStrategy
+
+        assert strategy == "vescale_fsdp_fork", strategy
+        strategy = VeScaleFSDPStrategy(start_method="fork", comm_policy=comm_policy)
     os.makedirs(out, exist_ok=True)
     L.seed_everything(0)
     devices = 1 if strategy == "single" else 2

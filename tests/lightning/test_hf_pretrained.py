@@ -121,3 +121,75 @@ def test_a_checkpoint_of_another_model_is_named(tmp_path):
     save_file({"encoder.weight": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ValueError, match=r"none of its 1 tensors.*Linear.*'encoder\.weight'"):
         load_pretrained(torch.nn.Linear(2, 2), tmp_path / "other.safetensors", strict=True)
+
+
+def _count_linear_inits(monkeypatch) -> list[int]:
+    """Count ``nn.Linear.reset_parameters`` calls on real memory (the default init of a meta
+    model's Linears at materialisation; those of construction on meta cost nothing)."""
+    calls = [0]
+    original = torch.nn.Linear.reset_parameters
+
+    def counted(self):
+        calls[0] += not self.weight.is_meta
+        return original(self)
+
+    monkeypatch.setattr(torch.nn.Linear, "reset_parameters", counted)
+    return calls
+
+
+def _fabric_inits_body(src: str) -> tuple[int, torch.Tensor]:
+    from lightning.fabric import Fabric
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _count_linear_inits(mp)
+        fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(),
+                        strategy=VeScaleFabricStrategy(pretrained_weights=src))
+        fabric.launch()
+        with fabric.init_module(empty_init=True):
+            llama = LlamaForCausalLM(LlamaConfig.from_pretrained(src))
+        module = fabric.setup_module(llama)
+        with torch.no_grad():
+            return calls[0], module(X).logits
+
+
+def test_a_strict_load_skips_the_random_init(worlds, tmp_path):
+    """Design note [pretrained-weights]: every parameter is loaded, so a meta model's parameters
+    are allocated without running ``reset_parameters()`` first (was: every Linear initialised,
+    then overwritten); the logits are still exactly transformers'."""
+    src = write_tiny_random_llama(str(tmp_path / "src"))
+    ref = _reference_logits(src)
+    for calls, logits in worlds(2).run(_fabric_inits_body, src):
+        assert calls == 0
+        torch.testing.assert_close(logits, ref, rtol=0, atol=0)
+
+
+class _NonStrict(HFFinetune):
+    strict_loading = False
+
+
+def test_a_non_strict_load_initialises_what_the_checkpoint_lacks(tmp_path, monkeypatch):
+    """A checkpoint without one Linear's weight, loaded non-strictly: that weight gets the model's
+    own init (``reset_parameters``), not uninitialised memory; the rest is the checkpoint's."""
+    from safetensors.torch import load_file, save_file
+
+    src = write_tiny_random_llama(str(tmp_path / "src"))
+    dropped = "model.layers.0.mlp.down_proj.weight"
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    kept = {k: v for k, v in weights.items() if k != dropped}
+    save_file(kept, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
+    calls = _count_linear_inits(monkeypatch)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=0, logger=False,
+                         enable_checkpointing=False, enable_model_summary=False,
+                         enable_progress_bar=False,
+                         strategy=VeScaleFSDPStrategy(pretrained_weights=src))
+    module = _NonStrict(src)
+    trainer.fit(module, torch.utils.data.DataLoader(X, batch_size=2))
+    assert calls[0] > 0
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+             for k, v in module.model.state_dict().items()}
+    torch.testing.assert_close(state["model.layers.1.mlp.down_proj.weight"],
+                               weights["model.layers.1.mlp.down_proj.weight"])
+    w = state[dropped]
+    bound = 1 / w.shape[1] ** 0.5  # nn.Linear's kaiming_uniform_(a=sqrt(5)) bound
+    assert torch.isfinite(w).all() and 0 < w.abs().max() <= bound

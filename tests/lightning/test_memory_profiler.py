@@ -334,6 +334,20 @@ def test_vescale_fsdp_world2_breakdown(tmp_path):
             # Adam states are sized like the local shards
             assert got["optimizer_states"] == ref["optimizer_states"]
     _check_csv_and_plots(ranks)
+    assert "comm policy" not in ranks[0]["table"]  # none set: no line
+
+
+def test_vescale_fsdp_table_names_the_comm_policy(tmp_path):
+    """The quantized all-gather's codes and scales are communication buffers: the table says
+    which policy put them there (format, block, reduce-scatter dtype)."""
+    out = tmp_path / "int8"
+    fit_and_dump("vescale_fsdp_fork", str(out), comm_policy={
+        "all_gather": "int8", "reduce_scatter_dtype": "bf16", "min_numel": 1024})
+    table = json.loads((out / "rank0.json").read_text())["table"]
+    lines = table.splitlines()
+    row = next(i for i, line in enumerate(lines) if line.startswith("communication buffers"))
+    assert lines[row + 1] == ("  (comm policy: all-gather int8 (block 256), reduce-scatter "
+                              "bfloat16 on the wire, fp32 sums)"), table
 
 
 # ------------------------------------------------------------------------------------------------

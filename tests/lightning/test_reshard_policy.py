@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lightning_vescale import VeScaleFSDPStrategy

@@ -99,18 +99,94 @@ def _run_one(shape, steps=10, **kwargs):
     return init, p, opt.state[p]
 
 
-def test_dims_over_max_preconditioner_dim_are_adam_along_them():
+def _reference_blocked(w, grads, block, **hp):
+    """Blocked Shampoo written independently of the optimizer: cut the matrix into tiles of at
+    most ``block`` rows and columns (Distributed Shampoo's ``multi_dim_split``: runs of
+    ``block`` along each dimension, the last one shorter) and run a separate small Shampoo
+    (its own factors, roots and grafting norm) on each tile."""
+    out = torch.empty_like(w)
+    for r in range(0, w.shape[0], block):
+        for c in range(0, w.shape[1], block):
+            tile = (slice(r, r + block), slice(c, c + block))
+            out[tile] = _reference_matrix(w[tile], [g[tile] for g in grads], **hp)
+    return out
+
+
+@pytest.mark.parametrize("shape, block", [((11, 7), 4), ((6, 5), 4), ((6, 5), 5), ((3, 9), 2),
+                                          ((2, 6, 5), 4)])
+def test_large_dims_are_blocked_like_distributed_shampoo(shape, block):
+    """10 steps, roots refreshed at steps 2, 5, 8; each trailing matrix of a stack on its own.
+
+    ``epsilon=1e-4``: thin tiles (one row) have rank-deficient factors, whose zero eigenvalues
+    come out of float32's ``eigh`` as ~1e-7 rounding; against ``epsilon=1e-6`` that rounding
+    moves the float32 result 2.6e-5 from the float64 reference (5e-7 at ``1e-4``)."""
+    hp = {**HP, "epsilon": 1e-4}
+    grads = [_grads(s, [shape])[0] for s in range(10)]
+    init, p, st = _run_one(shape, max_preconditioner_dim=block, epsilon=1e-4)
+    count = init.reshape(-1, *shape[-2:]).shape[0]
+    rows = [min(block, shape[-2] - a) for a in range(0, shape[-2], block)]
+    cols = [min(block, shape[-1] - a) for a in range(0, shape[-1], block)]
+    assert st["GG0"].shape == st["R0"].shape == (count, len(cols) * sum(d * d for d in rows))
+    assert st["GG1"].shape == st["R1"].shape == (count, len(rows) * sum(d * d for d in cols))
+    got, init = p.detach().reshape(-1, *shape[-2:]), init.reshape(-1, *shape[-2:])
+    for e in range(count):
+        want = _reference_blocked(init[e], [g.reshape(-1, *shape[-2:])[e] for g in grads],
+                                  block, **hp)
+        torch.testing.assert_close(got[e], want, atol=1e-5, rtol=1e-5)
+
+
+def test_tiles_follow_torch_split_row_major():
+    from lightning_vescale.optim._kronecker import matrix_blocks, split_sizes
+
+    assert split_sizes(11, 4) == (4, 4, 3) and split_sizes(8, 4) == (4, 4)
+    assert split_sizes(3, 8) == (3,) and split_sizes(0, 4) == ()
+    x = torch.arange(11 * 7).reshape(11, 7)
+    want = [s for t in torch.split(x, 4, dim=0) for s in torch.split(t, 4, dim=1)]
+    got = [x[rows, cols] for rows, cols in matrix_blocks((11, 7), 4)]
+    assert len(got) == len(want) == 6 and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_small_matrices_are_one_tile_and_vectors_adam():
+    """A matrix within max_preconditioner_dim keeps its whole factors (as before blocking)."""
+    init, p, st = _run_one((6, 5), max_preconditioner_dim=6)
+    assert st["GG0"].shape == (1, 36) and st["GG1"].shape == (1, 25)
     grads = [_grads(s, [(6, 5)])[0] for s in range(10)]
-    # every dim over the limit: no factor at all, Adam (not a silent no-op)
-    init, p, st = _run_one((6, 5), max_preconditioner_dim=4)
+    torch.testing.assert_close(p.detach(), _reference_matrix(init, grads, **HP), atol=1e-5,
+                               rtol=1e-5)
+    _, _, st = _run_one((7,), max_preconditioner_dim=2)
     assert not any(k.startswith(("GG", "R")) for k in st)
-    torch.testing.assert_close(p.detach(), _reference_adam(init, grads, **HP), atol=1e-6,
-                               rtol=1e-6)
-    # the 6-row dim over the limit, the 5-column dim preconditioned: one-sided Shampoo
-    init, p, st = _run_one((6, 5), max_preconditioner_dim=5)
-    assert "GG0" not in st and "GG1" in st
-    want = _reference_matrix(init, grads, **HP, sides=(False, True))
-    torch.testing.assert_close(p.detach(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_state_saved_with_another_block_is_refused():
+    p = torch.nn.Parameter(torch.randn(6, 5))
+    opt = Shampoo([p], **HP, max_preconditioner_dim=4)
+    p.grad = torch.randn(6, 5)
+    opt.step()
+    # the state dict's groups carry max_preconditioner_dim, so loading restores it ...
+    other = Shampoo([torch.nn.Parameter(p.detach().clone())], **HP, max_preconditioner_dim=3)
+    other.load_state_dict(opt.state_dict())
+    assert other.param_groups[0]["max_preconditioner_dim"] == 4
+    # ... factors that do not fit the tiles (edited groups; a state of the version that left
+    # long dimensions unblocked: no GG0 for the 6 rows) are refused, not silently misread
+    sd = opt.state_dict()
+    sd["param_groups"][0]["max_preconditioner_dim"] = 3
+    with pytest.raises(ValueError, match="max_preconditioner_dim"):
+        other.load_state_dict(sd)
+    sd = opt.state_dict()
+    sd["param_groups"][0]["max_preconditioner_dim"] = 5
+    sd["state"][0] = {k: v for k, v in sd["state"][0].items() if k not in ("GG0", "R0")}
+    sd["state"][0]["GG1"] = sd["state"][0]["R1"] = torch.zeros(1, 25)
+    with pytest.raises(ValueError, match="'GG0' of parameter #0 of group 0 has none"):
+        other.load_state_dict(sd)
+    # the same block size loads, in either the flat or a (count, d, d) shape
+    whole = Shampoo([torch.nn.Parameter(torch.randn(4, 3))], **HP, max_preconditioner_dim=4)
+    sd = whole.state_dict()
+    sd["state"] = {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(12),
+                       "exp_avg_sq": torch.zeros(12), "GG0": torch.eye(4)[None],
+                       "R0": torch.eye(4)[None], "GG1": torch.eye(3)[None],
+                       "R1": torch.eye(3)[None]}}
+    whole.load_state_dict(sd)
+    assert whole.state[whole.param_groups[0]["params"][0]]["GG0"].shape == (1, 16)
 
 
 def test_shampoo_state_dict_round_trip():
@@ -134,7 +210,9 @@ def test_shampoo_state_dict_round_trip():
 
 @pytest.mark.parametrize("kwargs, words", [
     (dict(precondition_frequency=0), "precondition_frequency must be an int >= 1"),
-    (dict(max_preconditioner_dim=0), "max_preconditioner_dim must be an int >= 1"),
+    (dict(max_preconditioner_dim=0), "max_preconditioner_dim must be an int >= 1, got "
+                                     "max_preconditioner_dim=0; e.g. 1024"),
+    (dict(max_preconditioner_dim=2.5), "max_preconditioner_dim must be an int >= 1"),
     (dict(start_preconditioning_step=0), "start_preconditioning_step must be an int >= 1"),
     (dict(inverse_root_exponent=0), "inverse_root_exponent must be a number > 0"),
     (dict(betas=(0.9, 1.0)), "betas must be a pair in [0, 1)"),
