@@ -137,8 +137,8 @@ def _ns_or_zeros(failures: StepFailures, inputs: list[Tensor], items: Sequence[M
                  batch: bool) -> tuple[list[Tensor], int]:
     """:func:`_newton_schulz_many` under ``failures`` (design note [owner-failure]): zeros of
     the inputs' shapes once this rank has failed in this step."""
-    names = [it.name or f"matrix {k}" for k, it in enumerate(items)]
-    what = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    names = [it.name or f"matrix {k}" for k, it in enumerate(items[:3])]
+    what = ", ".join(names) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
     done = failures.run(f"in Newton–Schulz of {what}", _newton_schulz_many, inputs, items, batch)
     return done if done is not None else ([torch.zeros_like(x) for x in inputs], 0)
 
