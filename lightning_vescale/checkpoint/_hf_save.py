@@ -16,8 +16,8 @@ offset. Then:
    (gathered with ``full_tensor()``, one tensor at a time, a collective), is written by rank 0;
    a rank whose write fails writes nothing more but still joins the remaining gathers;
 3. after every rank reports success (an ``all_gather_object`` of a failure flag: a rank that
-   failed never leaves the others waiting), the ranks compute the CRC-32s of the files (each a share),
-   and rank 0 renames the files onto their names, writes ``model.safetensors.index.json`` (the
+   failed never leaves the others waiting), the ranks compute the CRC-32s of the files (each a
+   share), and rank 0 renames the files onto their names, writes ``model.safetensors.index.json`` (the
    ``weight_map`` and ``total_size`` of ``save_pretrained``), removes shards of an earlier save
    into that directory that this one did not write, and writes ``.integrity.json`` (design note
    [checkpoint-trust], ``"format": "safetensors"``: the size and CRC-32 of every file).

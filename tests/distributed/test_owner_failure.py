@@ -118,7 +118,7 @@ def test_one_rank_failure_raises_everywhere(kind, function, fail_at_step, world,
         assert after == float(world)
 
 
-# -- the same rule elsewhere: save_safetensors' gathers of non-RaggedShard DTensors -----------------
+# -- the same rule elsewhere: save_safetensors' gathers of non-RaggedShard DTensors ----------------
 def _save_with_failing_write_body(path, failing):
     """Two ``Shard(0)`` DTensors (each gathered with ``full_tensor()``, then written by rank 0):
     rank 0's first write raises; returns (error type, message) per rank and an all-reduce."""
@@ -158,7 +158,7 @@ def test_save_safetensors_write_failure_on_one_rank_raises_everywhere(tmp_path):
     assert not any(p.name.startswith(".") for p in (tmp_path / "hf").iterdir())  # temps removed
 
 
-# -- and a check that must give the same answer on every rank before a gather -----------------------
+# -- and a check that must give the same answer on every rank before a gather ----------------------
 def _load_factor_of_another_model_body():
     """SOAP's split (5, 6, 4) parameter at 2 ranks: owners hold 2 and 3 matrices. A saved
     ``GG0`` DTensor of 2 matrices (another model) must be refused on both ranks, before the
