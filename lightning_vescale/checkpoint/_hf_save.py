@@ -17,10 +17,11 @@ offset. Then:
    a rank whose write fails writes nothing more but still joins the remaining gathers;
 3. after every rank reports success (an ``all_gather_object`` of a failure flag: a rank that
    failed never leaves the others waiting), the ranks compute the CRC-32s of the files (each a
-   share), and rank 0 renames the files onto their names, writes ``model.safetensors.index.json`` (the
-   ``weight_map`` and ``total_size`` of ``save_pretrained``), removes shards of an earlier save
-   into that directory that this one did not write, and writes ``.integrity.json`` (design note
-   [checkpoint-trust], ``"format": "safetensors"``: the size and CRC-32 of every file).
+   share), and rank 0 renames the files onto their names, writes
+   ``model.safetensors.index.json`` (the ``weight_map`` and ``total_size`` of
+   ``save_pretrained``), removes shards of an earlier save into that directory that this one did
+   not write, and writes ``.integrity.json`` (design note [checkpoint-trust], ``"format":
+   "safetensors"``: the size and CRC-32 of every file).
 
 Memory bound per rank: its largest local shard in the output dtype, plus, for a non-RaggedShard
 ``DTensor``, one full tensor. The directory must be visible to every rank (one machine, or a
