@@ -14,12 +14,14 @@ offset. Then:
    local flat range, converted to the output dtype, is one contiguous byte range of the tensor
    (on HSDP only the first replica writes); a plain tensor, or a ``DTensor`` of another placement
    (gathered with ``full_tensor()``, one tensor at a time, a collective), is written by rank 0;
-3. after every rank reports success (an ``all_reduce`` of a failure flag: a rank that failed
-   never leaves the others waiting), the ranks compute the CRC-32s of the files (each a share),
-   and rank 0 renames the files onto their names, writes ``model.safetensors.index.json`` (the
-   ``weight_map`` and ``total_size`` of ``save_pretrained``), removes shards of an earlier save
-   into that directory that this one did not write, and writes ``.integrity.json`` (design note
-   [checkpoint-trust], ``"format": "safetensors"``: the size and CRC-32 of every file).
+   a rank whose write fails writes nothing more but still joins the remaining gathers;
+3. after every rank reports success (an ``all_gather_object`` of a failure flag: a rank that
+   failed never leaves the others waiting), the ranks compute the CRC-32s of the files (each a
+   share), and rank 0 renames the files onto their names, writes
+   ``model.safetensors.index.json`` (the ``weight_map`` and ``total_size`` of
+   ``save_pretrained``), removes shards of an earlier save into that directory that this one did
+   not write, and writes ``.integrity.json`` (design note [checkpoint-trust], ``"format":
+   "safetensors"``: the size and CRC-32 of every file).
 
 Memory bound per rank: its largest local shard in the output dtype, plus, for a non-RaggedShard
 ``DTensor``, one full tensor. The directory must be visible to every rank (one machine, or a
@@ -147,10 +149,14 @@ def _pwrite(fd: int, t: Tensor, offset: int) -> None:
         done += os.pwrite(fd, data[done:], offset + done)
 
 
-def _write_owned(item: _Item, fds: dict[str, int], rank: int) -> None:
-    """Write the bytes of ``item`` this rank owns (see the design note, step 2)."""
-    t, fd = item.tensor, fds[item.file]
+def _write_owned(item: _Item, fds: dict[str, int], rank: int, failed: bool = False) -> None:
+    """Write the bytes of ``item`` this rank owns (see the design note, step 2). ``failed``
+    (this rank has failed already): write nothing, but still join the gather of a DTensor of
+    another placement, which its peers are running."""
+    t, fd = item.tensor, fds.get(item.file)
     if isinstance(t, DTensor) and _is_ragged(t):
+        if failed:
+            return
         mesh, placements = t.device_mesh, tuple(t.placements)
         dim = ragged_mesh_dim(placements, "save_safetensors")
         if any(mesh.get_local_rank(d) != 0 for d in range(mesh.ndim) if d != dim):
@@ -160,7 +166,7 @@ def _write_owned(item: _Item, fds: dict[str, int], rank: int) -> None:
         _pwrite(fd, local, item.offset + start * item.dtype.itemsize)
         return
     full = t.full_tensor() if isinstance(t, DTensor) else t  # a collective for DTensors
-    if rank == 0:
+    if rank == 0 and not failed:
         _pwrite(fd, full.to(item.dtype), item.offset)
 
 
@@ -249,16 +255,21 @@ def write_safetensors(source: Union[nn.Module, dict[str, Tensor]], directory: Un
     except Exception as err:  # noqa: BLE001 - reported to every rank below
         error = err
     _raise_if_any_failed(error, root, headers, token)
+    fds: dict[str, int] = {}
     try:
-        fds = {name: os.open(root / f".{name}.tmp-{token}", os.O_WRONLY) for name in headers}
-        try:
-            for it in items:
-                _write_owned(it, fds, rank)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+        for name in headers:
+            fds[name] = os.open(root / f".{name}.tmp-{token}", os.O_WRONLY)
     except Exception as err:  # noqa: BLE001
         error = err
+    try:
+        for it in items:  # a rank that failed keeps joining the gathers: none waits on it
+            try:
+                _write_owned(it, fds, rank, failed=error is not None)
+            except Exception as err:  # noqa: BLE001
+                error = error or err
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     _raise_if_any_failed(error, root, headers, token)
     names = sorted(headers)
     mine = {n: _crc_file(root / f".{n}.tmp-{token}") for i, n in enumerate(names)

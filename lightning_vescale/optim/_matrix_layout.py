@@ -93,13 +93,16 @@ class MatrixLayout:
                 return part.float().to(device).clone()
             local = self.layout.local_part(value)
             return local.detach().reshape(-1).float().to(device).clone()
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        if full.shape[0] == self.total and self.count != self.total:
-            full = full[self.first:self.first + self.count]
-        if full.shape[0] != self.count:
+        held = value.shape[0] if value.dim() else 0
+        # A DTensor holds all the matrices (its global shape: the same check on every rank,
+        # before its gather); a plain tensor all of them or this rank's.
+        if held != self.total and (isinstance(value, DTensor) or held != self.count):
             raise ValueError(f"{who}.load_state_dict: state {key!r} of parameter {name} holds "
-                             f"{full.shape[0]} matrices, expected {self.total}; was it saved "
+                             f"{held} matrices, expected {self.total}; was it saved "
                              "with another max_precond_dim or model?")
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if held == self.total and self.count != self.total:
+            full = full[self.first:self.first + self.count]
         return full.detach().float().to(device).clone()
 
 

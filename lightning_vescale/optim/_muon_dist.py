@@ -25,6 +25,7 @@ from lightning_vescale.mesh import all_to_all_single_anywhere
 from lightning_vescale.optim._base import ShardLayout
 from lightning_vescale.optim._muon_plan import Bucket, CommPlan, build_plan
 from lightning_vescale.optim._newton_schulz import newton_schulz, newton_schulz_flops
+from lightning_vescale.optim._owner_failure import StepFailures
 
 __all__ = ["NSArgs", "MatrixUpdate", "OrthogonalizeCost", "orthogonalize", "split_matrices"]
 
@@ -53,6 +54,7 @@ class MatrixUpdate:
     ranges: tuple[tuple[int, int], ...] | None = None  # with layout: each rank's range of it
     local: tuple[int, int] | None = None  # its slice of the param's flat local tensor; None: all
     result: Tensor | None = None  # bf16 NS output: local flat slice / whole matrix
+    name: str = ""  # for messages: the parameter's name (and which matrix of a stack)
 
 
 def split_matrices(update: Tensor, layout: ShardLayout | None, count: int, rows: int,
@@ -109,9 +111,14 @@ def orthogonalize(items: Sequence[MatrixUpdate], *, plans: dict[Any, CommPlan],
             is rebuilt when its parameters, placements, shapes, bucket size or steps change).
         cap_numel: bf16 elements of whole matrices per all-to-all bucket.
         batch: run same-shape matrices as one batched Newton–Schulz call.
+
+    A Newton–Schulz call that raises on some ranks makes every rank of the group raise the same
+    ``RuntimeError`` after the last bucket (design note [owner-failure]); the caller has applied
+    nothing yet, so no parameter changes.
     """
+    failures = StepFailures("Muon")
     local = [it for it in items if it.ranges is None]
-    outs, flops = _newton_schulz_many([it.update for it in local], local, batch)
+    outs, flops = _ns_or_zeros(failures, [it.update for it in local], local, batch)
     for it, out in zip(local, outs):
         it.result = out
     comm = 0
@@ -121,9 +128,20 @@ def orthogonalize(items: Sequence[MatrixUpdate], *, plans: dict[Any, CommPlan],
             by_group.setdefault(it.layout.mesh_info.shard_group, []).append(it)
     for group, dist_items in by_group.items():
         plan = _plan(plans, group, dist_items, cap_numel)
-        cost = _orthogonalize_distributed(plan, group, dist_items, batch)
+        cost = _orthogonalize_distributed(plan, group, dist_items, batch, failures)
         comm, flops = comm + cost.comm_bytes, flops + cost.ns_flops
+    failures.raise_if_failed()
     return OrthogonalizeCost(comm_bytes=comm, ns_flops=flops)
+
+
+def _ns_or_zeros(failures: StepFailures, inputs: list[Tensor], items: Sequence[MatrixUpdate],
+                 batch: bool) -> tuple[list[Tensor], int]:
+    """:func:`_newton_schulz_many` under ``failures`` (design note [owner-failure]): zeros of
+    the inputs' shapes once this rank has failed in this step."""
+    names = [it.name or f"matrix {k}" for k, it in enumerate(items[:3])]
+    what = ", ".join(names) + (f" and {len(items) - 3} more" if len(items) > 3 else "")
+    done = failures.run(f"in Newton–Schulz of {what}", _newton_schulz_many, inputs, items, batch)
+    return done if done is not None else ([torch.zeros_like(x) for x in inputs], 0)
 
 
 def _newton_schulz_many(inputs: list[Tensor], items: Sequence[MatrixUpdate],
@@ -169,7 +187,7 @@ def _plan(plans: dict[Any, CommPlan], group: Any, items: Sequence[MatrixUpdate],
 
 
 def _orthogonalize_distributed(plan: CommPlan, group: Any, items: Sequence[MatrixUpdate],
-                               batch: bool) -> OrthogonalizeCost:
+                               batch: bool, failures: StepFailures) -> OrthogonalizeCost:
     rank, world = plan.rank, plan.world_size
     dtype, device = torch.bfloat16, items[0].update.device
     mesh = items[0].layout.mesh_info.mesh  # offloaded (CPU) updates travel via its device
@@ -188,21 +206,24 @@ def _orthogonalize_distributed(plan: CommPlan, group: Any, items: Sequence[Matri
 
     def finish_scatter(b: Bucket, work, recv: Tensor) -> None:
         work.wait()
-        off = 0
-        for s in range(world):  # chunks from owner s: my slices of its matrices, in order
+        off, marks = 0, []
+        for s in range(world):  # chunks from owner s: its marker, my slices of its matrices
+            marks.append(recv[off:off + 1])
+            off += 1
             for i in b.items:
                 if plan.owners[i] == s:
                     n = plan.numel(i, rank)
                     items[i].result = recv[off:off + n]
                     off += n
+        failures.note(group, torch.cat(marks))  # design note [owner-failure]
 
     pending_scatter = None
     gather = launch_gather(plan.buckets[0]) if plan.buckets else None
     # Matrices one rank holds whole: orthogonalised there while the first bucket moves.
     for i in sorted(set(plan.whole) - set(plan.local_owned)):
         items[i].result = items[i].update  # this rank holds none of it: nothing to apply
-    outs, ns_flops = _newton_schulz_many([items[i].update for i in plan.local_owned],
-                                         [items[i] for i in plan.local_owned], batch)
+    outs, ns_flops = _ns_or_zeros(failures, [items[i].update for i in plan.local_owned],
+                                  [items[i] for i in plan.local_owned], batch)
     flops += ns_flops
     for i, o in zip(plan.local_owned, outs):
         items[i].result = o.reshape(-1)
@@ -221,21 +242,23 @@ def _orthogonalize_distributed(plan: CommPlan, group: Any, items: Sequence[Matri
                 pieces.append(recv[starts[s] + offs[s]: starts[s] + offs[s] + n])
                 offs[s] += n
             full[i] = torch.cat(pieces)
-        outs, ns_flops = _newton_schulz_many([full[i] for i in b.owned],
-                                             [items[i] for i in b.owned], batch)
+        outs, ns_flops = _ns_or_zeros(failures, [full[i] for i in b.owned],
+                                      [items[i] for i in b.owned], batch)
         flops += ns_flops
         results = {i: o.reshape(-1) for i, o in zip(b.owned, outs)}
-        send = []
+        send, mark = [], failures.marker(recv)
         for d in range(world):
+            send.append(mark)  # one marker per destination: design note [owner-failure]
             for i in b.owned:
                 s_, e_ = plan.ranges[i][d]
                 send.append(results[i][s_:e_])
-        send_t = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=device)
-        recv_back = torch.empty(sum(b.to_owner_send), dtype=dtype, device=device)
+        send_t = torch.cat(send)
+        recv_back = torch.empty(sum(b.to_owner_send) + world, dtype=dtype, device=device)
         comm += 2 * (sum(b.to_owner_recv) - b.to_owner_recv[rank])
-        work_back = all_to_all_single_anywhere(recv_back, send_t, list(b.to_owner_send),
-                                               list(b.to_owner_recv), group=group, mesh=mesh,
-                                               async_op=True)
+        work_back = all_to_all_single_anywhere(recv_back, send_t,
+                                               [n + 1 for n in b.to_owner_send],
+                                               [n + 1 for n in b.to_owner_recv], group=group,
+                                               mesh=mesh, async_op=True)
         if pending_scatter is not None:
             finish_scatter(*pending_scatter)
         pending_scatter = (b, work_back, recv_back)

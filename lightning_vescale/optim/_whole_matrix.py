@@ -3,8 +3,9 @@
 What they share (design note [distributed-soap] in ``soap.py``): the parameter checks, the
 per-parameter choice between stepping local whole matrices and moving split ones to their
 owner ranks and back (``_matrix_layout.py``; the owners are planned once over all parameters),
-applying the update and decoupled weight decay to the local slice, and the state export/import
-for distributed checkpoint. A subclass says which dimensions it preconditions
+applying the update and decoupled weight decay to the local slice, a failure of one rank's
+owner-side work raised on every rank (design note [owner-failure]), and the state
+export/import for distributed checkpoint. A subclass says which dimensions it preconditions
 (:meth:`_unit_args`) and steps the matrices (:meth:`_step_matrices`).
 """
 
@@ -24,6 +25,7 @@ from lightning_vescale.optim._matrix_layout import (
     matrix_layout,
     needs_owners,
 )
+from lightning_vescale.optim._owner_failure import StepFailures
 
 __all__ = ["WholeMatrixOptimizer"]
 
@@ -84,7 +86,13 @@ class WholeMatrixOptimizer(ShardedOptimizer):
         or ``None`` for a step that only initialises."""
         raise NotImplementedError
 
+    def _initialising(self, st: dict[str, Any]) -> bool:
+        """Whether a step with state ``st`` only initialises (:meth:`_step_matrices` returns
+        ``None``: no update to send back); the same on every rank."""
+        return False
+
     def _update(self) -> None:
+        todo = []
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
@@ -92,19 +100,26 @@ class WholeMatrixOptimizer(ShardedOptimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{self.who}: parameter #{i} of group {gi} has a sparse "
                                        f"gradient; {self.who} needs dense gradients.")
-                self._step_param(p, group, f"#{i} of group {gi}")
+                name = f"#{i} of group {gi}"
+                todo.append((p, group, name, self._layout(p, group, name)))
+        # Local matrices first: a failure there travels with the owned ones' exchanges.
+        failures = StepFailures(self.who)
+        for p, group, name, lay in sorted(todo, key=lambda t: t[3].owned):
+            self._step_param(p, group, name, lay, failures)
+        failures.raise_if_failed()  # design note [owner-failure]
 
-    def _step_param(self, p: Tensor, group: dict[str, Any], name: str) -> None:
-        lay = self._layout(p, group, name)
+    def _step_param(self, p: Tensor, group: dict[str, Any], name: str, lay: MatrixLayout,
+                    failures: StepFailures) -> None:
         local = local_view(p.detach())
         grad = local_view(p.grad.detach()).float().reshape(-1)
+        st, where = self.state[p], f"stepping parameter {name}"
         if lay.owned:  # split matrices: to their owners, stepped there, and back
             owned = _exchange(grad, lay.recv_splits, lay.send_splits, lay)
-            update = self._step_matrices(self.state[p], owned, group, lay)
-            if update is not None:
-                update = _exchange(update.reshape(-1), lay.send_splits, lay.recv_splits, lay)
+            initialising = self._initialising(st)
+            update = failures.run(where, self._step_matrices, st, owned, group, lay)
+            update = _send_back(update, owned, initialising, lay, failures)
         else:
-            update = self._step_matrices(self.state[p], grad, group, lay)
+            update = failures.run(where, self._step_matrices, st, grad, group, lay)
         if update is not None:
             local.view(-1).sub_(update.reshape(-1).to(local.dtype))
             local.mul_(1.0 - group["lr"] * group["weight_decay"])
@@ -151,6 +166,26 @@ def _exchange(send: Tensor, recv_splits: tuple[int, ...], send_splits: tuple[int
     all_to_all_single_anywhere(out, send.contiguous(), list(recv_splits), list(send_splits),
                                group=info.shard_group, mesh=info.mesh)  # offload: [mesh-device]
     return out
+
+
+def _send_back(update: Tensor | None, owned: Tensor, initialising: bool, lay: MatrixLayout,
+               failures: StepFailures) -> Tensor | None:
+    """The owner's ``update`` of its matrices (``owned``: their gradients) back to the ranks
+    holding them, with this rank's failure marker in front of each destination's piece (design
+    note [owner-failure]); an initialising step sends the markers alone and returns ``None``.
+    A rank that failed sends zeros."""
+    if initialising:
+        payload, back, mine = owned[:0], [0] * len(lay.send_splits), [0] * len(lay.recv_splits)
+    else:
+        assert update is not None or failures.failed, "only an initialising step returns None"
+        payload = update.reshape(-1) if update is not None else torch.zeros_like(owned)
+        back, mine = list(lay.send_splits), list(lay.recv_splits)
+    send, send_splits = failures.with_markers(payload, mine)
+    recv = _exchange(send, tuple(n + 1 for n in back), tuple(send_splits), lay)
+    info = lay.layout.mesh_info
+    assert info is not None
+    out = failures.strip_markers(recv, back, info.shard_group)
+    return None if initialising else out
 
 
 # -- what SOAP's and Shampoo's states and checks share ---------------------------------------------

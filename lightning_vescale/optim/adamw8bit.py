@@ -384,7 +384,10 @@ class AdamW8bit(ShardedOptimizer):
                 out[k] = v
                 continue
             lay = layout.per_block(bs) if k.endswith("_absmax") else layout
-            if v.numel() not in (lay.local_numel, lay.numel):
+            # a DTensor must be whole (its global size: the same check on every rank, before
+            # any gather); a plain tensor whole or this rank's part
+            if v.numel() != lay.numel and (isinstance(v, DTensor)
+                                           or v.numel() != lay.local_numel):
                 raise ValueError(
                     f"AdamW8bit.load_state_dict: state {k!r} of parameter {name} has {v.numel()} "
                     f"elements; this rank needs {lay.local_numel} (or the full {lay.numel}). Was "

@@ -423,11 +423,13 @@ class Muon(ShardedOptimizer):
                 "matrix_view", self._muon_defaults["matrix_view"]))
             update = update.bfloat16()  # exactly NS's first op; halves the bytes to move
             adj = adjusted_lr(lr, group["adjust_lr_fn"], rows, cols)
-            for matrix, ranges, where in split_matrices(update, layout, count, rows, cols):
+            for k, (matrix, ranges, where) in enumerate(split_matrices(update, layout, count,
+                                                                        rows, cols)):
                 out.append(MatrixUpdate(
                     param=p, update=matrix, rows=rows, cols=cols, lr=lr,
                     weight_decay=group["weight_decay"], adjusted_lr=adj, ns_args=ns_args,
-                    layout=layout, ranges=ranges, local=where))
+                    layout=layout, ranges=ranges, local=where,
+                    name=name if count == 1 else f"{name}[{k}]"))
         return out
 
     @staticmethod

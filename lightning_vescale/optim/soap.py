@@ -106,6 +106,9 @@ class SOAP(WholeMatrixOptimizer):
         return dict(max_precond_dim=int(group["max_precond_dim"]),
                     precondition_1d=bool(group["precondition_1d"]))
 
+    def _initialising(self, st: dict[str, Any]) -> bool:
+        return not st  # the first step only builds the eigenbases
+
     def _step_matrices(self, st: dict[str, Any], grad: Tensor, group: dict[str, Any],
                        lay: MatrixLayout) -> Tensor | None:
         """SOAP on the matrices ``grad`` holds (flat, ``lay.count`` whole matrices of
