@@ -221,7 +221,10 @@ def _check_loaded(st: dict[str, Any], lay: MatrixLayout, block: int, name: str) 
         want = sum(d * d for d in sizes)
         for key in (f"GG{i}", f"R{i}"):
             v = st.get(key)
-            if not isinstance(v, Tensor) or v.numel() != lay.count * want:
+            # per matrix too: a rank owning no matrix holds 0 elements whatever the tiles, and
+            # must refuse the state exactly when its peers do (design note [owner-failure])
+            if not isinstance(v, Tensor) or v.numel() != lay.count * want or \
+                    (v.dim() == 2 and v.shape[1] != want):
                 got = "none" if not isinstance(v, Tensor) else f"{v.numel()} elements"
                 raise ValueError(
                     f"Shampoo.load_state_dict: state {key!r} of parameter {name} has {got}, "

@@ -221,3 +221,37 @@ def test_adamw8bit_refuses_a_state_of_another_size_on_every_rank():
     for msg, after in outs:
         assert msg is not None and "'exp_avg'" in msg and "has 4 elements" in msg, outs
         assert after == 2.0
+
+
+def _shampoo_load_other_tiles_body():
+    """Shampoo's (2, 6, 5) stack, both experts on rank 0 (rank 1 owns no matrix), saved with
+    tiles of at most 4, its groups edited to 5: the factors do not fit the tiles, and both ranks
+    must refuse them (rank 1, holding 0 elements of every factor, used to accept and go on
+    alone)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    placement = RaggedShard((0,), [1, 0])
+    full = torch.randn(2, 6, 5, generator=torch.Generator().manual_seed(0))
+    local = full.reshape(-1) if dist.get_rank() == 0 else full.reshape(-1)[:0]
+    p = torch.nn.Parameter(ragged_from_local(local.clone(), mesh, [placement], (2, 6, 5)))
+    opt = Shampoo([p], max_preconditioner_dim=4, precondition_frequency=1)
+    for _ in range(2):
+        p.grad = ragged_from_local(torch.ones_like(local), mesh, [placement], (2, 6, 5))
+        opt.step()
+    sd = opt.state_dict()
+    sd["param_groups"][0]["max_preconditioner_dim"] = 5  # the group's value is restored
+    outcome = None
+    try:
+        Shampoo([p], max_preconditioner_dim=5).load_state_dict(sd)
+    except ValueError as err:
+        outcome = str(err)
+    after = torch.ones(1)
+    dist.all_reduce(after)
+    return outcome, float(after)
+
+
+def test_shampoo_refuses_factors_of_other_tiles_on_every_rank():
+    with World(2, pg_timeout_s=PG_TIMEOUT_S, run_timeout_s=3 * PG_TIMEOUT_S) as w:
+        outs = w.run(_shampoo_load_other_tiles_body)
+    for msg, after in outs:
+        assert msg is not None and "another max_preconditioner_dim" in msg, outs
+        assert after == 2.0
