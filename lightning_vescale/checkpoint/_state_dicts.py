@@ -40,13 +40,31 @@ __all__ = [
 # ------------------------------------------------------------------------------------------------
 # Tensors
 # ------------------------------------------------------------------------------------------------
-def _full(t: Any) -> Any:
-    """The full CPU tensor of a ``DTensor`` (collective over its mesh) or tensor; else ``t``."""
+def _full(t: Any, keep: bool = True) -> Any:
+    """The full CPU tensor of a ``DTensor`` (collective over its mesh) or tensor; else ``t``.
+
+    ``keep=False`` (the ranks whose full state dict is ``{}``): take part in the gather, then
+    drop its result at once, so such a rank holds at most one full tensor at a time instead of
+    a CPU copy of the whole model until the dict is thrown away.
+    """
     if isinstance(t, DTensor):
         t = _on_collective_device(t).full_tensor()
+    if not keep:
+        return None
     if isinstance(t, Tensor):
         t = t.detach().cpu()
     return t
+
+
+def _full_values(sd: Mapping[str, Any], keep: bool) -> dict[str, Any]:
+    """``sd`` with every tensor made full (one collective per DTensor, on every rank); ``{}``
+    where not ``keep`` (the gathers still run, their results are dropped one by one)."""
+    out = {}
+    for k, v in sd.items():
+        v = _full(v, keep) if isinstance(v, Tensor) else v
+        if keep:
+            out[k] = v
+    return out
 
 
 def _on_collective_device(t: DTensor) -> DTensor:
@@ -119,8 +137,7 @@ def model_state(module: Module, *, full: bool) -> dict[str, Any]:
     sd = module.state_dict()
     if not full:
         return sd
-    out = {k: _full(v) if isinstance(v, Tensor) else v for k, v in sd.items()}
-    return out if rank() == 0 else {}
+    return _full_values(sd, keep=rank() == 0)
 
 
 def params_of(optimizer: Optimizer) -> list[Tensor]:
@@ -152,9 +169,9 @@ def optimizer_state(module: Module, optimizer: Optimizer, *, full: bool) -> dict
     """
     sd = optimizer.state_dict()
     if full:
-        state = {idx: {k: _full(v) if isinstance(v, Tensor) else v for k, v in s.items()}
-                 for idx, s in sd["state"].items()}
-        return {"state": state, "param_groups": sd["param_groups"]} if rank() == 0 else {}
+        keep = rank() == 0
+        state = {idx: _full_values(s, keep) for idx, s in sd["state"].items()}
+        return {"state": state, "param_groups": sd["param_groups"]} if keep else {}
     fqn = index_to_fqn(module, optimizer)
     return {
         "state": {fqn[idx]: dict(s) for idx, s in sd["state"].items()},

@@ -160,3 +160,47 @@ def test_chunk_metadata_is_rectangles_of_the_ranges(worlds, tmp_path):
         for start, end in ragged_ranges(shape, pl):
             assert len(flat_range_to_boxes(shape, start, end)) <= max(1, 2 ** len(shape) - 1)
         assert sum(math.prod(s) for _, s in chunks[name]) == math.prod(shape)
+
+
+# -- full state dicts: ranks other than 0 drop each gathered tensor at once ----------------------
+def _full_state_peak_body():
+    import weakref
+
+    from torch import nn
+
+    from lightning_vescale.checkpoint._state_dicts import model_state, optimizer_state
+    from lightning_vescale.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    alive: list[weakref.ref] = []
+    peak = [0]
+    real = DTensor.full_tensor
+
+    def tracked(self, **kw):
+        out = real(self, **kw)
+        alive[:] = [r for r in alive if r() is not None]  # storages still held by anyone
+        alive.append(weakref.ref(out.untyped_storage()))
+        peak[0] = max(peak[0], len(alive))
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DTensor, "full_tensor", tracked)
+        msd = model_state(model, full=True)
+        model_peak, peak[0], alive[:] = peak[0], 0, []
+        osd = optimizer_state(model, opt, full=True)
+    return dist.get_rank(), len(msd), model_peak, len(osd), peak[0]
+
+
+def test_full_state_dicts_hold_one_full_tensor_at_a_time_off_rank_0(worlds):
+    """Rank 0 keeps every gathered tensor (it returns them); the others used to keep a CPU copy
+    of the whole model (and of every optimizer state) until the dict was thrown away."""
+    for rank, n_model, model_peak, n_opt, opt_peak in worlds(2).run(_full_state_peak_body):
+        if rank == 0:
+            assert n_model == 8 and model_peak == 8 and n_opt == 2 and opt_peak == 16
+        else:
+            assert (n_model, n_opt) == (0, 0) and model_peak == 1 and opt_peak == 1
