@@ -317,14 +317,7 @@ def all_reduce_anywhere(t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
     """``dist.all_reduce(t)`` in place, moving ``t`` to a device the group's backend takes and
     back when its own is not one (a CPU-offloaded gradient's norm or found-inf flag on an
     NCCL group: design note [mesh-device]). Returns ``t``."""
-    where = collective_device(group, t.device, mesh)
-    if where == t.device:
-        dist.all_reduce(t, op=op, group=group)
-        return t
-    moved = t.to(where)
-    dist.all_reduce(moved, op=op, group=group)
-    t.copy_(moved)
-    return t
+    return _in_place_anywhere(t, lambda x: dist.all_reduce(x, op=op, group=group), group, mesh)
 
 
 def broadcast_anywhere(t: torch.Tensor, *, group_src: int, group: dist.ProcessGroup,
@@ -332,12 +325,20 @@ def broadcast_anywhere(t: torch.Tensor, *, group_src: int, group: dist.ProcessGr
     """``dist.broadcast(t, group_src=group_src)`` in place, through a device the group's backend
     takes (one copy there and one back when ``t``'s is not one: design note [mesh-device]).
     ``t`` must be contiguous. Returns ``t``."""
+    return _in_place_anywhere(
+        t, lambda x: dist.broadcast(x, group=group, group_src=group_src), group, mesh)
+
+
+def _in_place_anywhere(t: torch.Tensor, collective: Callable[[torch.Tensor], Any],
+                       group: dist.ProcessGroup | None, mesh: DeviceMesh | None) -> torch.Tensor:
+    """Run the in-place ``collective`` on ``t``, or on a copy on the collective device that is
+    then copied back into ``t`` (design note [mesh-device])."""
     where = collective_device(group, t.device, mesh)
     if where == t.device:
-        dist.broadcast(t, group=group, group_src=group_src)
+        collective(t)
         return t
     moved = t.to(where)
-    dist.broadcast(moved, group=group, group_src=group_src)
+    collective(moved)
     t.copy_(moved)
     return t
 

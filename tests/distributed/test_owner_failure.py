@@ -159,6 +159,19 @@ def test_save_safetensors_write_failure_on_one_rank_raises_everywhere(tmp_path):
 
 
 # -- and a check that must give the same answer on every rank before a gather ----------------------
+def _load_outcome(opt, sd) -> tuple[str | None, float]:
+    """``opt.load_state_dict(sd)``'s ValueError text (None if it loaded), then an all-reduce
+    that only completes if every rank got this far (a rank left in a gather would hang it)."""
+    outcome = None
+    try:
+        opt.load_state_dict(sd)
+    except ValueError as err:
+        outcome = str(err)
+    after = torch.ones(1)
+    dist.all_reduce(after)
+    return outcome, float(after)
+
+
 def _load_factor_of_another_model_body():
     """SOAP's split (5, 6, 4) parameter at 2 ranks: owners hold 2 and 3 matrices. A saved
     ``GG0`` DTensor of 2 matrices (another model) must be refused on both ranks, before the
@@ -171,14 +184,7 @@ def _load_factor_of_another_model_body():
     sd = opt.state_dict()
     wrong = ragged_from_local(torch.zeros(36), mesh, [RaggedShard((0,), [1, 1])], (2, 6, 6))
     sd["state"][0]["GG0"] = wrong
-    outcome = None
-    try:
-        SOAP([p]).load_state_dict(sd)
-    except ValueError as err:
-        outcome = str(err)
-    after = torch.ones(1)
-    dist.all_reduce(after)
-    return outcome, float(after)
+    return _load_outcome(SOAP([p]), sd)
 
 
 def test_soap_refuses_a_factor_of_another_model_on_every_rank():
@@ -205,14 +211,7 @@ def _adamw8bit_load_wrong_size_body():
     sd = opt.state_dict()
     sd["state"][0]["exp_avg"] = ragged_from_local(torch.zeros(2), mesh,
                                                   [RaggedShard((0,), [1, 1])], (4,))
-    outcome = None
-    try:
-        AdamW8bit([p]).load_state_dict(sd)
-    except ValueError as err:
-        outcome = str(err)
-    after = torch.ones(1)
-    dist.all_reduce(after)
-    return outcome, float(after)
+    return _load_outcome(AdamW8bit([p]), sd)
 
 
 def test_adamw8bit_refuses_a_state_of_another_size_on_every_rank():
@@ -239,14 +238,7 @@ def _shampoo_load_other_tiles_body():
         opt.step()
     sd = opt.state_dict()
     sd["param_groups"][0]["max_preconditioner_dim"] = 5  # the group's value is restored
-    outcome = None
-    try:
-        Shampoo([p], max_preconditioner_dim=5).load_state_dict(sd)
-    except ValueError as err:
-        outcome = str(err)
-    after = torch.ones(1)
-    dist.all_reduce(after)
-    return outcome, float(after)
+    return _load_outcome(Shampoo([p], max_preconditioner_dim=5), sd)
 
 
 def test_shampoo_refuses_factors_of_other_tiles_on_every_rank():

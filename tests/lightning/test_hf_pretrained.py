@@ -168,7 +168,23 @@ class _NonStrict(HFFinetune):
     strict_loading = False
 
 
-def test_a_non_strict_load_initialises_what_the_checkpoint_lacks(tmp_path, monkeypatch):
+def _non_strict_body(src: str, dropped: str):
+    """A Trainer in this forked rank (world 1; a Trainer in the test process itself would leave
+    its process group and MASTER_PORT to the next tests)."""
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _count_linear_inits(mp)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=0, logger=False,
+                             enable_checkpointing=False, enable_model_summary=False,
+                             enable_progress_bar=False,
+                             strategy=VeScaleFSDPStrategy(pretrained_weights=src))
+        module = _NonStrict(src)
+        trainer.fit(module, torch.utils.data.DataLoader(X, batch_size=2))
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+             for k, v in module.model.state_dict().items()}
+    return calls[0], state[dropped], state["model.layers.1.mlp.down_proj.weight"]
+
+
+def test_a_non_strict_load_initialises_what_the_checkpoint_lacks(worlds, tmp_path):
     """A checkpoint without one Linear's weight, loaded non-strictly: that weight gets the model's
     own init (``reset_parameters``), not uninitialised memory; the rest is the checkpoint's."""
     from safetensors.torch import load_file, save_file
@@ -178,22 +194,8 @@ def test_a_non_strict_load_initialises_what_the_checkpoint_lacks(tmp_path, monke
     weights = load_file(os.path.join(src, "model.safetensors"))
     kept = {k: v for k, v in weights.items() if k != dropped}
     save_file(kept, os.path.join(src, "model.safetensors"), metadata={"format": "pt"})
-    calls = _count_linear_inits(monkeypatch)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=0, logger=False,
-                         enable_checkpointing=False, enable_model_summary=False,
-                         enable_progress_bar=False,
-                         strategy=VeScaleFSDPStrategy(pretrained_weights=src))
-    module = _NonStrict(src)
-    try:  # in this process (the counter must see the calls): leave no process group behind
-        trainer.fit(module, torch.utils.data.DataLoader(X, batch_size=2))
-        assert calls[0] > 0
-        state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
-                 for k, v in module.model.state_dict().items()}
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    torch.testing.assert_close(state["model.layers.1.mlp.down_proj.weight"],
-                               weights["model.layers.1.mlp.down_proj.weight"])
-    w = state[dropped]
+    [(calls, w, loaded)] = worlds(1).run(_non_strict_body, src, dropped)
+    assert calls > 0
+    torch.testing.assert_close(loaded, weights["model.layers.1.mlp.down_proj.weight"])
     bound = 1 / w.shape[1] ** 0.5  # nn.Linear's kaiming_uniform_(a=sqrt(5)) bound
     assert torch.isfinite(w).all() and 0 < w.abs().max() <= bound
