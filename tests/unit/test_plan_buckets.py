@@ -90,3 +90,15 @@ def test_moe_presets_at_64_ranks_pad_about_zero(preset, one_buffer):
     assert (single - total) / single == pytest.approx(one_buffer, abs=1e-4)
     assert (buffer - total) / buffer < 1e-4
     assert sum(p.split for p in plans) > len(plans) // 2
+
+
+def test_cli_and_benchmark_print_the_split_layout():
+    """The planner CLI's summary and ``benchmarks/moe.py``'s table plan with ``plan_buckets``
+    too (``fully_shard`` does: ``tests/distributed/test_moe_buckets.py``)."""
+    from benchmarks.moe import planner_table
+    from lightning_vescale.planner.cli import summarize
+
+    groups = with_expert_granularity(transformer_groups(PRESETS["gpt-oss-120b"]), "matrix", None)
+    plans, rows = summarize(groups, 64, 1, 16)
+    assert len(plans) == len(groups) + 36 and rows[0].padding_ratio < 1e-4
+    assert "| gpt-oss-120b | 64 | 0.00% | 24.16% | 0.00% |" in planner_table((64,))
