@@ -97,3 +97,32 @@ def test_checkpoint_loads_across_the_split(worlds, tmp_path, save_margin, load_m
     got, want = worlds(3).run(_with_margin, load_margin, parity._load_body, path, "adamw8bit",
                               2)[0]
     parity._assert_close(got, want)
+
+
+def _quantized_train():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from examples.moe import expert_granularity
+    from lightning_vescale.fsdp import CommPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = parity._moe_model()
+    # min_numel=512: the expert stacks and the attention weights all-gather int8, so the
+    # quantized bucket holds both kinds and splits too
+    policy = CommPolicy(all_gather="int8", reduce_scatter_dtype="bf16", min_numel=512)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, granularity=expert_granularity, comm_policy=policy)
+    fully_shard(model, mesh=mesh, granularity=expert_granularity, comm_policy=policy)
+    parity._train(model, torch.optim.AdamW(model.parameters(), **parity.ADAMW_HP), range(3))
+    return parity._full_params(model), sorted(map(str, _groups(model)[1].buffers))
+
+
+def test_split_changes_no_value_with_quantized_comm(worlds):
+    """Split or not, every element sees the same collectives' arithmetic: bitwise equal, here
+    with int8 all-gathers and bf16 reduce-scatters (a quantized bucket split too)."""
+    world = worlds(3)
+    split, split_keys = world.run(_with_margin, -1, _quantized_train)[0]
+    one, one_keys = world.run(_with_margin, float("inf"), _quantized_train)[0]
+    assert "(torch.float32, True, True, 'matrix')" in split_keys and len(one_keys) == 2
+    for n in one:
+        assert torch.equal(split[n], one[n]), n
