@@ -5,8 +5,9 @@ allocated) or an import path ``pkg.module:ClassName`` instantiated on the meta d
 ``nn.Module`` or a ``LightningModule``; ``configure_model()`` is called when present). Each
 sharding group (one per transformer block plus the root, or the whole model) is planned with
 :func:`~lightning_vescale.planner.plan_buckets` as ``fully_shard`` plans it (one buffer, or two
-when whole-matrix tensors pad less apart: design note [plan-buckets]), and the same figures are printed for FSDP2-style
-even row-wise sharding and FSDP1-style flat sharding at the same world size.
+when whole-matrix tensors pad less apart: design note [plan-buckets]), and the same figures are
+printed for FSDP2-style even row-wise sharding and FSDP1-style flat sharding at the same world
+size.
 
 Examples::
 
