@@ -35,7 +35,8 @@ __all__ = ["GroupSummary", "ShardingSummary", "sharding_summary"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GroupSummary:
-    """One ``fully_shard`` group (all its buffers: one per dtype and trainable/frozen)."""
+    """One ``fully_shard`` group (all its buffers: one per dtype and trainable/frozen, and a
+    second one for whole-matrix tensors where design note [plan-buckets] splits them)."""
 
     name: str  #: the group's module, relative to the summarised module (``"<root>"`` for it)
     tensors: int  #: parameters in the group
@@ -50,6 +51,9 @@ class GroupSummary:
     #: bytes of one gradient reduce-scatter, with the policy's wire dtype and without
     reduce_bytes: int = 0
     reduce_bytes_unquantized: int = 0
+    #: the group's DBuffers, one summary each (named by the buffer's label, e.g.
+    #: ``"[torch.float32, matrix]"``), when it has more than one; ``()`` otherwise
+    buffers: tuple[GroupSummary, ...] = ()
 
     @property
     def padding_ratio(self) -> float:
@@ -103,8 +107,12 @@ class ShardingSummary:
         if self.replicas > 1:  # HSDP: the columns are the ranks of one shard group
             rank_head = rank_head.replace("per rank", f"per shard-group rank, x{self.replicas} "
                                           "replicas", 1)
-        rows = [(g.name, f"{g.tensors}", f"{g.elements:,}", ranks(g.rank_elements),
-                 f"{100 * g.padding_ratio:.2f} %", grans(g.granularities)) for g in self.groups]
+        def row(g: GroupSummary, name: str) -> tuple[str, ...]:
+            return (name, f"{g.tensors}", f"{g.elements:,}", ranks(g.rank_elements),
+                    f"{100 * g.padding_ratio:.2f} %", grans(g.granularities))
+
+        rows = [r for g in self.groups  # a group of several buffers: one sub-row each
+                for r in [row(g, g.name), *(row(b, f"  {b.name}") for b in g.buffers)]]
         total_grans: Counter[int] = Counter()
         for g in self.groups:
             for size, count in g.granularities:
@@ -154,27 +162,38 @@ def sharding_summary(module: nn.Module) -> ShardingSummary:
     for name, group in iter_param_groups(module):
         if group.comm_policy is not None:
             policy = group.comm_policy.describe()
-        plans = [buf.plan for buf in group.buffers.values()]
-        if not plans:
+        if not group.buffers:
             continue
-        world = plans[0].world_size
+        world = next(iter(group.buffers.values())).plan.world_size
         replicas = group.mesh_info.replicate_size
-        grans = Counter(spec.granularity for plan in plans for spec in plan.entries)
-        loads = [plan.rank_loads() for plan in plans]
-        groups.append(GroupSummary(
-            name=name or "<root>",
-            tensors=sum(len(plan.entries) for plan in plans),
-            elements=sum(plan.total_numel for plan in plans),
-            rank_elements=tuple(sum(load[r] for load in loads) for r in range(world)),
-            buffer_elements=sum(plan.buffer_size for plan in plans),
-            granularities=tuple(sorted(grans.items())),
-            **_comm_bytes(group.buffers.items()),
-        ))
+        summary = _summarize(name or "<root>", group.buffers.items(), world)
+        if len(group.buffers) > 1:  # e.g. whole-matrix experts apart (design note [plan-buckets])
+            summary = dataclasses.replace(summary, buffers=tuple(
+                _summarize(buf.name[buf.name.find("["):], [(key, buf)], world)
+                for key, buf in group.buffers.items()))
+        groups.append(summary)
     if not groups:
         raise ValueError(f"sharding_summary: {type(module).__name__} has no fully_shard group; "
                          "call it after fully_shard (or after the strategy's setup).")
     return ShardingSummary(world_size=world, groups=tuple(groups), replicas=replicas,
                            comm_policy=policy)
+
+
+def _summarize(name: str, buffers: Iterable[tuple[Any, Any]], world: int) -> GroupSummary:
+    """The figures of ``buffers`` (``(key, DBuffer)`` pairs of one group) from their plans."""
+    buffers = list(buffers)
+    plans = [buf.plan for _, buf in buffers]
+    grans = Counter(spec.granularity for plan in plans for spec in plan.entries)
+    loads = [plan.rank_loads() for plan in plans]
+    return GroupSummary(
+        name=name,
+        tensors=sum(len(plan.entries) for plan in plans),
+        elements=sum(plan.total_numel for plan in plans),
+        rank_elements=tuple(sum(load[r] for load in loads) for r in range(world)),
+        buffer_elements=sum(plan.buffer_size for plan in plans),
+        granularities=tuple(sorted(grans.items())),
+        **_comm_bytes(buffers),
+    )
 
 
 def _comm_bytes(buffers: Iterable[tuple[Any, Any]]) -> dict[str, int]:

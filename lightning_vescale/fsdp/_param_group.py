@@ -15,6 +15,16 @@ tensors per group instead of one per parameter (on the 292-tensor GPT: 50 instea
 The planner keeps the order it is given (design note in ``planner/_layout``); checkpoints are
 keyed by parameter name and global boxes, so the order never shows outside a group.
 
+One bucket (dtype, trainable[, quantized]) may become two DBuffers: its parameters whose
+granularity keeps a whole matrix or more on one rank (``"matrix"`` experts) get a buffer of
+their own, keyed like the bucket plus ``"matrix"`` (``(dtype, trainable[, True], "matrix")``),
+when that lowers the bucket's padding by more than 1% of its elements. Planned behind the
+element-granular tensors, whole experts cannot fill each rank's remainder (GPT-OSS-120B's blocks
+pad 24% at 64 ranks); planned apart, both parts pad ~0%. The second buffer costs one more
+all-gather and reduce-scatter per group, hence the margin. The decision is
+:func:`~lightning_vescale.planner.plan_buckets` (design note [plan-buckets]), the same function
+the planner CLI and ``benchmarks/moe.py`` print; the order above holds inside each buffer.
+
 Parameters that are frozen when the group is built (``requires_grad=False``: a frozen base
 model under LoRA, say) go into a DBuffer of their own, which never allocates a gradient buffer
 and is never reduce-scattered: gradient memory and reduce-scatter traffic follow the trainable
@@ -43,13 +53,13 @@ from lightning_vescale.fsdp._reshard import ReshardPolicy
 from lightning_vescale.fsdp._subgroups import partial_group
 from lightning_vescale.mesh import MeshInfo
 from lightning_vescale.placement import ragged_from_local
-from lightning_vescale.planner import plan_layout
+from lightning_vescale.planner import LayoutPlan, plan_buckets
 
 __all__ = ["BackwardRoot", "ManagedParam", "Owner", "ParamGroup", "set_param"]
 
 
 class ParamGroup(GroupGradients):
-    """The parameters of one ``fully_shard`` call, bucketed into one DBuffer per dtype.
+    """The parameters of one ``fully_shard`` call, bucketed into DBuffers per dtype.
 
     Not a public constructor: :func:`lightning_vescale.fsdp.fully_shard` builds it. The
     strategy, optimizers and the memory profiler may read :attr:`params` and :attr:`buffers`.
@@ -96,7 +106,8 @@ class ParamGroup(GroupGradients):
         self.applying: tuple[Any, set[int]] | None = None
         # One DBuffer per (dtype, trainable at build time); see design note [fsdp-grads]. The
         # tensors a CommPolicy quantizes get their own, keyed (dtype, trainable, True): see
-        # design note [comm-policy].
+        # design note [comm-policy]. Whole-matrix tensors may get their own, the key plus
+        # "matrix": see design note [fsdp-buffer-order].
         self.buffers: dict[tuple, DBuffer] = {}
         self.modules_hold_unsharded = False
         self._gather: list[CommHandle] | None = None  # in-flight all-gathers
@@ -127,22 +138,16 @@ class ParamGroup(GroupGradients):
         """
         for mp in self.params:
             self._remove_grad_hooks(mp)
-        buckets: dict[tuple[torch.dtype, bool, bool], list[ManagedParam]] = {}
-        for mp in self.params:
-            key = (sources[mp.name].dtype, mp.requires_grad, self.quantized.get(mp.name, False))
-            buckets.setdefault(key, []).append(mp)
         self.buffers = {}
         policy, comm = self.mp_policy, self.comm_policy
-        for (dtype, trainable, quantized), mps in buckets.items():
-            mps = sorted(mps, key=lambda mp: len(mp.shape) < 2)  # [fsdp-buffer-order]
-            specs = [(mp.name, mp.shape, self.granularity[mp.name]) for mp in mps]
-            plan = plan_layout(specs, self.mesh_info.shard_size)
+        for (dtype, trainable, quantized, matrix), mps, plan in self._bucket_plans(sources):
             if dtype.is_floating_point:
                 pdt = policy.param_dtype if policy.param_dtype is not None else dtype
                 rdt = policy.reduce_dtype if policy.reduce_dtype is not None else pdt
             else:  # integer/bool parameters (never trainable) keep their dtype: no cast
                 pdt = rdt = dtype
-            label = f"{dtype}{'' if trainable else ', frozen'}{', quantized' if quantized else ''}"
+            label = (f"{dtype}{'' if trainable else ', frozen'}{', quantized' if quantized else ''}"
+                     f"{', matrix' if matrix else ''}")
             buf = DBuffer(plan, dtype=dtype, device=device, mesh_info=self.mesh_info,
                           param_dtype=pdt, reduce_dtype=rdt,
                           name=f"{self.fqn or '<root>'}[{label}]",
@@ -152,7 +157,8 @@ class ParamGroup(GroupGradients):
                           quant_block_size=(comm.block_size or 0) if comm else 0,
                           wire_dtype=(comm.reduce_scatter_dtype if comm and trainable
                                       and dtype.is_floating_point else None))
-            self.buffers[(dtype, trainable, True) if quantized else (dtype, trainable)] = buf
+            key = (dtype, trainable, True) if quantized else (dtype, trainable)
+            self.buffers[(*key, "matrix") if matrix else key] = buf
             for mp in mps:
                 mp.buffer = buf
                 src = sources[mp.name]
@@ -170,6 +176,27 @@ class ParamGroup(GroupGradients):
         self._gather = None
         self._reduce = None
         self.swap(sharded=True)
+
+    def _bucket_plans(self, sources: dict[str, torch.Tensor]
+                      ) -> list[tuple[tuple[torch.dtype, bool, bool, bool], list[ManagedParam],
+                                      LayoutPlan]]:
+        """``((dtype, trainable, quantized, matrix), params in buffer order, plan)`` per DBuffer:
+        one bucket per ``(dtype, trainable, quantized)`` in [fsdp-buffer-order], split in two
+        (``matrix``: its whole-matrix parameters) when :func:`~lightning_vescale.planner.
+        plan_buckets` says so (design note [plan-buckets])."""
+        buckets: dict[tuple[torch.dtype, bool, bool], list[ManagedParam]] = {}
+        for mp in self.params:
+            key = (sources[mp.name].dtype, mp.requires_grad, self.quantized.get(mp.name, False))
+            buckets.setdefault(key, []).append(mp)
+        out = []
+        for key, mps in buckets.items():
+            mps = sorted(mps, key=lambda mp: len(mp.shape) < 2)  # [fsdp-buffer-order]
+            specs = [(mp.name, mp.shape, self.granularity[mp.name]) for mp in mps]
+            by_name = {mp.name: mp for mp in mps}
+            decided = plan_buckets(specs, self.mesh_info.shard_size)
+            for i, plan in enumerate(decided.plans):
+                out.append(((*key, i == 1), [by_name[n] for n in plan.names], plan))
+        return out
 
     def _make_param_objects(self, mp: ManagedParam) -> None:
         buf = mp.buffer

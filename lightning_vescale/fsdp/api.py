@@ -4,7 +4,8 @@ Design note [fsdp-api]
 ----------------------
 ``fully_shard(module)`` (or ``fully_shard([a, b])``) turns the parameters of the module(s)
 that no inner ``fully_shard`` call owns into one
-:class:`~lightning_vescale.fsdp._param_group.ParamGroup` (one DBuffer per dtype), registers an
+:class:`~lightning_vescale.fsdp._param_group.ParamGroup` (DBuffers per dtype: design note
+[fsdp-buffer-order]), registers an
 :class:`~lightning_vescale.fsdp._state.FSDPState` with the forward hooks, and changes each
 module's class to a subclass mixing in :class:`VeScaleFSDPModule`, itself a subclass of
 torch's ``FSDPModule`` (design note [fsdp-module] in ``_module.py``), so that FSDP2's methods

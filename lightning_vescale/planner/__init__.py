@@ -12,6 +12,8 @@ Modules (each imports only the ones above it in this list, and layer 0):
 * ``_spec``: :class:`TensorSpec` and input validation;
 * ``_search``: the search over shard sizes (design note [plan-search]);
 * ``_layout``: :class:`LayoutPlan` and :func:`plan_layout` (design note [planner]);
+* ``_buckets``: :func:`plan_buckets`, one buffer or a second one for whole-matrix tensors
+  (design note [plan-buckets]);
 * ``presets``: transformer shapes of public models (no allocation);
 * ``baselines``: FSDP2- and FSDP1-style padding figures for comparison;
 * ``cli``: ``python -m lightning_vescale.planner``.
@@ -34,6 +36,12 @@ from lightning_vescale.planner._layout import (
     plan_layout,
     shard_size_lower_bound,
 )
+from lightning_vescale.planner._buckets import (
+    SPLIT_MARGIN,
+    BucketPlan,
+    is_whole_matrix,
+    plan_buckets,
+)
 from lightning_vescale.planner._spec import TensorSpec
 from lightning_vescale.planner.baselines import BaselineFigures, fsdp1_flat, fsdp2_even_rowwise
 from lightning_vescale.planner.presets import (
@@ -49,7 +57,9 @@ __all__ = [
     "DEFAULT_BLOCK_MIN_NUMEL",
     "GRANULARITY_FORMS",
     "PRESETS",
+    "SPLIT_MARGIN",
     "BaselineFigures",
+    "BucketPlan",
     "Granularity",
     "LayoutPlan",
     "TensorSpec",
@@ -57,10 +67,12 @@ __all__ = [
     "check_granularity",
     "default_granularity",
     "is_matrix_granularity",
+    "is_whole_matrix",
     "matrix_numel",
     "fsdp1_flat",
     "fsdp2_even_rowwise",
     "num_params",
+    "plan_buckets",
     "plan_layout",
     "resolve_granularity",
     "shard_size_lower_bound",

@@ -18,7 +18,10 @@ tile, ``e_t`` for "whole tensor on one rank"; the user's forms are resolved to e
 We minimize ``S`` (equivalently the padding ``m*S - sum(e_t)``). The general problem is NP-hard
 (it contains bin packing: take ``g_t = e_t``). The planner keeps the caller's tensor order
 (views, checkpoints and debugging stay predictable; reordering never helped on the benchmark
-models) and solves the order-preserving problem.
+models) and solves the order-preserving problem. The one case order cannot fix, whole matrices
+(``"matrix"`` experts) behind element-granular tensors, is handled one level up: such tensors
+get a buffer of their own when that saves more than 1% of the elements in padding
+(:func:`~lightning_vescale.planner.plan_buckets`, design note [plan-buckets]).
 
 The search over ``S`` lives in :mod:`lightning_vescale.planner._search` (design note
 [plan-search]: why a greedy earliest start is exact for a fixed ``S``, which ``S`` are

@@ -44,6 +44,9 @@ We re-ran every group of the benchmarks (LLaMA-3-70B and GPT-OSS-120B per block 
 the budget ran out with an unlimited exact scan: steps 2-4 found the order-optimal ``S`` in
 every case. Reordering (sorting by size or granularity, either way) never gave a smaller ``S``
 on those cases, so the caller's order is kept: views, checkpoints and debugging stay predictable.
+(Whole experts after element-granular tensors do pad: there the experts-first order alone does
+not help either, since the leftovers at rank ends are lost; they get a buffer of their own
+instead, design note [plan-buckets].)
 
 *Bound.* Let ``w = max_t min(g_t, e_t)`` and ``S_ub`` the first ``S >= ceil(sum(e_t)/m) + w - 1``
 that is a multiple of ``align`` and of ``g_t`` for every tensor longer than ``S``. At such an

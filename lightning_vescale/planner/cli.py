@@ -4,8 +4,10 @@ The model is either a transformer shape (``--preset`` and/or ``--config``; nothi
 allocated) or an import path ``pkg.module:ClassName`` instantiated on the meta device (an
 ``nn.Module`` or a ``LightningModule``; ``configure_model()`` is called when present). Each
 sharding group (one per transformer block plus the root, or the whole model) is planned with
-:func:`~lightning_vescale.planner.plan_layout`, and the same figures are printed for FSDP2-style
-even row-wise sharding and FSDP1-style flat sharding at the same world size.
+:func:`~lightning_vescale.planner.plan_buckets` as ``fully_shard`` plans it (one buffer, or two
+when whole-matrix tensors pad less apart: design note [plan-buckets]), and the same figures are
+printed for FSDP2-style even row-wise sharding and FSDP1-style flat sharding at the same world
+size.
 
 Examples::
 
@@ -44,7 +46,8 @@ from lightning_vescale.planner._granularity import (
     check_granularity,
     default_granularity,
 )
-from lightning_vescale.planner._layout import DEFAULT_ALIGN, LayoutPlan, plan_layout
+from lightning_vescale.planner._buckets import plan_buckets
+from lightning_vescale.planner._layout import DEFAULT_ALIGN, LayoutPlan
 from lightning_vescale.planner.baselines import fsdp1_flat, fsdp2_even_rowwise
 from lightning_vescale.planner.presets import (
     PRESETS,
@@ -194,13 +197,17 @@ class PlanSummary:
 def summarize(
     groups: list[tuple[str, Group]], world_size: int, granularity: Granularity | None, align: int
 ) -> tuple[list[LayoutPlan], list[PlanSummary]]:
-    """Plan every group; return ``(plans, [planner, lower bound, fsdp2, fsdp1] summaries)``."""
+    """Plan every group; return ``(plans, [planner, lower bound, fsdp2, fsdp1] summaries)``.
+
+    Each group is planned as ``fully_shard`` builds it: :func:`~lightning_vescale.planner.
+    plan_buckets`, so a group whose whole-matrix tensors get a buffer of their own (design note
+    [plan-buckets]) contributes two plans; the lower bound is that of the buffers chosen."""
     if granularity is None:  # the training default, resolved per tensor
         groups = [(name, [(n, s, default_granularity(s)) for n, s in params])
                   for name, params in groups]
     t0 = time.perf_counter()
-    plans = [plan_layout(params, world_size, granularity=granularity, align=align)
-             for _, params in groups]
+    plans = [plan for _, params in groups for plan in
+             plan_buckets(params, world_size, granularity=granularity, align=align).plans]
     seconds = time.perf_counter() - t0
     total = sum(p.total_numel for p in plans)
     buffer = sum(p.buffer_size for p in plans)
@@ -319,8 +326,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_fmt_table(rows))
         exact = sum(p.exact for p in plans)
         optimal = sum(p.optimal for p in plans)
-        print(f"  groups at the lower bound (provably optimal): {optimal}/{len(plans)}; "
-              f"optimal for their order: {exact}/{len(plans)}")
+        split = f" ({len(plans) - len(groups)} groups keep whole matrices in a buffer of " \
+            "their own)" if len(plans) > len(groups) else ""
+        print(f"  buffers at the lower bound (provably optimal): {optimal}/{len(plans)}; "
+              f"optimal for their order: {exact}/{len(plans)}{split}")
         if args.describe:
             print(_describe(largest))
     return 0

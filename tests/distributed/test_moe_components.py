@@ -1,7 +1,8 @@
 """Stacked experts through the rest of the stack: FlatParamOptimizer, sharding_summary, the
 MemoryProfiler's accounting and AdamW8bit's blocks, on ``examples/moe.py``'s MoE GPT sharded by
 the strategies' path with experts whole (``granularity={"*.experts.*": "matrix"}``) at 3 ranks
-(6 experts over 3 ranks; the dense tensors 256-aligned).
+(6 experts over 3 ranks; the dense tensors 256-aligned; the experts in a DBuffer of their own,
+design note [plan-buckets]).
 
 References: the flat optimizer step equals the per-parameter ``torch.optim.AdamW`` step bitwise
 (design note [flat-params]); both equal one process training the same model on the same batch
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from examples.moe import MoEConfig, MoEGPT
+from lightning_vescale.fsdp import iter_param_groups
 from lightning_vescale.sharding_summary import sharding_summary
 from lightning_vescale._lightning.sharding import ShardGranularity, parse_granularity, shard_model
 from lightning_vescale.callbacks._memory_accounting import account, collect_training_tensors
@@ -56,6 +58,7 @@ def _train(model, opt, steps=2):
 
 def _flat_equals_per_param_and_one_process():
     flat_model, plain_model = _model(True), _model(True)
+    assert sum(len(g.buffers) == 2 for _, g in iter_param_groups(flat_model)) == CFG.n_layer
     flat = _train(flat_model, flat_param_optimizer(torch.optim.AdamW(flat_model.parameters(),
                                                                      lr=1e-2)))
     plain = _train(plain_model, torch.optim.AdamW(plain_model.parameters(), lr=1e-2))
@@ -74,6 +77,11 @@ def _summary_and_accounting():
     world = dist.get_world_size()
     expert_grans = {size for g in summary.groups for size, _ in g.granularities}
     assert EXPERT_SIZES <= expert_grans, expert_grans
+    # at 3 ranks the experts have a DBuffer of their own ([plan-buckets]); the summary lists both
+    split = [g for g in summary.groups if g.buffers]
+    assert len(split) == CFG.n_layer and all(
+        [b.name for b in g.buffers] == ["[torch.float32]", "[torch.float32, matrix]"]
+        for g in split), str(summary)
     assert sum(summary.rank_elements) == summary.elements
     total = sum(p.numel() for p in model.parameters())
     assert summary.elements == total
