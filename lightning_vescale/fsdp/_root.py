@@ -321,9 +321,13 @@ class RootContext:
                 pgs = [pg for pg, n in ((mesh_info.shard_group, mesh_info.shard_size),
                                         (mesh_info.replicate_group, mesh_info.replicate_size))
                        if n > 1]
-            if len(pgs) == 1 and all(local):
+            if all(local):
                 self.finish_flags()
-                work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pgs[0], async_op=True)
+                work = None
+                for pg in pgs:  # a mesh torch cannot flatten: dim by dim, ordered by the waits
+                    if work is not None:
+                        work.wait()  # NCCL: the stream waits, not the host
+                    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg, async_op=True)
                 self.pending_flags = (work, t)
                 return local
             for pg in pgs:

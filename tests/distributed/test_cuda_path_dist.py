@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -99,13 +100,19 @@ def test_set_post_optim_event_is_waited_on(worlds):
     assert worlds(2).run(_post_optim_event_body) == [1, 1]
 
 
-def _grad_flags_body():
+def _grad_flags_body(unnamed_hsdp: bool = False):
+    from torch.distributed.device_mesh import init_device_mesh
+
     from lightning_vescale.fsdp._root import get_state
 
     torch.manual_seed(0)
     model = MLP()
     ref = copy.deepcopy(model)
-    shard_mlp("ours", model)
+    # a 2-D mesh without names: torch cannot flatten it, the flags go dim by dim
+    kw = {"mesh": init_device_mesh("cpu", (2, 2))} if unnamed_hsdp else {}
+    shard_mlp("ours", model, **kw)
+    if unnamed_hsdp:
+        assert get_state(model.l1).group.mesh_info.data_parallel_group is None
     x = torch.randn(2 * dist.get_world_size(), 16)
     model(micro(x)).sum().backward()
     ctx = get_state(model).ctx
@@ -117,8 +124,9 @@ def _grad_flags_body():
         n: p.grad for n, p in ref.named_parameters()}
 
 
-def test_dense_gradient_flags_need_no_host_sync(worlds):
-    for pending, finished, grads, want in worlds(2).run(_grad_flags_body):
+@pytest.mark.parametrize("world,unnamed_hsdp", [(2, False), (4, True)], ids=["fsdp", "hsdp"])
+def test_dense_gradient_flags_need_no_host_sync(worlds, world, unnamed_hsdp):
+    for pending, finished, grads, want in worlds(world).run(_grad_flags_body, unnamed_hsdp):
         assert pending and finished
         for name in want:
             torch.testing.assert_close(grads[name], want[name])
