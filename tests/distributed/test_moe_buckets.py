@@ -49,6 +49,7 @@ def _groups(model):
 
 
 def _engine_is_the_planner():
+    from lightning_vescale.callbacks.memory import engine_tensors
     from lightning_vescale.planner import plan_buckets
     from lightning_vescale.sharding_summary import sharding_summary
 
@@ -62,6 +63,8 @@ def _engine_is_the_planner():
         assert list(group.buffers) == [(torch.float32, True, *s) for s in want.suffixes]
         splits += want.split
         stacks += want.per_stack
+    found, _ = engine_tensors(model)  # the memory profiler walks every buffer
+    assert len(found["params_sharded"]) == sum(len(g.buffers) for g in _groups(model))
     summary = sharding_summary(model)
     listed = [b.name for g in summary.groups for b in g.buffers]
     blocks = [g.padding_ratio for g in summary.groups if g.buffers]
