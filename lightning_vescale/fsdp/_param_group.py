@@ -21,7 +21,7 @@ their own, keyed like the bucket plus ``"matrix"`` (``(dtype, trainable[, True],
 or one each, keyed plus ``("matrix", name)``, when every additional buffer lowers the bucket's
 padding by more than 1% of its elements. Planned behind the element-granular tensors, whole
 experts cannot fill each rank's remainder (GPT-OSS-120B's blocks pad 24% at 64 ranks); planned
-apart, both parts pad ~0%; DeepSeek-V3's stacks tile 256 ranks only one buffer each. Each
+apart, both parts pad ~0%; DeepSeek-V3's stacks tile 256 ranks only in a buffer each. Each
 buffer costs one more all-gather and reduce-scatter per group, hence the margin. The decision is
 :func:`~lightning_vescale.planner.plan_buckets` (design note [plan-buckets]), the same function
 the planner CLI and ``benchmarks/moe.py`` print; the order above holds inside each buffer.
