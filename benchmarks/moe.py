@@ -174,7 +174,8 @@ def planner_table(world_sizes=(64, 256, 1024, 4096, 10240)) -> str:
     from lightning_vescale.planner.presets import PRESETS
 
     lines = ["| preset | ranks | ours, matrix experts: padding | (one buffer per bucket) | "
-             "FSDP2 torch.chunk: padding |", "|---|---:|---:|---:|---:|"]
+             "FSDP2 torch.chunk: padding | buffers per block (max) |",
+             "|---|---:|---:|---:|---:|---:|"]
     for name in ("gpt-oss-120b", "deepseek-v3-stacked"):
         groups = with_expert_granularity(transformer_groups(PRESETS[name]), "matrix", None)
         total = sum(math.prod(s) for _, g in groups for _, s, _ in g)
@@ -183,8 +184,10 @@ def planner_table(world_sizes=(64, 256, 1024, 4096, 10240)) -> str:
             ours = sum(b.buffer_size for b in buckets)
             one = total + sum(b.one_buffer_padding for b in buckets)
             fs = sum(fsdp2_even_rowwise(g, m).buffer_size for _, g in groups)
+            most = max(len(b.plans) for b in buckets)
             lines.append(f"| {name} | {m:,} | {100 * (ours - total) / ours:.2f}% | "
-                         f"{100 * (one - total) / one:.2f}% | {100 * (fs - total) / fs:.2f}% |")
+                         f"{100 * (one - total) / one:.2f}% | {100 * (fs - total) / fs:.2f}% | "
+                         f"{most} |")
     return "\n".join(lines)
 
 

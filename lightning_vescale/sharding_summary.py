@@ -35,8 +35,9 @@ __all__ = ["GroupSummary", "ShardingSummary", "sharding_summary"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GroupSummary:
-    """One ``fully_shard`` group (all its buffers: one per dtype and trainable/frozen, and a
-    second one for whole-matrix tensors where design note [plan-buckets] splits them)."""
+    """One ``fully_shard`` group (all its buffers: one per dtype and trainable/frozen, and more
+    for whole-matrix tensors where design note [plan-buckets] splits them: one for all, or one
+    per tensor)."""
 
     name: str  #: the group's module, relative to the summarised module (``"<root>"`` for it)
     tensors: int  #: parameters in the group

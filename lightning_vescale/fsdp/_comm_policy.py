@@ -8,7 +8,7 @@ optimizer states and checkpoints stay full precision.
 
 * ``all_gather="int8"|"fp8"``: the group's *quantized* parameters go into DBuffers of their own
   (``group.buffers`` key ``(dtype, trainable, True)`` beside the usual ``(dtype, trainable)``,
-  each with a ``"matrix"`` twin where [plan-buckets] splits; design note [fsdp-buffer-order]
+  each with ``"matrix"`` twins where [plan-buckets] splits; design note [fsdp-buffer-order]
   holds inside each), whose all-gather moves 1-byte codes plus
   one fp32 scale per ``block_size`` elements (design note [quantized-all-gather] in
   ``lightning_vescale/_dbuffer_quant.py``) and dequantizes into the unsharded parameters in

@@ -15,13 +15,14 @@ tensors per group instead of one per parameter (on the 292-tensor GPT: 50 instea
 The planner keeps the order it is given (design note in ``planner/_layout``); checkpoints are
 keyed by parameter name and global boxes, so the order never shows outside a group.
 
-One bucket (dtype, trainable[, quantized]) may become two DBuffers: its parameters whose
+One bucket (dtype, trainable[, quantized]) may become several DBuffers: its parameters whose
 granularity keeps a whole matrix or more on one rank (``"matrix"`` experts) get a buffer of
 their own, keyed like the bucket plus ``"matrix"`` (``(dtype, trainable[, True], "matrix")``),
-when that lowers the bucket's padding by more than 1% of its elements. Planned behind the
-element-granular tensors, whole experts cannot fill each rank's remainder (GPT-OSS-120B's blocks
-pad 24% at 64 ranks); planned apart, both parts pad ~0%. The second buffer costs one more
-all-gather and reduce-scatter per group, hence the margin. The decision is
+or one each, keyed plus ``("matrix", name)``, when every additional buffer lowers the bucket's
+padding by more than 1% of its elements. Planned behind the element-granular tensors, whole
+experts cannot fill each rank's remainder (GPT-OSS-120B's blocks pad 24% at 64 ranks); planned
+apart, both parts pad ~0%; DeepSeek-V3's stacks tile 256 ranks only in a buffer each. Each
+buffer costs one more all-gather and reduce-scatter per group, hence the margin. The decision is
 :func:`~lightning_vescale.planner.plan_buckets` (design note [plan-buckets]), the same function
 the planner CLI and ``benchmarks/moe.py`` print; the order above holds inside each buffer.
 
@@ -107,7 +108,7 @@ class ParamGroup(GroupGradients):
         # One DBuffer per (dtype, trainable at build time); see design note [fsdp-grads]. The
         # tensors a CommPolicy quantizes get their own, keyed (dtype, trainable, True): see
         # design note [comm-policy]. Whole-matrix tensors may get their own, the key plus
-        # "matrix": see design note [fsdp-buffer-order].
+        # "matrix" (or one each, plus ("matrix", name)): see design note [fsdp-buffer-order].
         self.buffers: dict[tuple, DBuffer] = {}
         self.modules_hold_unsharded = False
         self._gather: list[CommHandle] | None = None  # in-flight all-gathers
@@ -140,14 +141,14 @@ class ParamGroup(GroupGradients):
             self._remove_grad_hooks(mp)
         self.buffers = {}
         policy, comm = self.mp_policy, self.comm_policy
-        for (dtype, trainable, quantized, matrix), mps, plan in self._bucket_plans(sources):
+        for (dtype, trainable, quantized), suffix, mps, plan in self._bucket_plans(sources):
             if dtype.is_floating_point:
                 pdt = policy.param_dtype if policy.param_dtype is not None else dtype
                 rdt = policy.reduce_dtype if policy.reduce_dtype is not None else pdt
             else:  # integer/bool parameters (never trainable) keep their dtype: no cast
                 pdt = rdt = dtype
             label = (f"{dtype}{'' if trainable else ', frozen'}{', quantized' if quantized else ''}"
-                     f"{', matrix' if matrix else ''}")
+                     f"{''.join(f', {part}' for part in suffix)}")
             buf = DBuffer(plan, dtype=dtype, device=device, mesh_info=self.mesh_info,
                           param_dtype=pdt, reduce_dtype=rdt,
                           name=f"{self.fqn or '<root>'}[{label}]",
@@ -158,7 +159,7 @@ class ParamGroup(GroupGradients):
                           wire_dtype=(comm.reduce_scatter_dtype if comm and trainable
                                       and dtype.is_floating_point else None))
             key = (dtype, trainable, True) if quantized else (dtype, trainable)
-            self.buffers[(*key, "matrix") if matrix else key] = buf
+            self.buffers[(*key, *suffix)] = buf
             for mp in mps:
                 mp.buffer = buf
                 src = sources[mp.name]
@@ -178,12 +179,13 @@ class ParamGroup(GroupGradients):
         self.swap(sharded=True)
 
     def _bucket_plans(self, sources: dict[str, torch.Tensor]
-                      ) -> list[tuple[tuple[torch.dtype, bool, bool, bool], list[ManagedParam],
-                                      LayoutPlan]]:
-        """``((dtype, trainable, quantized, matrix), params in buffer order, plan)`` per DBuffer:
-        one bucket per ``(dtype, trainable, quantized)`` in [fsdp-buffer-order], split in two
-        (``matrix``: its whole-matrix parameters) when :func:`~lightning_vescale.planner.
-        plan_buckets` says so (design note [plan-buckets])."""
+                      ) -> list[tuple[tuple[torch.dtype, bool, bool], tuple[str, ...],
+                                      list[ManagedParam], LayoutPlan]]:
+        """``((dtype, trainable, quantized), key suffix, params in buffer order, plan)`` per
+        DBuffer: one bucket per ``(dtype, trainable, quantized)`` in [fsdp-buffer-order], split
+        (its whole-matrix parameters together, suffix ``("matrix",)``, or one buffer each,
+        ``("matrix", name)``) when :func:`~lightning_vescale.planner.plan_buckets` says so
+        (design note [plan-buckets])."""
         buckets: dict[tuple[torch.dtype, bool, bool], list[ManagedParam]] = {}
         for mp in self.params:
             key = (sources[mp.name].dtype, mp.requires_grad, self.quantized.get(mp.name, False))
@@ -194,8 +196,8 @@ class ParamGroup(GroupGradients):
             specs = [(mp.name, mp.shape, self.granularity[mp.name]) for mp in mps]
             by_name = {mp.name: mp for mp in mps}
             decided = plan_buckets(specs, self.mesh_info.shard_size)
-            for i, plan in enumerate(decided.plans):
-                out.append(((*key, i == 1), [by_name[n] for n in plan.names], plan))
+            for suffix, plan in zip(decided.suffixes, decided.plans, strict=True):
+                out.append((key, suffix, [by_name[n] for n in plan.names], plan))
         return out
 
     def _make_param_objects(self, mp: ManagedParam) -> None:

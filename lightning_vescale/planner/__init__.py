@@ -12,8 +12,8 @@ Modules (each imports only the ones above it in this list, and layer 0):
 * ``_spec``: :class:`TensorSpec` and input validation;
 * ``_search``: the search over shard sizes (design note [plan-search]);
 * ``_layout``: :class:`LayoutPlan` and :func:`plan_layout` (design note [planner]);
-* ``_buckets``: :func:`plan_buckets`, one buffer or a second one for whole-matrix tensors
-  (design note [plan-buckets]);
+* ``_buckets``: :func:`plan_buckets`, one buffer, a second one for whole-matrix tensors or one
+  per whole-matrix tensor (design note [plan-buckets]);
 * ``presets``: transformer shapes of public models (no allocation);
 * ``baselines``: FSDP2- and FSDP1-style padding figures for comparison;
 * ``cli``: ``python -m lightning_vescale.planner``.
@@ -37,6 +37,7 @@ from lightning_vescale.planner._layout import (
     shard_size_lower_bound,
 )
 from lightning_vescale.planner._buckets import (
+    MAX_STACK_BUFFERS,
     SPLIT_MARGIN,
     BucketPlan,
     is_whole_matrix,
@@ -57,6 +58,7 @@ __all__ = [
     "DEFAULT_BLOCK_MIN_NUMEL",
     "GRANULARITY_FORMS",
     "PRESETS",
+    "MAX_STACK_BUFFERS",
     "SPLIT_MARGIN",
     "BaselineFigures",
     "BucketPlan",

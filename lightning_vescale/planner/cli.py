@@ -4,10 +4,10 @@ The model is either a transformer shape (``--preset`` and/or ``--config``; nothi
 allocated) or an import path ``pkg.module:ClassName`` instantiated on the meta device (an
 ``nn.Module`` or a ``LightningModule``; ``configure_model()`` is called when present). Each
 sharding group (one per transformer block plus the root, or the whole model) is planned with
-:func:`~lightning_vescale.planner.plan_buckets` as ``fully_shard`` plans it (one buffer, or two
-when whole-matrix tensors pad less apart: design note [plan-buckets]), and the same figures are
-printed for FSDP2-style even row-wise sharding and FSDP1-style flat sharding at the same world
-size.
+:func:`~lightning_vescale.planner.plan_buckets` as ``fully_shard`` plans it (one buffer, two, or
+one per whole-matrix tensor when they pad less apart: design note [plan-buckets]), and the same
+figures are printed for FSDP2-style even row-wise sharding and FSDP1-style flat sharding at the
+same world size.
 
 Examples::
 
@@ -201,7 +201,7 @@ def summarize(
 
     Each group is planned as ``fully_shard`` builds it: :func:`~lightning_vescale.planner.
     plan_buckets`, so a group whose whole-matrix tensors get a buffer of their own (design note
-    [plan-buckets]) contributes two plans; the lower bound is that of the buffers chosen."""
+    [plan-buckets]) contributes several plans; the lower bound is that of the buffers chosen."""
     if granularity is None:  # the training default, resolved per tensor
         groups = [(name, [(n, s, default_granularity(s)) for n, s in params])
                   for name, params in groups]

@@ -1,16 +1,19 @@
 """Whole-matrix experts in a DBuffer of their own (design note [plan-buckets]) through the engine.
 
 ``examples/moe.py``'s MoE GPT sharded per block with experts whole (``expert_granularity``), as
-``test_moe_parity.py`` does, with the decision forced (``SPLIT_MARGIN=-1``: split whenever a
-bucket holds both kinds; ``inf``: never) or left to the rule:
+``test_moe_parity.py`` does, with the decision forced (layout ``"stacks"``: ``SPLIT_MARGIN=-1``,
+one buffer per expert stack; ``"two"``: ``-1`` with ``MAX_STACK_BUFFERS=0``, the stacks in one
+buffer beside the rest; ``"one"``: ``inf``, never split) or left to the rule:
 
 * the engine builds exactly :func:`~lightning_vescale.planner.plan_buckets`' plans (the figures
-  the planner CLI and ``benchmarks/moe.py`` print), and at 3 ranks the rule's split lowers the
-  blocks' padding from 4.0% to 0.1% (one buffer before [plan-buckets]: this test fails there);
+  the planner CLI and ``benchmarks/moe.py`` print): at 3 ranks the rule's two buffers lower the
+  blocks' padding from 4.0% to 0.1% (one buffer before [plan-buckets]); at 2 ranks one buffer
+  per stack lowers it from 3.6% to 0 (two buffers would pad 6.3%: one buffer before this
+  candidate, the test fails there);
 * parity with one process at 2-4 ranks on split groups with AdamW (bitwise at 2 ranks, as
   before the split), AdamW8bit and Muon (``torch.optim.Muon`` per expert), reusing
   ``test_moe_parity``'s reference and tolerance;
-* checkpoints saved under one layout load under the other (names and global boxes).
+* checkpoints saved under one layout load under another (names and global boxes).
 """
 
 from __future__ import annotations
@@ -22,17 +25,21 @@ import torch.distributed as dist
 from tests.distributed import test_moe_parity as parity
 
 
-def _with_margin(margin: float | None, fn, *args):
-    """Run ``fn`` in this rank with ``SPLIT_MARGIN`` set (``None``: the default rule)."""
+#: forced layouts: (SPLIT_MARGIN, MAX_STACK_BUFFERS)
+LAYOUTS = {"one": (float("inf"), 8), "two": (-1, 0), "stacks": (-1, 8)}
+
+
+def _with_layout(layout: str | None, fn, *args):
+    """Run ``fn`` in this rank with the decision forced to ``layout`` (``None``: the rule)."""
     from lightning_vescale.planner import _buckets
 
-    saved = _buckets.SPLIT_MARGIN
-    if margin is not None:
-        _buckets.SPLIT_MARGIN = margin
+    saved = _buckets.SPLIT_MARGIN, _buckets.MAX_STACK_BUFFERS
+    if layout is not None:
+        _buckets.SPLIT_MARGIN, _buckets.MAX_STACK_BUFFERS = LAYOUTS[layout]
     try:
         return fn(*args)
     finally:
-        _buckets.SPLIT_MARGIN = saved
+        _buckets.SPLIT_MARGIN, _buckets.MAX_STACK_BUFFERS = saved
 
 
 def _groups(model):
@@ -42,59 +49,75 @@ def _groups(model):
 
 
 def _engine_is_the_planner():
+    from lightning_vescale.callbacks.memory import engine_tensors
     from lightning_vescale.planner import plan_buckets
     from lightning_vescale.sharding_summary import sharding_summary
 
     model = parity._sharded_model(dist.get_world_size())
-    splits = 0
+    splits = stacks = 0
     for group in _groups(model):
         mps = sorted(group.params, key=lambda mp: len(mp.shape) < 2)
         want = plan_buckets([(mp.name, mp.shape, group.granularity[mp.name]) for mp in mps],
                             dist.get_world_size())
         assert tuple(buf.plan for buf in group.buffers.values()) == want.plans
-        keys = list(group.buffers)
-        assert keys == ([(torch.float32, True), (torch.float32, True, "matrix")] if want.split
-                        else [(torch.float32, True)])
+        assert list(group.buffers) == [(torch.float32, True, *s) for s in want.suffixes]
         splits += want.split
+        stacks += want.per_stack
+    found, _ = engine_tensors(model)  # the memory profiler walks every buffer
+    assert len(found["params_sharded"]) == sum(len(g.buffers) for g in _groups(model))
     summary = sharding_summary(model)
     listed = [b.name for g in summary.groups for b in g.buffers]
     blocks = [g.padding_ratio for g in summary.groups if g.buffers]
-    return splits, blocks, listed, str(summary)
+    return splits, stacks, blocks, listed, str(summary)
 
 
 def test_engine_builds_plan_buckets_layout_and_pads_less(worlds):
-    splits, blocks, listed, table = worlds(3).run(_engine_is_the_planner)[0]
-    assert splits == 2  # both blocks (the root has no experts)
+    splits, stacks, blocks, listed, table = worlds(3).run(_engine_is_the_planner)[0]
+    assert splits == 2 and stacks == 0  # both blocks (the root has no experts)
     assert len(blocks) == 2 and max(blocks) < 0.002, table  # one buffer per bucket: 4.0%
     assert listed == ["[torch.float32]", "[torch.float32, matrix]"] * 2, table
     assert "  [torch.float32, matrix]" in table
 
 
-def _split_parity(kind: str):
+def test_engine_builds_one_buffer_per_stack_where_only_that_pays(worlds):
+    splits, stacks, blocks, listed, table = worlds(2).run(_engine_is_the_planner)[0]
+    assert splits == stacks == 2, table  # one buffer: 3.6%; two buffers: 6.3%
+    assert len(blocks) == 2 and max(blocks) == 0.0, table
+    assert listed == ["[torch.float32]", "[torch.float32, matrix, mlp.experts.w_in]",
+                      "[torch.float32, matrix, mlp.experts.w_out]"] * 2, table
+
+
+def _split_parity(kind: str, layout: str):
     model = parity._sharded_model(dist.get_world_size())
     blocks = [g for g in _groups(model) if any(".experts." in mp.name for mp in g.params)]
-    assert len(blocks) == 2 and all((torch.float32, True, "matrix") in g.buffers for g in blocks)
+    want = {"two": [(torch.float32, True), (torch.float32, True, "matrix")],
+            "stacks": [(torch.float32, True), (torch.float32, True, "matrix", "mlp.experts.w_in"),
+                       (torch.float32, True, "matrix", "mlp.experts.w_out")]}[layout]
+    assert len(blocks) == 2 and all(list(g.buffers) == want for g in blocks)
     opt = parity._optimizer(model, kind)
     steps = 2 if kind == "muon" else parity.STEPS
     parity._train(model, opt, range(steps))
     return parity._full_params(model), parity._reference_model(kind, dist.get_world_size(), steps)
 
 
-@pytest.mark.parametrize("world,kind", [(2, "adamw"), (2, "muon"), (3, "adamw8bit"),
-                                        (4, "muon")])
-def test_split_groups_match_single_process(worlds, world, kind):
-    got, want = worlds(world).run(_with_margin, -1, _split_parity, kind)[0]
+@pytest.mark.parametrize("world,kind,layout", [
+    (2, "adamw", "two"), (2, "muon", "two"), (3, "adamw8bit", "two"), (4, "muon", "two"),
+    (2, "adamw", "stacks"), (2, "muon", "stacks"), (3, "adamw8bit", "stacks"),
+    (4, "muon", "stacks")])
+def test_split_groups_match_single_process(worlds, world, kind, layout):
+    got, want = worlds(world).run(_with_layout, layout, _split_parity, kind, layout)[0]
     parity._assert_close(got, want)
     if world == 2 and kind == "adamw":  # bitwise before the split, bitwise with it
         for n in want:
             assert torch.equal(got[n], want[n]), n
 
 
-@pytest.mark.parametrize("save_margin,load_margin", [(float("inf"), -1), (-1, float("inf"))])
-def test_checkpoint_loads_across_the_split(worlds, tmp_path, save_margin, load_margin):
+@pytest.mark.parametrize("save_layout,load_layout", [("one", "two"), ("two", "one"),
+                                                     ("stacks", "one"), ("two", "stacks")])
+def test_checkpoint_loads_across_the_split(worlds, tmp_path, save_layout, load_layout):
     path = str(tmp_path / "ckpt")
-    worlds(2).run(_with_margin, save_margin, parity._save_body, path, "adamw8bit")
-    got, want = worlds(3).run(_with_margin, load_margin, parity._load_body, path, "adamw8bit",
+    worlds(2).run(_with_layout, save_layout, parity._save_body, path, "adamw8bit")
+    got, want = worlds(3).run(_with_layout, load_layout, parity._load_body, path, "adamw8bit",
                               2)[0]
     parity._assert_close(got, want)
 
@@ -121,8 +144,10 @@ def test_split_changes_no_value_with_quantized_comm(worlds):
     """Split or not, every element sees the same collectives' arithmetic: bitwise equal, here
     with int8 all-gathers and bf16 reduce-scatters (a quantized bucket split too)."""
     world = worlds(3)
-    split, split_keys = world.run(_with_margin, -1, _quantized_train)[0]
-    one, one_keys = world.run(_with_margin, float("inf"), _quantized_train)[0]
-    assert "(torch.float32, True, True, 'matrix')" in split_keys and len(one_keys) == 2
-    for n in one:
-        assert torch.equal(split[n], one[n]), n
+    one, one_keys = world.run(_with_layout, "one", _quantized_train)[0]
+    assert len(one_keys) == 2
+    for layout, key in (("two", "'matrix')"), ("stacks", "'matrix', 'mlp.experts.w_in')")):
+        split, split_keys = world.run(_with_layout, layout, _quantized_train)[0]
+        assert f"(torch.float32, True, True, {key}" in split_keys, split_keys
+        for n in one:
+            assert torch.equal(split[n], one[n]), (layout, n)
