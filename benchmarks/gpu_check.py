@@ -34,6 +34,9 @@ NCCL) and, when there are several GPUs, all of them (one process per GPU, spawne
    allocated/reserved memory.
 
 Everything is written to ``benchmarks/RESULTS_gpu.md`` (with the command, versions and GPU).
+Each row's verdict is printed the moment it is known, and ``--time-limit`` (default 280 s)
+bounds the whole run: a world past its share is killed and reported with the rows it finished,
+and a hung collective fails its row after 90 s (``benchmarks/_gpu_launch.py``).
 ``--quick`` shrinks the throughput model for a smoke run. The rank-side functions take a
 device and a backend, so ``tests/unit/test_gpu_check.py`` runs them on CPU/gloo too.
 """
@@ -61,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._gpu_cuda_path import CHECKS as CUDA_PATH_CHECKS
+from benchmarks._gpu_launch import COLLECTIVE_TIMEOUT, read_rows, row_reporter, spawn_within
 from benchmarks._gpu_offload_optim import CHECKS as OFFLOAD_OPTIM_CHECKS
 from examples.gpt import GPT, GPTConfig
 
@@ -347,8 +351,10 @@ def throughput(engine: str, cfg: ThroughputConfig, device: torch.device) -> dict
             "peak_reserved": torch.cuda.max_memory_reserved(device) if cuda else None}
 
 
-def run_checks(device: torch.device, cfg: ThroughputConfig | None) -> dict[str, Any]:
-    """Every rank-side check in this world; a failing check is a row, never an abort."""
+def run_checks(device: torch.device, cfg: ThroughputConfig | None,
+               report: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every rank-side check in this world; a failing check is a row, never an abort.
+    ``report`` gets each row as soon as it is done (``_gpu_launch.row_reporter``)."""
     rows = []
     for fn in (check_parity, check_bf16, check_async, check_offload, check_quantized_comm,
                *CUDA_PATH_CHECKS, *OFFLOAD_OPTIM_CHECKS):
@@ -356,6 +362,8 @@ def run_checks(device: torch.device, cfg: ThroughputConfig | None) -> dict[str, 
             rows.append(fn(device))
         except Exception:  # noqa: BLE001 - report it and go on with the other checks
             rows.append(_row(fn.__name__, FAIL, traceback.format_exc(limit=3)[-800:]))
+        if report is not None:
+            report(rows[-1])
     perf = []
     if cfg is not None:
         for engine in ENGINES:
@@ -384,9 +392,11 @@ def _rank_entry(rank: int, world: int, port: int, out_dir: str, cfg: dict | None
     device = torch.device("cuda", rank)
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity means fp32 matmuls
     torch.backends.cudnn.allow_tf32 = False
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device,
+                            timeout=COLLECTIVE_TIMEOUT)  # a hung collective fails its row
     try:
-        res = run_checks(device, ThroughputConfig(**cfg) if cfg is not None else None)
+        res = run_checks(device, ThroughputConfig(**cfg) if cfg is not None else None,
+                         report=row_reporter(out_dir, rank, world))
     finally:
         dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
@@ -432,19 +442,12 @@ def _snapshot_entry(out_dir: str) -> None:
     Path(out_dir, "snapshot.json").write_text(json.dumps(info))
 
 
-def _spawn(world: int, fn: Callable, args: tuple) -> None:
-    """``fn(rank, *args)`` in ``world`` fresh processes (spawn: CUDA cannot be forked)."""
-    import torch.multiprocessing as mp
-
-    mp.start_processes(fn, args=args, nprocs=world, start_method="spawn", join=True)
-
-
-def check_snapshot(out_dir: str) -> dict[str, Any]:
-    """Run :func:`_snapshot_entry` in a fresh process and judge its output."""
+def check_snapshot(out_dir: str, seconds: float = 120.0) -> dict[str, Any]:
+    """Run :func:`_snapshot_entry` in a fresh process (at most ``seconds``) and judge it."""
     if not torch.cuda.is_available():
         return _row("MemoryProfiler allocator snapshot", SKIP, "CUDA only")
     try:
-        _spawn(1, _snapshot_entry_wrapper, (out_dir,))
+        spawn_within(1, _snapshot_entry_wrapper, (out_dir,), max(seconds, 30.0))
         info = json.loads(Path(out_dir, "snapshot.json").read_text())
     except Exception:  # noqa: BLE001
         return _row("MemoryProfiler allocator snapshot", FAIL,
@@ -526,6 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a small throughput model (smoke run)")
     p.add_argument("--no-throughput", action="store_true", help="checks only")
     p.add_argument("--output", default=str(RESULTS), help="where to write the results")
+    p.add_argument("--time-limit", type=float, default=280.0,
+                   help="seconds for the whole run; a world past its share is killed and "
+                        "reported with the rows it finished")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_check: skipped: no CUDA device is available (torch "
@@ -536,20 +542,23 @@ def main(argv: list[str] | None = None) -> int:
     n = torch.cuda.device_count()
     worlds = [1] + ([n] if n > 1 else [])
     results: dict[int, dict[str, Any]] = {}
+    end = time.monotonic() + a.time_limit
     with tempfile.TemporaryDirectory() as tmp:
-        for world in worlds:
+        for i, world in enumerate(worlds):
             out = Path(tmp, f"world{world}")
             out.mkdir()
-            print(f"gpu_check: world size {world} ...", flush=True)
+            # each world gets an equal share of what is left, the snapshot row 60 s of it
+            share = (end - 60.0 - time.monotonic()) / (len(worlds) - i)
+            print(f"gpu_check: world size {world} (at most {share:.0f} s) ...", flush=True)
             try:
-                _spawn(world, _rank_entry, (world, _free_port(), str(out),
-                                            None if cfg is None else asdict(cfg)))
-                results[world] = json.loads(Path(out, "rank0.json").read_text())
+                spawn_within(world, _rank_entry, (world, _free_port(), str(out),
+                                                  None if cfg is None else asdict(cfg)), share)
+                results[world] = read_rows(out)
             except Exception:  # noqa: BLE001 - one world failing must not hide the others
-                results[world] = {"rows": [_row("world start", FAIL,
-                                                traceback.format_exc(limit=3)[-800:])],
-                                  "perf": []}
-        snapshot_row = check_snapshot(tmp)
+                results[world] = read_rows(out)  # the rows it finished, then why it stopped
+                results[world]["rows"].append(
+                    _row("world run", FAIL, traceback.format_exc(limit=3)[-800:]))
+        snapshot_row = check_snapshot(tmp, end - time.monotonic())
     command = "python -m benchmarks.gpu_check " + " ".join(argv if argv is not None
                                                            else sys.argv[1:])
     text = render(results, snapshot_row, cfg, command.strip())

@@ -34,14 +34,23 @@ def test_mfu_arithmetic():
     assert gpu_check.mfu(1000.0, 1e9, None, 1) is None
 
 
-def _checks_body():
-    return gpu_check.run_checks(torch.device("cpu"), TINY)
+def _checks_body(out_dir: str):
+    import torch.distributed as dist
+
+    from benchmarks._gpu_launch import row_reporter
+
+    report = row_reporter(out_dir, dist.get_rank(), dist.get_world_size())
+    return gpu_check.run_checks(torch.device("cpu"), TINY, report=report)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_checks_run_on_cpu(world_size):
-    results = run_distributed(_checks_body, world_size, timeout=600)
+def test_checks_run_on_cpu(world_size, tmp_path):
+    from benchmarks._gpu_launch import read_rows
+
+    results = run_distributed(_checks_body, world_size, str(tmp_path), timeout=600)
     res = results[0]
+    reported = [(r["check"], r["status"]) for r in read_rows(tmp_path)["rows"]]
+    assert reported == [(r["check"], r["status"]) for r in res["rows"]]  # each as it finished
     status = {r["check"]: r["status"] for r in res["rows"]}
     assert status["fp32 parity vs single device"] == "PASS", res["rows"]
     assert status["bf16-mixed"] == "PASS", res["rows"]
