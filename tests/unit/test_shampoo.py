@@ -222,13 +222,3 @@ def test_bad_hyper_parameters(kwargs, words):
     with pytest.raises(ValueError) as info:
         Shampoo([torch.nn.Parameter(torch.randn(3, 3))], **kwargs)
     assert words in str(info.value)
-
-
-def test_complex_and_sparse_are_refused():
-    with pytest.raises(TypeError, match="complex"):
-        Shampoo([torch.nn.Parameter(torch.randn(3, 3, dtype=torch.complex64))])
-    p = torch.nn.Parameter(torch.randn(4, 3))
-    opt = Shampoo([p])
-    p.grad = torch.randn(4, 3).to_sparse()
-    with pytest.raises(RuntimeError, match="sparse"):
-        opt.step()

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from lightning_vescale.optim import SOAP
+from lightning_vescale.optim import SOAP, Shampoo
 
 SHAPES = [(6, 5), (7,), (4, 3)]
 HP = dict(lr=3e-3, betas=(0.95, 0.95), eps=1e-8, weight_decay=0.01, precondition_frequency=3)
@@ -146,11 +146,13 @@ def test_bad_hyper_parameters(kwargs, words):
     assert words in str(info.value)
 
 
-def test_complex_and_sparse_are_refused():
+@pytest.mark.parametrize("optimizer", [SOAP, Shampoo])
+def test_complex_and_sparse_are_refused(optimizer):
+    """Both checks live in their shared base (``optim/_whole_matrix.py``)."""
     with pytest.raises(TypeError, match="complex"):
-        SOAP([torch.nn.Parameter(torch.randn(3, 3, dtype=torch.complex64))])
+        optimizer([torch.nn.Parameter(torch.randn(3, 3, dtype=torch.complex64))])
     p = torch.nn.Parameter(torch.randn(4, 3))
-    opt = SOAP([p])
+    opt = optimizer([p])
     p.grad = torch.randn(4, 3).to_sparse()
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
