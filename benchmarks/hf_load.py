@@ -227,6 +227,7 @@ def driver(args: argparse.Namespace) -> None:
     print("| method | ranks | build | load | build + load | peak RSS over the runtime, max "
           "rank |")
     print("| --- | --- | --- | --- | --- | --- |")
+    totals: dict[tuple[str, int], float] = {}  # (method, world) -> best build + load (real ranks)
     for method, world, fake in _runs(args):
         results = []
         for _ in range(args.repeats):
@@ -236,7 +237,13 @@ def driver(args: argparse.Namespace) -> None:
                             "peak_minus_base": max(r["peak_minus_base"] for r in run),
                             "params": run[0]["params"]})
         print(_row(method, world, fake, results), flush=True)
+        if fake is None:
+            totals[(method, world)] = min(r["build"] + r["seconds"] for r in results)
     print(f"parameters: {results[0]['params']:,}")
+    for (method, world), t in totals.items():  # each baseline against ours, same world
+        if method != "ours" and ("ours", world) in totals:
+            print(f"build + load, {method} / ours at world {world}: "
+                  f"{t / totals[('ours', world)]:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> None:
