@@ -8,20 +8,24 @@ which shard file (in ``state_dict()`` order, a new file when the next tensor wou
 ``max_shard_size``; one tensor larger than that gets a file of its own) and each tensor's byte
 offset. Then:
 
-1. rank 0 creates each file under a hidden temporary name (``.<name>.tmp-<token>``) with its
-   header, at its final size;
+1. rank 0 creates each file under a hidden temporary name (``.<name>.tmp-<token>``, the token
+   recording rank 0's pid and host) with its header, at its final size; the file names and the
+   ``save_id`` in every header come from the token (design note [hf-publish]);
 2. every rank writes the bytes it owns with ``os.pwrite``: for a ``RaggedShard`` parameter its
    local flat range, converted to the output dtype, is one contiguous byte range of the tensor
    (on HSDP only the first replica writes); a plain tensor, or a ``DTensor`` of another placement
    (gathered with ``full_tensor()``, one tensor at a time, a collective), is written by rank 0;
    a rank whose write fails writes nothing more but still joins the remaining gathers;
-3. after every rank reports success (an ``all_gather_object`` of a failure flag: a rank that
-   failed never leaves the others waiting), the ranks compute the CRC-32s of the files (each a
-   share), and rank 0 renames the files onto their names, writes
-   ``model.safetensors.index.json`` (the ``weight_map`` and ``total_size`` of
-   ``save_pretrained``), removes shards of an earlier save into that directory that this one did
-   not write, and writes ``.integrity.json`` (design note [checkpoint-trust], ``"format":
-   "safetensors"``: the size and CRC-32 of every file).
+3. after every rank reports success (an ``all_gather_object`` of each rank's error, or
+   ``None``: a rank that failed never leaves the others waiting, and they name its error), the
+   ranks compute the CRC-32s of the files (each a share), and rank 0 publishes the save as one
+   unit (design note [hf-publish]): the files under their names, ``model.safetensors.index.json``
+   for several (the ``weight_map`` and ``total_size`` of ``save_pretrained``), shards of earlier
+   saves removed, then ``.integrity.json`` (design note [checkpoint-trust], ``"format":
+   "safetensors"``: the size and CRC-32 of every file). Every rank learns whether that worked.
+
+A full disk (``ENOSPC``, or a quota) is reported as the other formats report it: "No space left
+on <dir> (... MiB free now) while ..." and what is left (``_files.raise_if_no_space``).
 
 Memory bound per rank: its largest local shard in the output dtype, plus, for a non-RaggedShard
 ``DTensor``, one full tensor. The directory must be visible to every rank (one machine, or a
@@ -34,7 +38,6 @@ import itertools
 import json
 import os
 import re
-import secrets
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,7 +49,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_vescale.checkpoint._hf_files import INDEX_NAME, SINGLE_NAME
+from lightning_vescale.checkpoint import _files
+from lightning_vescale.checkpoint._hf_files import INDEX_NAME
+from lightning_vescale.checkpoint._hf_publish import (
+    SAVE_ID_KEY,
+    PublishedWithoutManifest,
+    publish_save,
+    save_id_of,
+    shard_names,
+    temp_name,
+)
 from lightning_vescale.checkpoint._manifest import (
     INTEGRITY_FILENAME,
     MANIFEST_VERSION,
@@ -58,7 +70,6 @@ from lightning_vescale.placement import ragged_mesh_dim
 
 __all__ = ["parse_size", "save_safetensors", "write_safetensors"]
 
-_SHARD_NAME = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -114,8 +125,10 @@ def _all_names(module: nn.Module) -> set[str]:
                                           module.named_buffers(remove_duplicate=False))}
 
 
-def _plan(items: list[_Item], max_bytes: int) -> tuple[dict[str, bytes], list[_Item]]:
-    """Shard files (name -> header) and the items with their file and absolute offset."""
+def _plan(items: list[_Item], max_bytes: int, save_id: str
+          ) -> tuple[dict[str, bytes], list[_Item]]:
+    """Shard files (name -> header, ``save_id`` in its ``__metadata__``) and the items with
+    their file and absolute offset."""
     groups: list[list[_Item]] = [[]]
     size = 0
     for it in items:
@@ -125,11 +138,10 @@ def _plan(items: list[_Item], max_bytes: int) -> tuple[dict[str, bytes], list[_I
             size = 0
         groups[-1].append(it)
         size += nbytes
-    n = len(groups)
     headers, placed = {}, []
-    for i, group in enumerate(groups):
-        name = SINGLE_NAME if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        header, offsets = build_header([(it.name, it.dtype, it.shape) for it in group])
+    for name, group in zip(shard_names(save_id, len(groups)), groups):
+        header, offsets = build_header([(it.name, it.dtype, it.shape) for it in group],
+                                       {"format": "pt", SAVE_ID_KEY: save_id})
         headers[name] = header
         placed += [_Item(name=it.name, tensor=it.tensor, dtype=it.dtype, shape=it.shape,
                          file=name, offset=offsets[it.name]) for it in group]
@@ -206,59 +218,56 @@ def _create_files(root: Path, headers: dict[str, bytes], sizes: dict[str, int],
     """Rank 0: each temporary file with its header, at its final size (step 1)."""
     root.mkdir(parents=True, exist_ok=True)
     for name, header in headers.items():
-        with open(root / f".{name}.tmp-{token}", "wb") as f:
+        with open(root / temp_name(name, token), "wb") as f:
             f.write(header)
             f.truncate(sizes[name])
 
 
-def _publish(root: Path, headers: dict[str, bytes], items: list[_Item], token: str,
-             crcs: dict[str, dict[str, int]]) -> list[Path]:
-    """Rank 0: rename, index, stale shards, manifest (step 3). The old manifest goes first, so
-    an interrupted publish leaves files without one (loaded unverified), never a wrong one."""
-    (root / INTEGRITY_FILENAME).unlink(missing_ok=True)
-    for name in headers:
-        os.replace(root / f".{name}.tmp-{token}", root / name)
-    total = sum(it.tensor.numel() * it.dtype.itemsize for it in items)
-    index = {"metadata": {"total_size": total}, "weight_map": {it.name: it.file for it in items}}
-    index_bytes = json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"
-    (root / INDEX_NAME).write_bytes(index_bytes)
-    for p in root.iterdir():
-        if _SHARD_NAME.match(p.name) and p.name not in headers:
-            p.unlink()  # a shard of an earlier save into this directory
+def _index_and_manifest(headers: dict[str, bytes], items: list[_Item], save_id: str,
+                        crcs: dict[str, dict[str, int]]
+                        ) -> tuple[Optional[bytes], Callable[[], bytes]]:
+    """The index (``None`` for a save of one file, as ``save_pretrained`` writes it) and the
+    manifest's bytes of this save, both naming ``save_id``."""
     files = dict(crcs)
-    files[INDEX_NAME] = {"size": len(index_bytes), "crc32": zlib.crc32(index_bytes) & 0xFFFFFFFF}
+    index_bytes = None
+    if len(headers) > 1:
+        total = sum(it.tensor.numel() * it.dtype.itemsize for it in items)
+        index = {"metadata": {"total_size": total, SAVE_ID_KEY: save_id},
+                 "weight_map": {it.name: it.file for it in items}}
+        index_bytes = json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"
+        files[INDEX_NAME] = {"size": len(index_bytes),
+                             "crc32": zlib.crc32(index_bytes) & 0xFFFFFFFF}
     manifest = {"version": MANIFEST_VERSION, "algorithm": "crc32", "format": SAFETENSORS_FORMAT,
-                "files": files, "items": {}}
-    tmp = root / (INTEGRITY_FILENAME + ".tmp")
-    tmp.write_text(json.dumps(manifest, sort_keys=True))
-    os.replace(tmp, root / INTEGRITY_FILENAME)
-    return [root / n for n in headers] + [root / INDEX_NAME]
+                "files": files, "items": {}, SAVE_ID_KEY: save_id}
+    return index_bytes, lambda: json.dumps(manifest, sort_keys=True).encode()
 
 
-def write_safetensors(source: Union[nn.Module, dict[str, Tensor]], directory: Union[str, os.PathLike],
-                      *, max_shard_size: Union[int, str] = "5GB",
+def write_safetensors(source: Union[nn.Module, dict[str, Tensor]],
+                      directory: Union[str, os.PathLike], *, max_shard_size: Union[int, str] = "5GB",
                       dtype: Optional[torch.dtype] = None,
                       key_map: Optional[Callable[[str], Optional[str]]] = None) -> list[Path]:
     """:func:`save_safetensors` for a module or a plain state dict (design note [hf-save])."""
     max_bytes = parse_size(max_shard_size)
-    rank, _ = _rank_world()
+    rank, world = _rank_world()
     root = Path(directory)
-    headers, items = _plan(_items(source, dtype, key_map), max_bytes)
+    token = _broadcast(_files._new_token())
+    save_id = save_id_of(token)
+    headers, items = _plan(_items(source, dtype, key_map), max_bytes, save_id)
+    names = list(headers)
     sizes = {name: len(h) for name, h in headers.items()}
     for it in items:
         sizes[it.file] += it.tensor.numel() * it.dtype.itemsize
-    token = _broadcast(secrets.token_hex(4))
     error: Optional[BaseException] = None
     try:
         if rank == 0:
             _create_files(root, headers, sizes, token)
     except Exception as err:  # noqa: BLE001 - reported to every rank below
         error = err
-    _raise_if_any_failed(error, root, headers, token)
+    _raise_if_any_failed(error, root, names, token)
     fds: dict[str, int] = {}
     try:
-        for name in headers:
-            fds[name] = os.open(root / f".{name}.tmp-{token}", os.O_WRONLY)
+        for name in names:
+            fds[name] = os.open(root / temp_name(name, token), os.O_WRONLY)
     except Exception as err:  # noqa: BLE001
         error = err
     try:
@@ -269,30 +278,57 @@ def write_safetensors(source: Union[nn.Module, dict[str, Tensor]], directory: Un
                 error = error or err
     finally:
         for fd in fds.values():
-            os.close(fd)
-    _raise_if_any_failed(error, root, headers, token)
-    names = sorted(headers)
-    mine = {n: _crc_file(root / f".{n}.tmp-{token}") for i, n in enumerate(names)
-            if i % _rank_world()[1] == rank}
-    crcs = {k: v for part in _gather(mine) for k, v in part.items()}
-    written = _publish(root, headers, items, token, crcs) if rank == 0 else []
-    _gather(None)  # every rank returns once the files are in place
-    return written or [root / n for n in headers] + [root / INDEX_NAME]
+            try:
+                os.close(fd)
+            except OSError as err:  # NFS reports a failed write at close
+                error = error or err
+    _raise_if_any_failed(error, root, names, token)
+    crcs: dict[str, dict[str, int]] = {}
+    try:
+        crcs = {n: _crc_file(root / temp_name(n, token)) for i, n in enumerate(sorted(names))
+                if i % world == rank}
+    except Exception as err:  # noqa: BLE001
+        error = err
+    _raise_if_any_failed(error, root, names, token)
+    crcs = {k: v for part in _gather(crcs) for k, v in part.items()}
+    index_bytes, manifest = _index_and_manifest(headers, items, save_id, crcs)
+    try:
+        if rank == 0:
+            publish_save(root, names, token, index_bytes, manifest)
+    except Exception as err:  # noqa: BLE001
+        error = err
+    _raise_if_any_failed(error, root, names, token, published=True)
+    return [root / n for n in names] + ([root / INDEX_NAME] if index_bytes is not None else [])
 
 
-def _raise_if_any_failed(error: Optional[BaseException], root: Path, headers: dict[str, bytes],
-                         token: str) -> None:
-    """Every rank learns whether any failed; then all raise (and rank 0 removes the temps)."""
-    failed = [i for i, f in enumerate(_gather(error is not None)) if f]
+def _raise_if_any_failed(error: Optional[BaseException], root: Path, names: list[str],
+                         token: str, *, published: bool = False) -> None:
+    """Every rank learns which failed (and why); then all raise, rank 0 having removed this
+    save's temporaries. A full disk is named first (``_files.raise_if_no_space``)."""
+    if isinstance(error, PublishedWithoutManifest):
+        aftermath = ("the weights are published, but without their .integrity.json (they load "
+                     "unverified)")
+    else:
+        aftermath = ("nothing was published: the previous save in that directory (if any) is "
+                     "untouched and this save's temporary files were removed")
+    if error is not None:
+        try:
+            _files.raise_if_no_space(error, root / names[0], "saving Hugging Face weights to",
+                                     aftermath)
+        except OSError as named:
+            error = named
+    summary = None if error is None else f"{type(error).__name__}: {error}"[:500]
+    failed = {i: s for i, s in enumerate(_gather(summary)) if s is not None}
     if not failed:
         return
-    if _rank_world()[0] == 0:
-        for name in headers:
-            (root / f".{name}.tmp-{token}").unlink(missing_ok=True)
+    if _rank_world()[0] == 0 and not published:
+        for name in names:
+            _files.discard(root / temp_name(name, token))
     if error is not None:
         raise error
-    raise RuntimeError(f"save_safetensors({str(root)!r}) failed on rank(s) {failed}; see their "
-                       "error. Nothing was written.")
+    raise RuntimeError(f"save_safetensors({str(root)!r}) failed on rank(s) {sorted(failed)}: "
+                       + "; ".join(f"rank {i}: {s}" for i, s in sorted(failed.items()))
+                       + ("" if published else f". {aftermath[0].upper()}{aftermath[1:]}."))
 
 
 def save_safetensors(module: nn.Module, directory: Union[str, os.PathLike], *,
@@ -310,8 +346,10 @@ def save_safetensors(module: nn.Module, directory: Union[str, os.PathLike], *,
     Args:
         module: a ``fully_shard`` module (or a plain one). Tied parameters are written once,
             under their first name (as ``save_pretrained`` does).
-        directory: created if needed; other files in it are kept, shards of an earlier save
-            that this one does not write are removed. Must be visible to every rank.
+        directory: created if needed; other files in it are kept (``config.json``), shards of
+            earlier saves are removed once this one is published. The save is published as one
+            unit (design note [hf-publish]): a reader sees the whole previous save or the whole
+            new one, never a mix. Must be visible to every rank.
         max_shard_size: bytes per file (an int, or ``"5GB"``, ``"500MB"``, ``"2GiB"``); a tensor
             larger than it gets a file of its own.
         dtype: convert floating-point tensors to it (e.g. ``torch.bfloat16``); default: as they
@@ -320,8 +358,13 @@ def save_safetensors(module: nn.Module, directory: Union[str, os.PathLike], *,
             k.removeprefix("model.")`` for a LightningModule holding the HF model as ``model``.
 
     Returns:
-        The files written (the shards and ``model.safetensors.index.json``; ``.integrity.json``
-        holds their CRC-32s).
+        The files written: ``model.safetensors``, or the shards
+        ``model-<save_id>-00001-of-0000N.safetensors`` and ``model.safetensors.index.json``
+        (``.integrity.json`` holds their sizes and CRC-32s).
+
+    Raises:
+        OSError: ``ENOSPC`` (or a quota), "No space left on <dir>" first, with the free space
+            and what was left behind.
     """
     return write_safetensors(module, directory, max_shard_size=max_shard_size, dtype=dtype,
                              key_map=key_map)
