@@ -243,7 +243,8 @@ def _index_and_manifest(headers: dict[str, bytes], items: list[_Item], save_id: 
 
 
 def write_safetensors(source: Union[nn.Module, dict[str, Tensor]],
-                      directory: Union[str, os.PathLike], *, max_shard_size: Union[int, str] = "5GB",
+                      directory: Union[str, os.PathLike], *,
+                      max_shard_size: Union[int, str] = "5GB",
                       dtype: Optional[torch.dtype] = None,
                       key_map: Optional[Callable[[str], Optional[str]]] = None) -> list[Path]:
     """:func:`save_safetensors` for a module or a plain state dict (design note [hf-save])."""
