@@ -312,13 +312,17 @@ def _raise_if_any_failed(error: Optional[BaseException], root: Path, names: list
     else:
         aftermath = ("nothing was published: the previous save in that directory (if any) is "
                      "untouched and this save's temporary files were removed")
-    if error is not None:
+
+    def named(err: BaseException) -> BaseException:
         try:
-            _files.raise_if_no_space(error, root / names[0], "saving Hugging Face weights to",
+            _files.raise_if_no_space(err, root / names[0], "saving Hugging Face weights to",
                                      aftermath)
-        except OSError as named:
-            error = named
-    summary = None if error is None else f"{type(error).__name__}: {error}"[:500]
+        except OSError as no_space:
+            return no_space
+        return err
+
+    shown = None if error is None else named(error)
+    summary = None if shown is None else f"{type(shown).__name__}: {shown}"[:500]
     failed = {i: s for i, s in enumerate(_gather(summary)) if s is not None}
     if not failed:
         return
@@ -326,7 +330,7 @@ def _raise_if_any_failed(error: Optional[BaseException], root: Path, names: list
         for name in names:
             _files.discard(root / temp_name(name, token))
     if error is not None:
-        raise error
+        raise named(error)  # after the clean-up: the free space it names is what is left
     raise RuntimeError(f"save_safetensors({str(root)!r}) failed on rank(s) {sorted(failed)}: "
                        + "; ".join(f"rank {i}: {s}" for i, s in sorted(failed.items()))
                        + ("" if published else f". {aftermath[0].upper()}{aftermath[1:]}."))
