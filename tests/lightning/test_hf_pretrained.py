@@ -113,6 +113,27 @@ def test_bad_pretrained_weights_argument(cls):
         cls(pretrained_weights=3)
 
 
+@pytest.mark.parametrize("cls", [VeScaleFSDPStrategy, VeScaleFabricStrategy])
+def test_pretrained_weights_are_checked_at_construction(cls, tmp_path):
+    """Issue 34: a missing path or a FIFO passed construction and failed after every rank had
+    started (93 s). Everything that does not need the model is checked in the constructor."""
+    from safetensors.torch import save_file
+
+    with pytest.raises(ValueError, match=r"pretrained_weights='.*nope'.*does not exist"):
+        cls(pretrained_weights=tmp_path / "nope")
+    os.mkfifo(tmp_path / "w.safetensors")  # opening it must not wait for a writer
+    with pytest.raises(ValueError, match=r"pretrained_weights=.*w\.safetensors.*a FIFO"):
+        cls(pretrained_weights=tmp_path / "w.safetensors")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"neither model\.safetensors nor"):
+        cls(pretrained_weights=tmp_path / "empty")
+    (tmp_path / "bad.safetensors").write_bytes(b"\x04" + b"\0" * 7 + b"[1] ")
+    with pytest.raises(ValueError, match=r"bad\.safetensors.*not an object"):
+        cls(pretrained_weights=str(tmp_path / "bad.safetensors"))
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "good.safetensors"))
+    cls(pretrained_weights=tmp_path / "good.safetensors")  # a valid one passes
+
+
 def test_a_checkpoint_of_another_model_is_named(tmp_path):
     from safetensors.torch import save_file
 
