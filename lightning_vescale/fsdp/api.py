@@ -55,6 +55,7 @@ from lightning_vescale.fsdp._comm_policy import (
     quantized_params,
 )
 from lightning_vescale.fsdp._module import VeScaleFSDPModule, register_fsdp_forward_method
+from lightning_vescale.fsdp._outside_call import guard_outside_calls
 from lightning_vescale.fsdp._param_group import ManagedParam, ParamGroup
 from lightning_vescale.fsdp._policy import (
     CPUOffloadPolicy,
@@ -288,6 +289,7 @@ def _build_group(group: ParamGroup, modules: list[nn.Module], collected: list[Co
                  sources: dict[str, torch.Tensor], device: torch.device, label: str) -> None:
     """Build the group's buffers from the parameters' data and register what refers to it."""
     group.build(sources, device)
+    guard_outside_calls(group, modules)  # design note [fsdp-outside-call]
     for k, m in enumerate(modules):
         register_state_dict_hooks(m, group, k)
     remember_taken(collected, label)
