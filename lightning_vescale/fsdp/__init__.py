@@ -16,6 +16,9 @@ Design notes of layer 3 (the package's convention and the other layers' notes:
 * ``_comm_policy.py``: [comm-policy] (what the collectives carry: int8/fp8 all-gather, wire
   dtype)
 * ``_reshard.py``: [fsdp-reshard-policy] (``reshard_after_forward``, decided once)
+* ``_outside_call.py``: [fsdp-outside-call] (a submodule called outside its group's forward)
+* ``_shard_placement.py``: [fsdp-shard-placement] (FSDP2's ``shard_placement_fn``,
+  ``dp_mesh_dims``)
 * ``_managed_param.py``: [fsdp-param-objects] (the two parameter objects, swapping)
 * ``_param_group.py``: [fsdp-buffer-order] (matrices first; frozen parameters apart)
 * ``_param_group_grads.py``: [fsdp-grads] (grad buffer, reduce-scatter, publication)
@@ -25,13 +28,15 @@ Design notes of layer 3 (the package's convention and the other layers' notes:
 * ``_root.py``: [fsdp-final-callback] (the end of a backward, the gradient flags)
 * ``_collective_check.py``: [fsdp-collective-check] (opt-in: every rank runs the same group)
 * ``_training_state.py``: [fsdp-training-state]
-* ``_materialize.py``: [fsdp-materialize]; ``_state_dict.py``: [fsdp-state-dict];
+* ``_materialize.py``: [fsdp-materialize] [fsdp-list-apply] (a list group under ``_apply``);
+  ``_state_dict.py``: [fsdp-state-dict];
   ``_module.py``: [fsdp-module]; ``_replaced.py``: [fsdp-replaced]
 
 Modules import one way: ``api`` -> ``_module`` / ``_collect`` / ``_state_dict`` / ``_subgroups``
 -> ``_materialize`` -> ``_state`` -> ``_root`` -> ``_param_group`` -> ``_param_group_grads`` ->
 ``_managed_param``; below them ``_comm_policy`` / ``_policy`` / ``_reshard`` /
-``_training_state`` / ``_tree`` / ``_replaced`` / ``_subgroups`` / ``_collective_check``.
+``_training_state`` / ``_tree`` / ``_replaced`` / ``_subgroups`` / ``_collective_check`` /
+``_shard_placement`` / ``_outside_call``.
 """
 
 from lightning_vescale.fsdp._training_state import TrainingState

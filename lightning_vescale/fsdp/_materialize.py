@@ -41,11 +41,29 @@ Buffers: ``to_empty`` re-creates them too; those that were on a real device keep
 those that were on meta are recomputed (design note [meta-buffers]). ``init_params=False``
 allocates without initialising parameters (their values are loaded next, e.g. by
 ``lightning_vescale.checkpoint.load_safetensors``), buffers are still recomputed.
+
+Design note [fsdp-list-apply]
+-----------------------------
+A ``fully_shard([a, b])`` group is converted once per ``_apply`` pass, by the first of its
+modules the pass reaches: it registers temporaries over the local shard views in *every* owner
+(``b``'s too), runs ``nn.Module._apply`` on ``a``, converts the temporaries only ``b`` owns with
+``fn`` itself, and rebuilds the group. When the pass then reaches ``b``, ``b`` holds the group's
+*new* sharded parameters; ``nn.Module._apply`` must not see them. It would call ``fn`` on those
+DTensors and, DTensor being a wrapper subclass, ``torch.utils.swap_tensors`` the result into the
+very objects the optimizer gets: after ``to_empty`` (a fresh ``empty_like``) they no longer view
+the DBuffer, so the optimizer stepped tensors the forward never read, and a meta-built
+DeepSeek-V3 (torchtitan's ``fully_shard([norm, output])``) kept its initial loss for ever. So
+``b``'s ``_apply`` runs with the group's parameters unregistered (``None``, which
+``nn.Module._apply`` skips) in the modules it reaches. As a guard for any other path (a user's
+``swap_tensors``, ``.data =`` on a sharded parameter), the root's lazy init checks that every
+sharded parameter still views its DBuffer and names the one that does not
+(``ParamGroup.check_views``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -67,7 +85,9 @@ def apply_to_group(module: nn.Module, super_apply: Callable[..., Any], fn: Calla
 
     A ``fully_shard([a, b])`` group is handled by the first of its modules that ``_apply``
     reaches: the parameters owned by the other modules are converted with ``fn`` directly, and
-    those modules' own ``_apply`` (the same pass: the same ``fn`` object) skips the group.
+    those modules' own ``_apply`` (the same pass: the same ``fn`` object) runs with the group's
+    parameters hidden from them, so that ``fn`` reaches neither the group's new parameter
+    objects nor their DBuffer views twice (design note [fsdp-list-apply]).
     """
     st = get_state(module)
     group = st.group if st is not None else None
@@ -77,10 +97,12 @@ def apply_to_group(module: nn.Module, super_apply: Callable[..., Any], fn: Calla
         done = group.applying
         if done is not None and done[0] is fn and id(module) not in done[1]:
             done[1].add(id(module))  # another module of the list did the group in this pass
-            return super_apply(fn, recurse)
+            with _hidden(group, _reached(module, recurse)):
+                return super_apply(fn, recurse)
         group.applying = (fn, {id(module)})
     group.reshard()
     was_meta = all(b.is_meta for b in group.buffers.values())
+    reached = _reached(module, recurse)
     temps: dict[str, nn.Parameter] = {}
     for mp in group.params:
         assert mp.buffer is not None
@@ -90,14 +112,7 @@ def apply_to_group(module: nn.Module, super_apply: Callable[..., Any], fn: Calla
     try:
         ret = super_apply(fn, recurse)
     finally:
-        new: dict[str, torch.Tensor] = {}
-        for mp in group.params:
-            t = next((o.module._parameters[o.attr] for o in mp.owners
-                      if o.module._parameters[o.attr] is not temps[mp.name]), None)
-            if t is None:  # owned by another module of a list group only: convert here
-                with torch.no_grad():
-                    t = fn(temps[mp.name])
-            new[mp.name] = t
+        new = _applied(group, temps, reached, fn)
         old_dtype = {mp.name: mp.buffer.dtype for mp in group.params}  # type: ignore[union-attr]
         changed = False
         for mp in group.params:
@@ -113,6 +128,43 @@ def apply_to_group(module: nn.Module, super_apply: Callable[..., Any], fn: Calla
         else:
             group.swap(sharded=True)
     return ret
+
+
+def _reached(module: nn.Module, recurse: bool) -> set[int]:
+    """The modules ``module._apply(fn, recurse)`` converts the parameters of."""
+    return {id(m) for m in module.modules()} if recurse else {id(module)}
+
+
+def _applied(group: ParamGroup, temps: dict[str, nn.Parameter], reached: set[int],
+             fn: Callable) -> dict[str, torch.Tensor]:
+    """What ``fn`` made of each parameter's local view: the tensor its owner now holds where
+    ``_apply`` reached an owner (a new ``Parameter``, or ``temps[name]`` itself, converted in
+    place by ``.data =`` or ``swap_tensors``), else ``fn`` applied here, once (a parameter of a
+    list group owned only by modules the pass reaches later, or not at all)."""
+    new: dict[str, torch.Tensor] = {}
+    for mp in group.params:
+        owner = next((o for o in mp.owners if id(o.module) in reached), None)
+        if owner is not None:
+            new[mp.name] = owner.module._parameters[owner.attr]  # type: ignore[assignment]
+        else:
+            with torch.no_grad():
+                new[mp.name] = fn(temps[mp.name])
+    return new
+
+
+@contextlib.contextmanager
+def _hidden(group: ParamGroup, reached: set[int]) -> Iterator[None]:
+    """Unregister ``group``'s parameters from the modules in ``reached`` for a while:
+    ``nn.Module._apply`` skips ``None`` parameters (design note [fsdp-list-apply])."""
+    held = [(o, o.module._parameters[o.attr]) for mp in group.params for o in mp.owners
+            if id(o.module) in reached]
+    for o, _ in held:
+        o.module._parameters[o.attr] = None
+    try:
+        yield
+    finally:
+        for o, p in held:
+            o.module._parameters[o.attr] = p
 
 
 def _rebuild(group: ParamGroup, locals_: dict[str, torch.Tensor], *, from_meta: bool) -> None:

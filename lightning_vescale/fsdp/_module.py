@@ -290,9 +290,16 @@ class VeScaleFSDPModule(FSDPModule):
                              "run in place on DBuffer storage; there are no staging buffers.")
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        raise _not_supported("set_symm_mem_for_comm", "collectives run in place on DBuffer "
-                             "storage; there are no staging buffers to allocate in symmetric "
-                             "memory.")
+        """Accepted, and changes nothing: FSDP2 allocates its all-gather *staging* buffers in
+        symmetric memory so that NCCL can use copy-engine / symmetric-kernel all-gathers. Here
+        the all-gather runs in place on each DBuffer's own storage (zero-copy: no staging
+        buffer), allocated by the caching allocator, so the collectives stay NCCL's ordinary
+        ones, on every backend (gloo included). ``backend`` is validated as in FSDP2 (only
+        ``"NCCL"``). Not recursive, as in FSDP2 (torchtitan calls it on every module)."""
+        if backend != "NCCL":
+            raise ValueError(f"set_symm_mem_for_comm(backend=...) supports only 'NCCL' (as "
+                             f"FSDP2), got {backend!r}")
+        self._own_state()  # a module fully_shard did not shard raises, as for every setter
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         raise _not_supported("_set_unshard_async_op", "use unshard(async_op=True) or "

@@ -127,6 +127,7 @@ class ParamGroup(GroupGradients):
         # -- the opt-in collective check (design note [fsdp-collective-check]) --
         self.index = -1  # position in the root's tree, set by its lazy init
         self.module_fqn = fqn  # the module's FQN relative to the root, set by its lazy init
+        self.module_fqns: list[str] = []  # those of every module of a list group, likewise
         self.collectives = 0  # collectives checked so far
 
     # -- construction --------------------------------------------------------------------------
@@ -265,6 +266,31 @@ class ParamGroup(GroupGradients):
             mp.sharded.requires_grad_(mp.requires_grad)
         self.swap(sharded=True)
 
+    def check_views(self) -> None:
+        """Raise if a sharded parameter no longer views its DBuffer (design note
+        [fsdp-list-apply]): the optimizer would step a tensor the forward never reads, and
+        nothing would train, silently. Checked once, at the root's lazy init.
+
+        Raises:
+            RuntimeError: naming the parameter, e.g. after ``torch.utils.swap_tensors`` or a
+                ``.data =`` assignment on it.
+        """
+        for mp in self.params:
+            buf, p = mp.buffer, mp.sharded
+            if buf is None or p is None or buf.is_meta:
+                continue
+            local, view = p.detach(), buf.local_view(mp.name)
+            if isinstance(local, DTensor):
+                local = local._local_tensor
+            if view.numel() and (local.data_ptr() != view.data_ptr()
+                                 or local.dtype != view.dtype):
+                raise RuntimeError(
+                    f"fully_shard: parameter {self.param_fqn(mp)!r} no longer views its group's "
+                    "DBuffer (its data was swapped or reassigned after fully_shard), so an "
+                    "optimizer step would never reach the forward. Change sharded parameters "
+                    "in place (copy_, normal_, ...), through module.to()/to_empty(), or "
+                    "replace the parameter on its module (module.weight = nn.Parameter(...)).")
+
     @staticmethod
     def _replaced_by(mp: ManagedParam) -> nn.Parameter | None:
         for owner in mp.owners:
@@ -273,13 +299,21 @@ class ParamGroup(GroupGradients):
                 return current
         return None
 
+    def param_fqn(self, mp: ManagedParam) -> str:
+        """``mp``'s name relative to the root module (for messages; after lazy init), a list
+        group's parameters under their own module's name."""
+        if len(self.module_fqns) > 1 and mp.scoped_aliases:
+            k, rel = mp.scoped_aliases[0]
+            return f"{self.module_fqns[k]}.{rel}" if self.module_fqns[k] else rel
+        prefix = "" if self.module_fqn in ("", "<root>") else f"{self.module_fqn}."
+        return prefix + mp.name
+
     def _replacement_data(self, mp: ManagedParam, new: nn.Parameter) -> torch.Tensor:
         """The full value of ``new`` (a DTensor is gathered: every rank replaced it alike)."""
         data = new.detach()
         if isinstance(data, DTensor):
             data = data.full_tensor()
-        prefix = "" if self.module_fqn in ("", "<root>") else f"{self.module_fqn}."
-        name = prefix + mp.name
+        name = self.param_fqn(mp)
         if tuple(data.shape) != tuple(mp.shape):
             raise ValueError(f"fully_shard: parameter {name!r} was replaced by one of shape "
                              f"{tuple(data.shape)}, but its group was planned for {mp.shape}; "

@@ -121,10 +121,12 @@ class RootContext:
             for st in self.all_states:
                 if st.group is not None:
                     st.group.module_fqn = paths.get(id(st.module)) or "<root>"
+                    st.group.module_fqns = [paths.get(id(m)) or "" for m in st.modules]
             for i, group in enumerate(self.groups):
                 group.root = self
                 group.index = i
                 group.adopt_replaced_params()  # FSDP2's reset_sharded_param
+                group.check_views()
                 group.sync_requires_grad()
 
     def root_pre_forward(self) -> None:

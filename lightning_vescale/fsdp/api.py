@@ -11,8 +11,8 @@ module's class to a subclass mixing in :class:`VeScaleFSDPModule`, itself a subc
 torch's ``FSDPModule`` (design note [fsdp-module] in ``_module.py``), so that FSDP2's methods
 and ``isinstance`` checks work. Call it bottom-up: on each block, then on the root. The
 arguments are FSDP2's, with FSDP2's meaning (``reshard_after_forward=None`` by default,
-``offload_policy``, ``ignored_params``), plus ``granularity``; ``shard_placement_fn`` is refused
-(the planner chooses the layout).
+``offload_policy``, ``ignored_params``, ``shard_placement_fn`` and ``dp_mesh_dims`` read for
+RaggedShard layouts: design note [fsdp-shard-placement]), plus ``granularity``.
 
 Parameters keep their data: each rank copies its owned range of every parameter into its shard
 (the caller guarantees the same values on every rank, e.g. by seeding, as with FSDP2). The
@@ -55,6 +55,7 @@ from lightning_vescale.fsdp._comm_policy import (
     quantized_params,
 )
 from lightning_vescale.fsdp._module import VeScaleFSDPModule, register_fsdp_forward_method
+from lightning_vescale.fsdp._outside_call import guard_outside_calls
 from lightning_vescale.fsdp._param_group import ManagedParam, ParamGroup
 from lightning_vescale.fsdp._policy import (
     CPUOffloadPolicy,
@@ -64,6 +65,12 @@ from lightning_vescale.fsdp._policy import (
 )
 from lightning_vescale.fsdp._replaced import install_optimizer_check
 from lightning_vescale.fsdp._reshard import ReshardPolicy, reshard_policy
+from lightning_vescale.fsdp._shard_placement import (
+    dp_mesh,
+    local_value,
+    placement_units,
+    with_units,
+)
 from lightning_vescale.fsdp._state import FSDPState, get_state
 from lightning_vescale.fsdp._subgroups import make_partial_group
 from lightning_vescale.fsdp._state_dict import register_state_dict_hooks
@@ -120,14 +127,6 @@ def _as_modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
                     f"[{i}] ({type(m).__name__}); list sibling modules only (call fully_shard on "
                     "the inner one first, as its own group).")
     return modules
-
-
-def _refuse_shard_placement_fn(shard_placement_fn: Any) -> None:
-    if shard_placement_fn is not None:
-        raise NotImplementedError(
-            "fully_shard(shard_placement_fn=...) is not supported: parameters are laid out as "
-            "RaggedShard by the structure-aware planner, not as Shard(dim). Leave it None and "
-            "use granularity=... to keep rows/blocks whole on one rank.")
 
 
 def _create_process_groups(mesh_info: MeshInfo, reshard: ReshardPolicy) -> None:
@@ -196,7 +195,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
                 offload_policy: Any = None,
                 ignored_params: set[nn.Parameter] | None = None,
                 granularity: GranularityArg = None,
-                comm_policy: CommPolicy | dict[str, Any] | None = None) -> Any:
+                comm_policy: CommPolicy | dict[str, Any] | None = None,
+                dp_mesh_dims: Any = None) -> Any:
     """Shard ``module``'s parameters (those no inner group owns) as one group (FSDP2's API).
 
     Args:
@@ -218,8 +218,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             all-gathers among ``k`` ranks only (memory between the two). ``None`` also keeps
             the last group of the recorded forward order gathered into backward (design note
             [fsdp-reshard-policy]); a :class:`ReshardPolicy` is taken as it is.
-        shard_placement_fn: FSDP2's per-parameter ``Shard(dim)`` choice; not supported (the
-            planner chooses RaggedShard layouts: use ``granularity``). Must be ``None``.
+        shard_placement_fn: FSDP2's: ``None`` -> the default layout, ``Shard(d)`` -> rank
+            ranges keep ``prod(shape[d+1:])``-element slices whole; another mesh is refused
+            (design note [fsdp-shard-placement]).
         mp_policy: mixed precision (:class:`MixedPrecisionPolicy`; FSDP2's is accepted too).
         offload_policy: ``CPUOffloadPolicy`` (ours or FSDP2's) keeps sharded parameters,
             gradients and optimizer states in CPU memory; ``None``/FSDP2's ``OffloadPolicy()``:
@@ -233,21 +234,19 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             elements: ``AdamW8bit``'s blocks; the planner aligns shard sizes to 16 elements).
         comm_policy: :class:`CommPolicy` (or a dict of its fields): int8/fp8 all-gather,
             gradient wire dtype (design note [comm-policy]); ``None``: neither.
+        dp_mesh_dims: FSDP2's ``DataParallelMeshDims`` on the full SPMD ``mesh``, whose other
+            dims must have size 1 (design note [fsdp-shard-placement]).
 
     Returns:
         ``module`` (or the list), whose class now also derives from :class:`VeScaleFSDPModule`
         and torch's ``FSDPModule``.
     """
     modules = _as_modules(module)
-    _refuse_shard_placement_fn(shard_placement_fn)
     for m in modules:
         _check_not_wrapped(m)
     policy = as_policy(mp_policy)
     offload = as_offload_policy(offload_policy)
-    ignored = {id(p) for p in (ignored_params or ())}
-    collected = [c for c in collect_params(modules) if id(c.param) not in ignored]
-    for c in collected:
-        check_param(c.name, c.param)
+    collected, sources, mesh = _collect(modules, ignored_params, mesh, dp_mesh_dims)
     label = type(modules[0]).__name__ if len(modules) == 1 else \
         "[" + ", ".join(type(m).__name__ for m in modules) + "]"
     mesh_info = _mesh_info(mesh)
@@ -258,22 +257,39 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     group = None
     if collected:
         named = [(c.name, c.param) for c in collected]
-        comm, quantized, grans = _comm_layout(comm_policy, granularity, named)
+        units = placement_units(shard_placement_fn, named, mesh_info.mesh)
+        comm, quantized, grans = _comm_layout(comm_policy, granularity, named, units)
         group = ParamGroup(
             params=[_managed(c) for c in collected], mesh_info=mesh_info, mp_policy=policy,
             granularity=grans, reshard_policy=reshard, fqn=label, offload=offload,
             comm_policy=comm, quantized=quantized)
-        _build_group(group, modules, collected, device, label)
+        _build_group(group, modules, collected, sources, device, label)
     FSDPState(modules, group, mp_policy=policy)
     for m in modules:
         _wrap_class(m)
     return module
 
 
+def _collect(modules: list[nn.Module], ignored_params: set[nn.Parameter] | None,
+             mesh: DeviceMesh | None, dp_mesh_dims: Any
+             ) -> tuple[list[CollectedParam], dict[str, torch.Tensor], DeviceMesh | None]:
+    """The call's parameters (checked), each one's full value, and the data-parallel mesh
+    (``dp_mesh_dims`` resolved: design note [fsdp-shard-placement])."""
+    ignored = {id(p) for p in (ignored_params or ())}
+    collected = [c for c in collect_params(modules) if id(c.param) not in ignored]
+    spmd_mesh = mesh if dp_mesh_dims is not None else None
+    dp = dp_mesh(mesh, dp_mesh_dims)
+    sources = {c.name: local_value(c.name, c.param, spmd_mesh) for c in collected}
+    for c in collected:
+        check_param(c.name, sources[c.name] if spmd_mesh is not None else c.param)
+    return collected, sources, dp
+
+
 def _build_group(group: ParamGroup, modules: list[nn.Module], collected: list[CollectedParam],
-                 device: torch.device, label: str) -> None:
+                 sources: dict[str, torch.Tensor], device: torch.device, label: str) -> None:
     """Build the group's buffers from the parameters' data and register what refers to it."""
-    group.build({c.name: c.param.detach() for c in collected}, device)
+    group.build(sources, device)
+    guard_outside_calls(group, modules)  # design note [fsdp-outside-call]
     for k, m in enumerate(modules):
         register_state_dict_hooks(m, group, k)
     remember_taken(collected, label)
@@ -281,13 +297,14 @@ def _build_group(group: ParamGroup, modules: list[nn.Module], collected: list[Co
 
 
 def _comm_layout(comm_policy: Any, granularity: GranularityArg,
-                 named: list[tuple[str, nn.Parameter]]
+                 named: list[tuple[str, nn.Parameter]], units: dict[str, int]
                  ) -> tuple[CommPolicy | None, dict[str, bool], dict[str, int]]:
     """The group's comm policy (its block size resolved), which parameters it quantizes, and
-    the granularities with quantized tensors' aligned to the block (design note
+    the granularities (``shard_placement_fn``'s ``units`` folded in: design note
+    [fsdp-shard-placement]) with quantized tensors' aligned to the block (design note
     [comm-policy]). Checked here, at ``fully_shard``, before any step."""
     comm = as_comm_policy(comm_policy)
-    grans = resolve_granularities(granularity, named)
+    grans = with_units(resolve_granularities(granularity, named), units)
     if comm is None or not comm.is_active:
         return None, {n: False for n, _ in named}, grans
     if comm.block_size is None:

@@ -92,9 +92,6 @@ def _isinstance_body():
         "max_input_buffers": lambda: model.set_reduce_scatter_max_input_buffers(2),
         "separate_rs_group": lambda: model.set_separate_reduce_scatter_group(True),
         "pg_memory": lambda: model.set_allocate_memory_from_process_group_for_comm(True),
-        "symm_mem": lambda: model.set_symm_mem_for_comm(),
-        "shard_placement_fn": lambda: fully_shard(nn.Linear(2, 2),
-                                                  shard_placement_fn=lambda p: None),
     }.items():
         out[name] = expect_raises(call, NotImplementedError, "not supported")
     # accepted: every backward already ends like FSDP2's last one; 1-D meshes have no all-reduce;
@@ -103,6 +100,9 @@ def _isinstance_body():
     model.set_requires_all_reduce(False)
     model.set_reduce_scatter_unused_params(True)
     model.set_post_optim_event(torch.Event())
+    model.set_symm_mem_for_comm()  # no staging buffers here: nothing to allocate (torchtitan)
+    out["symm_mem_backend"] = expect_raises(lambda: model.set_symm_mem_for_comm("NVSHMEM"),
+                                            ValueError, "NCCL")
     return out
 
 

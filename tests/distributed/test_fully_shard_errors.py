@@ -100,3 +100,55 @@ def test_setters_and_granularity_callable_check_types(worlds):
         assert "reshard_after_forward must be a bool, got 'no'" in errors[0]
         assert "must be a bool, got 1" in errors[1]
         assert "returned None for parameter 'weight'" in errors[2]
+
+
+# -- a submodule called outside its group's forward (design note [fsdp-outside-call]) ----------
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.block = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.block(self.emb(x))
+
+
+class _LitLike(nn.Module):
+    """The LightningModule shape: the root group, the model a plain child (issue 33)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _Inner()
+
+    def forward(self, x):
+        return self.model(x)
+
+
+def _outside_call_body():
+    from lightning_vescale.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    lm = _LitLike()
+    ref = _Inner()
+    ref.load_state_dict(lm.model.state_dict())
+    fully_shard(lm.model.block)
+    fully_shard(lm)
+    x = torch.tensor([[1, 2, 3]])
+    lm(x).sum().backward()  # a training step, then on_fit_end calls pl_module.model(...)
+    out = {"outside": _expect(lambda: lm.model(x), RuntimeError, "Embedding ran while its "
+                              "parameters are sharded", "_LitLike (the root module",
+                              "unshard()", "pl_module.model")}
+    lm.unshard()  # the way out the message names: gather the root group, call, reshard
+    lm.model.block.unshard()
+    out["unsharded_call"] = torch.equal(lm.model(x), ref(x)) or "values differ"
+    lm.model.block.reshard()
+    lm.reshard()
+    out["inside"] = torch.equal(lm(x), ref(x)) or "values differ"
+    return out
+
+
+def test_submodule_called_outside_the_root_names_the_module_to_call(worlds):
+    """Before: ``aten.embedding.default got mixed torch.Tensor and DTensor``."""
+    out = worlds(1).run(_outside_call_body)[0]
+    bad = {k: v for k, v in out.items() if v is not None and v is not True}
+    assert not bad, bad

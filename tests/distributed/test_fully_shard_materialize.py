@@ -3,6 +3,7 @@ lifetime of a sharded model (garbage collected with its DBuffers)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -156,3 +157,106 @@ def test_device_move_keeps_a_user_mesh(worlds):
         assert set(device_types) == {"cpu"}
         assert set(dim_names) == {("mine",)}
         assert same_group  # the user's process group, not the default world mesh
+
+
+# -- list groups under to_empty / to / _apply (design note [fsdp-list-apply]) -------------------
+class _ListHead(torch.nn.Module):
+    """torchtitan's layout: embedding, a block of its own, then ``fully_shard([norm, head])``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.block = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.norm(torch.tanh(self.block(self.emb(x)))))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.roll(1, 1).flatten())
+
+
+def _init_normal(model: torch.nn.Module) -> None:
+    """What torchtitan's ``init_weights`` does after ``to_empty``: in-place random fills of the
+    (sharded) parameters, in a fixed order from a fixed seed."""
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            torch.nn.init.normal_(p, std=0.3)
+
+
+def _list_group_body(flow: str):
+    from lightning_vescale.fsdp import fully_shard, materialize
+
+    dtype = torch.float64 if flow == "to" else torch.float32
+    torch.manual_seed(0)
+    with torch.device("meta" if flow != "to" else "cpu"):
+        model = _ListHead()
+    torch.manual_seed(0)
+    ref = _ListHead()
+    fully_shard(model.block)
+    fully_shard([model.norm, model.head])
+    fully_shard(model)
+    if flow == "to_empty":
+        model.to_empty(device="cpu")
+        _init_normal(model)
+        _init_normal(ref)
+    elif flow == "materialize":  # to_empty, then reset_parameters() on full temporaries
+        torch.manual_seed(1)
+        materialize(model, "cpu")
+        torch.manual_seed(1)
+        for m in ref.modules():
+            if callable(getattr(m, "reset_parameters", None)):
+                m.reset_parameters()
+    else:
+        model.to(dtype)
+        ref.to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    x = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(5))
+    losses, ref_losses = [], []
+    for _ in range(4):  # every rank the full batch: the averaged gradient is the gradient
+        for m, o, out in ((model, opt, losses), (ref, ref_opt, ref_losses)):
+            loss = m(x)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            out.append(loss.item())
+    params = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return losses, ref_losses, params, {n: p.detach() for n, p in ref.named_parameters()}
+
+
+@pytest.mark.parametrize("flow", ["to_empty", "materialize", "to"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_list_group_trains_after_to_empty_and_to(worlds, world, flow):
+    """A ``fully_shard([norm, head])`` group's parameters are the ones the optimizer steps and
+    the forward reads after ``to_empty`` + init (torchtitan's meta-device flow), ``materialize``
+    and ``.to(dtype)``: losses and parameters equal a single-process run (before the fix the
+    list group's sharded parameters stopped viewing its DBuffer after ``to_empty``, and the
+    loss never moved)."""
+    for losses, ref_losses, params, ref_params in worlds(world).run(_list_group_body, flow):
+        assert losses[-1] < losses[0]
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=1e-6)
+        for n, p in ref_params.items():
+            torch.testing.assert_close(params[n], p, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def _swapped_param_body():
+    from lightning_vescale.fsdp import fully_shard
+
+    model = _ListHead()
+    fully_shard(model.block)
+    fully_shard(model)
+    w = model.block.weight
+    torch.utils.swap_tensors(w, torch.nn.Parameter(torch.empty_like(w)))
+    try:
+        model(torch.zeros(2, 3, dtype=torch.long))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_a_swapped_sharded_param_is_named_at_lazy_init(worlds):
+    """A sharded parameter that stopped viewing its DBuffer would train nothing, silently: the
+    root's lazy init names it instead (design note [fsdp-list-apply])."""
+    msg = worlds(1).run(_swapped_param_body)[0]
+    assert msg is not None and "'block.weight' no longer views" in msg, msg

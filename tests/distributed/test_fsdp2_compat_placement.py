@@ -1,0 +1,245 @@
+"""FSDP2's ``shard_placement_fn`` and ``dp_mesh_dims`` (issue 33: torchtitan passes both), each
+case run on torch's FSDP2 and on ours against a single process (design note
+[fsdp-shard-placement]); refusals and the layout they give on our side."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+from tests.distributed._fsdp2_compat import (
+    IMPLS,
+    MLP,
+    expect_raises,
+    full_params,
+    fully_shard_of,
+    micro,
+)
+
+
+def _train(model, ref, steps: int, make_x, loss_fn, lr: float = 0.1):
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    for s in range(steps):
+        x = make_x(s)
+        loss_fn(model, micro(x)).backward()
+        opt.step()
+        opt.zero_grad()
+        loss_fn(ref, x).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return full_params(model), {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+
+def _xs(d: int):
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(2 * world, d, generator=g) for _ in range(3)]
+    return lambda s: xs[s]
+
+
+def _sq(model, x):
+    return model(x).square().mean()
+
+
+def _close(got: dict, want: dict, what: str) -> None:
+    assert set(got) == set(want), what
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=f"{what} {n}")
+
+
+def _granularities(model: nn.Module) -> dict[str, int]:
+    from lightning_vescale.fsdp import iter_param_groups
+
+    return {f"{prefix}.{n}" if prefix else n: g for prefix, group in iter_param_groups(model)
+            for n, g in group.granularity.items()}
+
+
+# -- FSDP2's test_train_parity_shard_placement_fn_shard_largest_dim -----------------------------
+def _largest_dim_body(impl: str, how: str):
+    torch.manual_seed(0)
+    model = MLP(16, 32, 8)
+    ref = copy.deepcopy(model)
+
+    def largest_dim(p: nn.Parameter):
+        if how == "none":
+            return None
+        return Shard(max(range(p.ndim), key=lambda d: p.shape[d]))
+
+    fs = fully_shard_of(impl)
+    for m in (model.l1, model.l2, model.l3):
+        fs(m, shard_placement_fn=largest_dim)
+    fs(model, shard_placement_fn=largest_dim)
+    got, want = _train(model, ref, 3, _xs(16), _sq)
+    return got, want, _granularities(model) if impl == "ours" else None
+
+
+@pytest.mark.parametrize("how", ["largest_dim", "none"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_shard_placement_fn_trains_like_one_process(worlds, impl, how):
+    got, want, grans = worlds(2).run(_largest_dim_body, impl, how)[0]
+    _close(got, want, f"{impl} {how}")
+    if impl == "ours":  # Shard(d) keeps prod(shape[d+1:]) elements whole; None: the default
+        expect = {"l1.weight": 16, "l2.weight": 32, "l3.weight": 1} if how == "largest_dim" \
+            else {"l1.weight": 1, "l2.weight": 1, "l3.weight": 1}
+        assert {n: grans[n] for n in expect} == expect, grans
+
+
+# -- torchtitan's MoE rule: Shard(1) for an (E, out, in) expert stack with fewer experts than ranks
+class _Experts(nn.Module):
+    """torchtitan's ``GroupedExperts`` shape: ``(E, out, in)`` stacks, every expert applied."""
+
+    def __init__(self, experts: int = 2, dim: int = 6, hidden: int = 9) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(experts, hidden, dim) * 0.3)
+        self.w2 = nn.Parameter(torch.randn(experts, dim, hidden) * 0.3)
+        self.router = nn.Linear(dim, experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.softmax(self.router(x), dim=-1)
+        h = torch.einsum("bd,ehd->beh", x, self.w1).relu()
+        return torch.einsum("beh,edh,be->bd", h, self.w2, gate)
+
+
+def _experts_body(impl: str):
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = _Experts()
+    ref = copy.deepcopy(model)
+    expert_params = {model.w1, model.w2}
+    num_experts = model.w1.shape[0]
+
+    def placement(p: nn.Parameter):  # torchtitan.distributed.fsdp.apply_fsdp_to_decoder
+        if p in expert_params and world > num_experts:
+            return Shard(1)
+        return None
+
+    fully_shard_of(impl)(model, shard_placement_fn=placement)
+    got, want = _train(model, ref, 3, _xs(6), _sq)
+    return got, want, _granularities(model) if impl == "ours" else None
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_expert_stack_shard1_like_torchtitan(worlds, impl):
+    got, want, grans = worlds(3).run(_experts_body, impl)[0]
+    _close(got, want, impl)
+    if impl == "ours":  # Shard(1) of (E, out, in) keeps each expert's rows (`in` elements) whole
+        assert grans["w1"] == 6 and grans["w2"] == 9 and grans["router.weight"] == 1, grans
+
+
+# -- what cannot be expressed is refused, naming the parameter ----------------------------------
+def _refusals_body():
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        ShardPlacementResult,
+    )
+
+    from lightning_vescale.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    other = DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu")  # its own group
+    own, foreign = FSDPMeshInfo(mesh, shard_mesh_dim=0), FSDPMeshInfo(other, shard_mesh_dim=0)
+    out = {
+        "bad_dim": expect_raises(lambda: fully_shard(nn.Linear(4, 4), mesh=mesh,
+                                                     shard_placement_fn=lambda p: Shard(2)),
+                                 ValueError, "'weight'", "no dim 2"),
+        "replicate": expect_raises(lambda: fully_shard(nn.Linear(4, 4), mesh=mesh,
+                                                       shard_placement_fn=lambda p: Replicate()),
+                                   ValueError, "'weight'", "Replicate"),
+        "foreign_mesh": expect_raises(
+            lambda: fully_shard(nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p:
+                                ShardPlacementResult(placement=Shard(0), mesh_info=foreign)),
+            NotImplementedError, "'weight'", "per-parameter meshes"),
+    }
+    lin = nn.Linear(4, 6)
+    fully_shard(lin, mesh=mesh, shard_placement_fn=lambda p:
+                ShardPlacementResult(placement=Shard(0) if p.ndim == 2 else None, mesh_info=own))
+    out["own_mesh"] = _granularities(lin) == {"weight": 4, "bias": 1} or _granularities(lin)
+    return out
+
+
+def test_shard_placement_refusals_name_the_parameter(worlds):
+    out = worlds(2).run(_refusals_body)[0]
+    bad = {k: v for k, v in out.items() if v is not None and v is not True}
+    assert not bad, bad
+
+
+# -- dp_mesh_dims: the full SPMD mesh, its data-parallel dims named -------------------------------
+def _dp_mesh_dims_body(impl: str, dims: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import DTensor
+
+    world = dist.get_world_size()
+    if dims == "flatten":  # torchtitan's full_dtensor: dp_shard and cp flattened into one
+        mesh = init_device_mesh("cpu", (world, 1, 1), mesh_dim_names=("dp_shard", "cp", "tp"))
+        dp = DataParallelMeshDims(shard=("dp_shard", "cp"))
+    else:
+        mesh = init_device_mesh("cpu", (1, world, 1), mesh_dim_names=("rep", "dp", "tp"))
+        dp = DataParallelMeshDims(shard="dp", replicate="rep")
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    for m in model.modules():  # FSDP2's contract: DTensors on the SPMD mesh, Replicate on DP
+        for name, p in list(m._parameters.items()):
+            m._parameters[name] = nn.Parameter(
+                DTensor.from_local(p.detach(), mesh, [Replicate()] * mesh.ndim))
+    fs = fully_shard_of(impl)
+    for m in (model.l1, model.l2, model.l3):
+        fs(m, mesh=mesh, dp_mesh_dims=dp)
+    fs(model, mesh=mesh, dp_mesh_dims=dp)
+    if impl == "ours":  # the unsharded parameters are plain tensors (the other dims have size 1)
+        return _train(model, ref, 3, _xs(16), _sq)
+    # FSDP2 computes on DTensors of the SPMD mesh: the batch is Shard(0) on the DP dims
+    batch = [Shard(0) if n in ("dp_shard", "dp") else Replicate() for n in mesh.mesh_dim_names]
+
+    def dtensor_sq(m, x):
+        if m is ref:
+            return _sq(m, x)
+        return m(DTensor.from_local(x, mesh, batch)).to_local().square().mean()
+
+    return _train(model, ref, 3, _xs(16), dtensor_sq)
+
+
+@pytest.mark.parametrize("dims", ["flatten", "hsdp"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dp_mesh_dims_like_fsdp2(worlds, impl, dims):
+    got, want = worlds(2).run(_dp_mesh_dims_body, impl, dims)[0]
+    _close(got, want, f"{impl} {dims}")
+
+
+def _dp_mesh_dims_refusals_body():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    from lightning_vescale.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    return {
+        "wide_tp": expect_raises(
+            lambda: fully_shard(nn.Linear(4, 4), mesh=mesh,
+                                dp_mesh_dims=DataParallelMeshDims(shard="dp")),
+            ValueError, "('tp', 2)"),
+        "ddp_only": expect_raises(
+            lambda: fully_shard(nn.Linear(4, 4), mesh=mesh,
+                                dp_mesh_dims=DataParallelMeshDims(replicate="tp")),
+            NotImplementedError, "no shard dim"),
+        "unknown": expect_raises(
+            lambda: fully_shard(nn.Linear(4, 4), mesh=mesh,
+                                dp_mesh_dims=DataParallelMeshDims(shard="fsdp")),
+            ValueError, "['fsdp']"),
+    }
+
+
+def test_dp_mesh_dims_refusals(worlds):
+    out = worlds(2).run(_dp_mesh_dims_refusals_body)[0]
+    bad = {k: v for k, v in out.items() if v is not None}
+    assert not bad, bad
