@@ -294,3 +294,41 @@ def _fused_qkv_body():
 @pytest.mark.parametrize("ws", WORLD_SIZES)
 def test_torchtitan_fused_qkv_init_pattern(worlds, ws):
     assert worlds(ws).run(_fused_qkv_body) == [True] * ws
+
+
+# -- HSDP: (Replicate(), RaggedShard) on a 2 x 2 mesh ----------------------------------------
+def _hsdp_body():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    j = mesh.get_local_rank(1)
+    for dims, units in [((0,), (1, 3)), ((0, 1), (7, 9)), ((), (0, 1))]:
+        place = RaggedShard(dims, units)
+        full = torch.zeros(16, 6)
+        w = ragged_tensor(full, place, mesh)
+        assert w.placements == (Replicate(), place)
+
+        def mine(t: torch.Tensor, dt: DTensor = w) -> torch.Tensor:
+            start, end = dt.placements[1].local_range(tuple(t.shape), j)
+            return t.reshape(-1)[start:end]
+
+        assert w.new_zeros(16, 6).placements == w.placements
+        assert w.new_empty(3).placements == (Replicate(), Replicate())
+        torch.manual_seed(4)
+        _fused_qkv_init(full)
+        after = torch.rand(3)
+        torch.manual_seed(4)
+        _fused_qkv_init(w)
+        assert torch.equal(w.to_local(), mine(full))
+        _same_stream_after(after)
+        v = w[3:11]
+        assert v.placements[0] == Replicate() and isinstance(v.placements[1], RaggedShard)
+        torch.manual_seed(5)
+        torch.nn.init.trunc_normal_(v, std=0.1)
+        torch.manual_seed(5)
+        torch.nn.init.trunc_normal_(full[3:11], std=0.1)
+        assert torch.equal(w.to_local(), mine(full))
+        assert torch.equal(v.full_tensor(), full[3:11])
+    return True
+
+
+def test_init_ops_on_an_hsdp_mesh(worlds):
+    assert worlds(4).run(_hsdp_body) == [True] * 4
