@@ -8,11 +8,12 @@ torchtitan's own Llama3 ``debugmodel`` and its own FSDP function run unchanged; 
 
 References, all with the same seed and on each rank: the same model built, ``to_empty``'d and
 initialised without sharding (one process), and torch's FSDP2 in the same flow on a 1-rank mesh
-(world 1, where its ``Shard(0)`` draws are the full tensor's). Ours at world 2 must equal both **bitwise**, parameter by
-parameter, and leave the default generator where one process leaves it. (Measured, torch 2.13
-on CPU: FSDP2 at world 2 in this flow differs from one process in all 32 randomly initialised
-parameters, because CPU has no DTensor RNG tracker and each ``Shard(0)`` shard draws its own
-numel from the start of the stream; see design note [ragged-random].)
+(world 1, where its ``Shard(0)`` draws are the full tensor's). Ours at world 2 must equal both
+**bitwise**, parameter by parameter, and leave the default generator where one process leaves
+it. (Measured, torch 2.13 on CPU: FSDP2 at world 2 in this flow differs from one process in
+all 32 randomly initialised parameters, because CPU has no DTensor RNG tracker and each
+``Shard(0)`` shard draws its own numel from the start of the stream; design note
+[ragged-random] in ``lightning_vescale/placement/_random_ops.py``.)
 """
 
 from __future__ import annotations
