@@ -29,7 +29,8 @@ torch's FSDP2, for comparison (torch 2.13): on CUDA its ``Shard(0)`` DTensors us
 ``shard_index * local_numel`` (rounded up to 4) and advances every rank's generator by the full
 numel (rounded up to 4). A Philox offset is not an element index of the full draw (a CUDA
 kernel spreads elements over threads by launch configuration), so sharded values are in
-general not the full tensor's, and depend on the world size; only at world 1 (one shard) are they the full draw.
+general not the full tensor's, and depend on the world size; only at world 1 (one shard) are
+they the full draw.
 Measured on CPU, where there is no RNG tracker: every rank draws its *local* numel from the
 start of the same stream, so the shards differ from single-device values (torchtitan's Llama3
 debug model at world 2: 32 of 45 parameters) and the ranks' generators end in different states.
