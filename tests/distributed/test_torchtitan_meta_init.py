@@ -85,10 +85,6 @@ def test_llama3_meta_init_matches_one_process(titan_runs):
         assert torch.equal(after, ref_after), "the generator must end where one process's does"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fully_shard([norm, lm_head]) (a list group): the second module's own _apply re-creates "
-    "lm_head.weight in to_empty(), so init writes a tensor that is not in the group's DBuffer; "
-    "issue 33's list-group item (branch titan-flow). Remove this mark when that fix lands."))
 def test_llama3_meta_init_reaches_what_forward_reads(titan_runs):
     for rank, runs in enumerate(titan_runs):
         _assert_same(runs["ours"][2], runs["one_process"][0], f"ours unsharded, rank {rank} of 2")
