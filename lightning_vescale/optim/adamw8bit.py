@@ -115,7 +115,11 @@ class AdamW8bit(ShardedOptimizer):
         params: parameters or parameter groups (plain tensors on any device, or ``DTensor``s with
             ``(RaggedShard,)`` / ``(Replicate(), RaggedShard)`` / all-``Replicate`` placements
             on a 1-D or HSDP mesh; the shard group's ranges decide the blocks).
-        lr, betas, eps, weight_decay, maximize: as ``torch.optim.AdamW``.
+        lr: as ``torch.optim.AdamW``'s ``lr``.
+        betas: as ``torch.optim.AdamW``'s ``betas``.
+        eps: as ``torch.optim.AdamW``'s ``eps``.
+        weight_decay: as ``torch.optim.AdamW``'s ``weight_decay``.
+        maximize: as ``torch.optim.AdamW``'s ``maximize``.
         amsgrad: only ``False`` is supported.
         block_size: elements per quantization block (per group); sharded parameters need shard
             bounds on multiples of it. ``None`` (default): the block size the parameters were

@@ -125,18 +125,26 @@ class Muon(ShardedOptimizer):
             betas, eps, weight_decay``). A group without ``use_muon`` is routed per parameter and
             split in two; its plain keys override the Muon half and ``adamw_``-prefixed keys
             (``adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay``) the AdamW half.
-        lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: as in
-            ``torch.optim.Muon`` (``adjust_lr_fn``: ``None``/``"original"`` scales lr by
+        lr: as in ``torch.optim.Muon``.
+        weight_decay: as in ``torch.optim.Muon``.
+        momentum: as in ``torch.optim.Muon``.
+        nesterov: as in ``torch.optim.Muon``.
+        ns_coefficients: as in ``torch.optim.Muon``.
+        eps: as in ``torch.optim.Muon``.
+        ns_steps: as in ``torch.optim.Muon``.
+        adjust_lr_fn: as in ``torch.optim.Muon``: ``None``/``"original"`` scales lr by
             ``sqrt(max(1, rows/cols))``, ``"match_rms_adamw"`` by ``0.2 * sqrt(max(rows, cols))``,
-            with ``rows, cols`` the shape of each matrix: of each expert for a stack).
+            with ``rows, cols`` the shape of each matrix: of each expert for a stack.
         matrix_view: which matrices a parameter is (design note [muon-stacked-experts]):
             ``"auto"`` (default) orthogonalises each ``(out, in)`` expert of a 3-D
             ``(E, out, in)`` weight on its own (``torch.optim.Muon`` on ``E`` separate 2-D
             parameters) and flattens 4-D+ (conv) weights to ``(shape[0], -1)``; ``"stack"``
             treats every leading dim as a stack; ``"flatten"`` one ``(shape[0], -1)`` matrix per
             parameter (the whole stack together). A group key of the same name overrides it.
-        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW fallback's defaults (as
-            ``torch.optim.AdamW``'s ``lr, betas, eps, weight_decay``).
+        adamw_lr: the AdamW fallback's default ``lr`` (as torch's AdamW).
+        adamw_betas: the AdamW fallback's default ``betas`` (as torch's AdamW).
+        adamw_eps: the AdamW fallback's default ``eps`` (as torch's AdamW).
+        adamw_weight_decay: the AdamW fallback's default ``weight_decay`` (as torch's AdamW).
         muon_patterns: regexes (``re.search`` on the name) forcing a >= 2-D parameter to Muon;
             checked first.
         adamw_patterns: regexes routing a parameter to AdamW (default

@@ -80,7 +80,8 @@ class Shampoo(WholeMatrixOptimizer):
         start_preconditioning_step: first step that uses the preconditioner (Adam before);
             ``None``: ``precondition_frequency``.
         inverse_root_exponent: ``r`` in ``L^(-1/r)`` (4: the usual one for matrices).
-        grafting_beta2, grafting_epsilon: Adam grafting's second moment and epsilon.
+        grafting_beta2: Adam grafting's second-moment decay rate.
+        grafting_epsilon: Adam grafting's epsilon.
     """
 
     who = "Shampoo"

@@ -76,7 +76,10 @@ class SOAP(WholeMatrixOptimizer):
     Args:
         params: parameters or groups (plain tensors, or ``DTensor``s with ``(RaggedShard,)`` /
             ``(Replicate(), RaggedShard)`` placements: FSDP and HSDP meshes).
-        lr, betas, eps, weight_decay: as Adam(W); ``weight_decay`` is decoupled.
+        lr: as Adam(W)'s ``lr``.
+        betas: as Adam(W)'s ``betas``.
+        eps: as Adam(W)'s ``eps``.
+        weight_decay: as AdamW's (decoupled).
         shampoo_beta: EMA rate of the Kronecker factors; ``None``: ``betas[1]``.
         precondition_frequency: steps between eigenbasis refreshes (power iteration + QR).
         max_precond_dim: dimensions larger than this are not preconditioned.
