@@ -1,4 +1,5 @@
-"""Every code block of README.md is true: it runs, as shown.
+"""Every code block of README.md and of the documentation site (docs/**/*.md) is true: it
+runs, as shown.
 
 * A ``python`` or ``yaml`` block must be preceded by ``<!-- example: PATH -->`` and be a verbatim
   excerpt of ``PATH`` (consecutive lines, up to a common indentation); ``test_examples.py`` runs
@@ -11,6 +12,9 @@
   demo at the end of the main command runs here, and its printed tables must be the README's
   sample output.
 * ``text`` blocks are output and trees, not code; any other fence language fails.
+* A command may appear in any of those pages (it moved from the README into a guide); a
+  ``COMMANDS`` entry that no page shows any more fails. The docs repeat the README's ``ci:``
+  blocks (Getting started); they must be the README's, character for character.
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ from tests.examples.test_examples import LLAMA_TINY, env, run
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+
+
+def doc_files() -> list[Path]:
+    """The pages whose code blocks are checked: the README and every page of the docs site."""
+    return [README] + sorted((ROOT / "docs").rglob("*.md"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +120,12 @@ def _argv(command: str, extra: tuple[str, ...] = ()) -> list[str]:
     return argv + list(extra)
 
 
-def _sample_output() -> str:
-    (sample,) = [b.text for b in blocks() if b.lang == "text" and "== How vescale_fsdp" in b.text]
-    return sample
+def _sample_outputs() -> list[str]:
+    """The demo's sample output, wherever a page shows it (at least once)."""
+    samples = [b.text for path in doc_files() for b in blocks(path)
+               if b.lang == "text" and "== How vescale_fsdp" in b.text]
+    assert samples, "no page shows the demo's sample output"
+    return samples
 
 
 def _tables(text: str) -> list[str]:
@@ -131,7 +143,8 @@ def _tables(text: str) -> list[str]:
 
 def _demo(stdout: str, tmp_path: Path) -> None:
     assert "Epoch 0" in stdout  # Lightning's progress bar
-    assert _tables(stdout) == _tables(_sample_output()), "README sample output is stale"
+    for sample in _sample_outputs():
+        assert _tables(stdout) == _tables(sample), "the docs' sample output is stale"
     losses = re.findall(r"(vescale_fsdp|ddp) x2: loss (\S+) -> (\S+) in 60 steps, validation "
                         r"perplexity (\S+)", stdout)
     assert len(losses) == 2, stdout[-3000:]
@@ -195,6 +208,8 @@ COMMANDS: dict[str, object] = {
     "python examples/train_gpt.py": Runs(check=_demo),
     "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu":
         NotHere("an installation from the network; CI installs torch with the ci:test-command"),
+    "pip install -e '.[docs]'":
+        NotHere("an installation; CI installs the [docs] extra with the ci:test-command"),
     "python examples/cli.py fit --config examples/configs/gpt_vescale.yaml "
     "--trainer.strategy.init_args.reshard_after_forward=false":
         Runs(extra=("--trainer.max_steps=4", "--trainer.enable_progress_bar=false")),
@@ -233,9 +248,10 @@ COMMANDS: dict[str, object] = {
 
 
 def _readme_commands() -> list[str]:
-    """Every command of the README's bash blocks; of a ci: block, its parts after ``&&``."""
+    """Every command of the bash blocks of the README and the docs; of a ci: block, its parts
+    after ``&&``."""
     out = []
-    for b in blocks():
+    for b in (b for path in doc_files() for b in blocks(path)):
         if b.lang == "bash":
             out += [p.strip() for c in commands(b.text) for p in c.split("&&")] if b.ci \
                 else commands(b.text)
@@ -245,8 +261,8 @@ def _readme_commands() -> list[str]:
 # -- the tests -----------------------------------------------------------------------------------
 def test_every_block_is_an_example_a_known_command_or_text():
     problems = []
-    for b in blocks():
-        where = f"README.md:{b.line}"
+    for path, b in ((path, b) for path in doc_files() for b in blocks(path)):
+        where = f"{path.relative_to(ROOT)}:{b.line}"
         if b.lang in ("python", "yaml"):
             if b.example is None:
                 problems.append(f"{where}: {b.lang} block without <!-- example: PATH -->")
@@ -263,7 +279,23 @@ def test_every_block_is_an_example_a_known_command_or_text():
                             "bash (a command) or text")
     assert not problems, "\n".join(problems)
     stale = set(COMMANDS) - set(_readme_commands())
-    assert not stale, f"COMMANDS entries no longer in the README: {sorted(stale)}"
+    assert not stale, f"COMMANDS entries no longer in the README or the docs: {sorted(stale)}"
+
+
+def test_docs_pages_are_checked():
+    """The check above reads the docs site's pages too (the guides hold most examples)."""
+    pages = doc_files()
+    assert ROOT / "docs" / "getting-started.md" in pages and len(pages) > 20
+    assert any(b.example for b in blocks(ROOT / "docs" / "guides" / "trainer.md"))
+
+
+def test_docs_ci_blocks_are_the_readmes():
+    """A ci: block repeated in the docs is the README's (the one CI runs), verbatim."""
+    readme = {b.text for b in blocks() if b.ci}
+    for path in doc_files()[1:]:
+        for b in blocks(path):
+            if b.ci:
+                assert b.text in readme, f"{path.relative_to(ROOT)}:{b.line} differs from README"
 
 
 def test_excerpt_check_can_fail():
@@ -276,7 +308,7 @@ def test_ci_markers_give_the_documented_commands():
     test_cmd = subprocess.run(["awk", awk, "README.md"], cwd=ROOT, capture_output=True,
                               text=True, check=True).stdout.strip()
     assert test_cmd == ("python3 -m venv .venv && . .venv/bin/activate && pip install "
-                        "torch==2.13.0 && pip install -e '.[dev,hf,clients]' && python -m pytest "
+                        "torch==2.13.0 && pip install -e '.[dev,hf,clients,docs]' && python -m pytest "
                         "-q -m 'not slow' && python -m pytest -q -m slow")
     (main_block,) = [b for b in blocks() if b.ci and "pip install -e . &&" in b.text]
     assert main_block.text.endswith("&& python examples/train_gpt.py")
