@@ -4,6 +4,7 @@
   it shows (``benchmarks/figures/*.png``) are copied beside it, so the tables on the site are
   the files the benchmark scripts regenerate, never a copy that can go stale.
 * ``CHANGELOG.md`` becomes ``changelog.md``.
+* Sphinx roles left in docstrings (``:func:`x```) render as plain code, not as ``:func:`` text.
 
 A RESULTS file that the ``nav`` of ``mkdocs.yml`` does not list is a warning, so
 ``mkdocs build --strict`` fails until it is listed (MkDocs' ``validation.omitted_files``).
@@ -11,6 +12,7 @@ A RESULTS file that the ``nav`` of ``mkdocs.yml`` does not list is a warning, so
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from mkdocs.structure.files import File, Files
@@ -33,3 +35,10 @@ def on_files(files: Files, config) -> Files:
     files.append(File.generated(config, "changelog.md",
                                 content=(ROOT / "CHANGELOG.md").read_text()))
     return files
+
+
+_ROLE = re.compile(r":(?:func|meth|class|data|attr|mod|exc|obj):\s*(<code>)")
+
+
+def on_page_content(html: str, page, config, files) -> str:
+    return _ROLE.sub(r"\1", html)
