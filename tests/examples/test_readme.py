@@ -308,8 +308,8 @@ def test_ci_markers_give_the_documented_commands():
     test_cmd = subprocess.run(["awk", awk, "README.md"], cwd=ROOT, capture_output=True,
                               text=True, check=True).stdout.strip()
     assert test_cmd == ("python3 -m venv .venv && . .venv/bin/activate && pip install "
-                        "torch==2.13.0 && pip install -e '.[dev,hf,clients,docs]' && python -m pytest "
-                        "-q -m 'not slow' && python -m pytest -q -m slow")
+                        "torch==2.13.0 && pip install -e '.[dev,hf,clients,docs]' && "
+                        "python -m pytest -q -m 'not slow' && python -m pytest -q -m slow")
     (main_block,) = [b for b in blocks() if b.ci and "pip install -e . &&" in b.text]
     assert main_block.text.endswith("&& python examples/train_gpt.py")
     assert "python examples/train_gpt.py" in COMMANDS  # ... and it runs below
