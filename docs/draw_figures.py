@@ -5,7 +5,7 @@
 
 Every box in the figures is a number the planner (``plan_layout``) or the FSDP2 baseline
 (``planner.baselines``' row-wise rule) computed for one transformer block of the example GPT
-(``examples/gpt.py``, ``n_embd=64``) over 3 ranks, with the granularities training uses by
+(``examples/gpt.py``, ``n_embd=64``) over 4 ranks, with the granularities training uses by
 default (``default_granularity``: element-wise, multiples of 256 elements for tensors of 4,096+
 elements). Needs matplotlib (the ``dev`` or ``plot`` extra).
 """
@@ -30,7 +30,7 @@ from examples.gpt import GPT, GPTConfig  # noqa: E402
 from lightning_vescale.planner import LayoutPlan, TensorSpec, plan_layout  # noqa: E402
 from lightning_vescale.planner._granularity import default_granularity  # noqa: E402
 
-WORLD = 3
+WORLD = 4
 COLORS = plt.get_cmap("tab20").colors
 
 
@@ -73,7 +73,7 @@ def draw_buffer(plan: LayoutPlan, specs: list[TensorSpec], path: Path) -> None:
     ax.set_yticks([])
     ax.set_xlabel(f"buffer offset (elements); shard size S = {plan.shard_size:,}, "
                   f"padding {plan.padding_ratio:.2%}; ticks: 256-element blocks")
-    ax.set_title("The planner's layout of one GPT block over 3 ranks (one DBuffer)")
+    ax.set_title("The planner's layout of one GPT block over 4 ranks (one DBuffer)")
     _legend(ax, specs)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -97,14 +97,14 @@ def draw_fsdp2(specs: list[TensorSpec], path: Path) -> None:
         ax.axvline(x, color="red", linewidth=2)
     per_rank = x // WORLD
     for r in range(WORLD):
-        ax.text(per_rank * (r + 0.5), 1.12, f"rank {r}: one chunk of every tensor", ha="center",
+        ax.text(per_rank * (r + 0.5), 1.12, f"rank {r}", ha="center",
                 fontsize=9)
     ax.set_xlim(0, x)
     ax.set_ylim(0, 1.35)
     ax.set_yticks([])
     ax.set_xlabel("all-gather buffer (elements): each rank copies its chunks in, and every "
                   "tensor is copied out of the gathered buffer")
-    ax.set_title("FSDP2's even row-wise sharding of the same block (interleaved chunks)")
+    ax.set_title("FSDP2: the same block, each rank one dim-0 chunk of every tensor")
     _legend(ax, specs)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
