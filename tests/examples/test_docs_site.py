@@ -92,6 +92,7 @@ def test_every_figure_comes_from_a_script():
             assert image.name in scripts, f"{rel}: no benchmarks/*.py names it"
 
 
+@pytest.mark.slow  # a script in a fresh process (torch, matplotlib): ~10 s
 def test_concept_figures_are_the_planners(tmp_path):
     pytest.importorskip("matplotlib")
     proc = subprocess.run([sys.executable, "docs/draw_figures.py", "--out", str(tmp_path)],
