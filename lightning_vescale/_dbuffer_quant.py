@@ -186,7 +186,9 @@ class QuantizedGather:
                 end = run.start + run.count * run.length
                 x = src[run.start:end].view(run.count, run.length)
                 s = scales[run.scale:run.scale + run.count]
-                torch.amax(x.abs(), dim=1, out=s)
+                # the absmax in the shard's dtype (exact: a max), widened into the fp32 scales:
+                # ``amax(out=)`` needs equal dtypes, and bf16/fp16 masters are common
+                s.copy_(torch.amax(x.abs(), dim=1))
                 s.div_(self.qmax)
                 safe = torch.where(s > 0, s, torch.ones_like(s))
                 q = torch.div(x, safe[:, None])
