@@ -73,6 +73,14 @@ def _as_dtype(value: Any) -> torch.dtype | None:
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"CommPolicy: reduce_scatter_dtype={dtype} is not a floating-point "
                          "dtype; gradients travel in a float dtype (e.g. torch.bfloat16).")
+    if dtype is not None and dtype.itemsize < 2:
+        # float8/float4: unscaled, e4m3 flushes gradients below 2**-9 to zero and saturates
+        # at 448 (e5m2: 2 mantissa bits); a scaled 8-bit wire is not implemented
+        raise ValueError(
+            f"CommPolicy: reduce_scatter_dtype={dtype} is not supported: gradients would travel "
+            "without a scale, flushed to zero or saturated. Supported: torch.bfloat16, "
+            "torch.float16 (scaled per rank, design note [comm-policy]) and torch.float32; "
+            "for 8-bit traffic quantize the all-gather (all_gather='int8' or 'fp8').")
     return dtype
 
 

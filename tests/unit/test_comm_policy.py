@@ -42,6 +42,11 @@ def test_frozen_keyword_only_and_normalised():
     (dict(reduce_scatter_dtype="bf17"), ValueError, ["reduce_scatter_dtype='bf17'", "bf16"]),
     (dict(reduce_scatter_dtype=torch.int8), ValueError, ["torch.int8", "floating-point"]),
     (dict(reduce_scatter_dtype=3), TypeError, ["reduce_scatter_dtype", "torch.dtype"]),
+    # issue 34: accepted, then failing at world >= 2 (and unscaled e4m3 flushes gradients)
+    (dict(reduce_scatter_dtype=torch.float8_e4m3fn), ValueError,
+     ["reduce_scatter_dtype=torch.float8_e4m3fn", "torch.bfloat16", "torch.float16",
+      "torch.float32"]),
+    (dict(reduce_scatter_dtype=torch.float8_e5m2), ValueError, ["torch.float8_e5m2"]),
     (dict(block_size=0), ValueError, ["block_size=0"]),
     (dict(block_size=True), ValueError, ["block_size=True"]),
     (dict(quantize=3), TypeError, ["quantize"]),
