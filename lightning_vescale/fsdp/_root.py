@@ -238,12 +238,18 @@ class RootContext:
         would only add to peak memory (FSDP2 is synchronous there).
         """
         self.finish_reduce()
-        async_op = group.mesh_info.device_type != "cpu"
+        async_op = self.reduce_async(group)
         group.reduce_scatter(async_op=async_op)
         if async_op:
             self.inflight_reduce = group
         else:
             group.run_post_reduce_hooks()  # design note [fsdp-post-acc-grad-hooks]
+
+    @staticmethod
+    def reduce_async(group: ParamGroup) -> bool:
+        """Whether ``group``'s structural reduce-scatter is asynchronous: on accelerators (a
+        test may force the asynchronous path on gloo, whose handles are real too)."""
+        return group.mesh_info.device_type != "cpu"
 
     def finish_reduce(self, hooks: bool = True) -> None:
         """Wait for the reduce-scatter in flight, then run its post-accumulate-grad hooks

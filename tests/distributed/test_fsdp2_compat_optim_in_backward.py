@@ -222,3 +222,55 @@ def test_optimizer_in_backward_equals_normal_training(worlds, world):
     """Parity at 1 and 3 ranks (uneven shards): optimizer in backward == normal training."""
     for bad in worlds(world).run(_split_batch_parity_body, 6 * world, 4):
         assert not bad, bad[:5]
+
+
+def _async_body(offload: bool) -> list[str]:
+    """The accelerator path on gloo: reduce-scatters left in flight and waited at the next
+    group's (their hooks run then), the last one at the final callback."""
+    from lightning_vescale.fsdp import CPUOffloadPolicy
+    from lightning_vescale.fsdp._root import RootContext
+
+    original = RootContext.reduce_async
+    RootContext.reduce_async = staticmethod(lambda group: True)
+    try:
+        kw = dict(offload_policy=CPUOffloadPolicy(pin_memory=False)) if offload else {}
+        torch.manual_seed(0)
+        base = MLP(8, 16, 8)
+        normal, hooked = shard_mlp("ours", copy.deepcopy(base), **kw), shard_mlp(
+            "ours", copy.deepcopy(base), **kw)
+        opt = torch.optim.AdamW(normal.parameters(), lr=1e-2)
+        per_param = {p: torch.optim.AdamW([p], lr=1e-2) for p in hooked.parameters()}
+        order: list[int] = []
+
+        def step_hook(p: torch.Tensor) -> None:
+            order.append(id(p))
+            per_param[p].step()
+            per_param[p].zero_grad()
+
+        for p in hooked.parameters():
+            p.register_post_accumulate_grad_hook(step_hook)
+        g = torch.Generator().manual_seed(1)
+        bad = []
+        for step in range(3):
+            x = torch.randn(4 * dist.get_world_size(), 8, generator=g)
+            normal(micro(x)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            order.clear()
+            hooked(micro(x)).square().mean().backward()
+            if len(order) != 6:
+                bad.append(f"step {step}: {len(order)} hooks ran")
+            for (n, a), b in zip(normal.named_parameters(), hooked.parameters()):
+                if not torch.equal(a.to_local(), b.to_local()):
+                    bad.append(f"step {step}: {n}")
+        return bad
+    finally:
+        RootContext.reduce_async = original
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "cpu_offload"])
+def test_hooks_after_asynchronous_reduce_scatters(worlds, offload):
+    """With reduce-scatters in flight (the accelerator path), each group's hooks run after its
+    reduce-scatter was waited: the same bits as stepping after backward."""
+    for bad in worlds(2).run(_async_body, offload):
+        assert not bad, bad[:5]
