@@ -217,9 +217,10 @@ def _split_batch_parity_body(world_batch: int, steps: int) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("world", [1, 3])
-def test_optimizer_in_backward_equals_normal_training(worlds, world):
-    """Parity at 1 and 3 ranks (uneven shards): optimizer in backward == normal training."""
+def test_optimizer_in_backward_equals_normal_training(worlds):
+    """Parity at 3 ranks (uneven shards, split batches): optimizer in backward == normal
+    training, bit for bit (SGD with momentum per parameter in the hooks)."""
+    world = 3
     for bad in worlds(world).run(_split_batch_parity_body, 6 * world, 4):
         assert not bad, bad[:5]
 
