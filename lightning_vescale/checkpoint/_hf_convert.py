@@ -49,7 +49,8 @@ from torch import Tensor, nn
 
 from lightning_vescale.checkpoint._safetensors_format import TensorEntry, read_range
 
-__all__ = ["VirtualEntry", "convert_entries", "find_hf_model", "read_entry"]
+__all__ = ["SavedAs", "VirtualEntry", "convert_entries", "find_hf_model", "read_entry",
+           "save_layout"]
 
 
 Streams = Callable[[TensorEntry], Any]  # the open file of a checkpoint tensor
@@ -348,3 +349,66 @@ def _computed(template: Any, first: str, members: list[tuple[str, str, TensorEnt
         out[name] = _Computed(shape=tuple(value.shape), dtype=value.dtype,
                               compute=lambda streams, name=name: run(streams)[name])
     return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavedAs:
+    """How a module tensor is written in ``save_pretrained``'s layout: the file tensors it is
+    cut into (``pieces``: file key in the module's key space, name of its leaf in ``entry``,
+    shape; in the order of ``entry``'s leaves) and ``entry``, the module tensor seen as made of
+    them (its runs map a flat range to leaf ranges)."""
+
+    pieces: tuple[tuple[str, str, tuple[int, ...]], ...]
+    entry: VirtualEntry
+
+
+def save_layout(module: nn.Module, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
+                ) -> dict[str, SavedAs]:
+    """For the tensors of ``module`` (names as in its ``state_dict``, with shape and dtype) that
+    ``save_pretrained`` writes in another layout (stacked experts written one per expert), how:
+    ``transformers``' own ``revert_weight_conversion`` on meta tensors names and shapes the file
+    tensors, and the forward conversion of those (design note [hf-convert]) says which range of
+    the module tensor each one is. Others are absent (written as they are)."""
+    found = find_hf_model(module)
+    if found is None or _conversion(found[1]) is None:
+        return {}
+    from transformers.core_model_loading import revert_weight_conversion
+
+    prefix, hf = found
+    pre = f"{prefix}." if prefix else ""
+    mine = {k[len(pre):]: v for k, v in tensors.items() if k.startswith(pre)}
+    meta = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (shape, dtype) in mine.items()}
+    reverted = revert_weight_conversion(hf, meta)
+    if set(reverted) == set(meta):
+        return {}
+    fake = {k: TensorEntry(file=Path(k), name=k, dtype=v.dtype, shape=tuple(v.shape), begin=0,
+                           end=v.numel() * v.dtype.itemsize) for k, v in reverted.items()}
+    out: dict[str, SavedAs] = {}
+    for name, entry in convert_entries(hf, fake).items():
+        if name not in mine or (isinstance(entry, TensorEntry) and entry.name == name):
+            continue
+        if isinstance(entry, TensorEntry):  # renamed only (Mixtral's block_sparse_moe.gate)
+            entry = VirtualEntry(name=name, shape=entry.shape, dtype=entry.dtype,
+                                 node=_Leaf(entry), sources=(entry.name,), file=entry.file)
+        leaves = _leaves(entry.node)
+        if leaves is None or entry.shape != tuple(mine[name][0]):
+            return {}  # not expressible as byte runs: keep the module's own layout
+        out[pre + name] = SavedAs(
+            pieces=tuple((pre + leaf.entry.name, leaf.entry.name, tuple(leaf.shape))
+                         for leaf in leaves),
+            entry=entry)
+    return out
+
+
+def _leaves(node: _Node) -> Optional[list[_Leaf]]:
+    if isinstance(node, _Leaf):
+        return [node]
+    if isinstance(node, _Cat):
+        out: list[_Leaf] = []
+        for child in node.children:
+            sub = _leaves(child)
+            if sub is None:
+                return None
+            out += sub
+        return out
+    return None

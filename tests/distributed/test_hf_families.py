@@ -3,8 +3,8 @@
 (tiny configs), ``fully_shard`` at world 2 plus ``load_safetensors`` (what ``pretrained_weights=``
 runs), train 20 steps exactly like one process started with ``from_pretrained`` (DDP's result:
 every rank gets the full batch, so the averaged gradient is bitwise the single-process one), and
-``save_safetensors`` -> ``from_pretrained`` gives the in-training logits. The MoE checkpoints
-hold one tensor per expert (transformers 5 models stack them: design note [hf-convert]); Gemma's
+``save_safetensors`` writes the keys ``save_pretrained`` writes and ``from_pretrained`` gives
+the in-training logits. The MoE checkpoints hold one tensor per expert (transformers 5 models stack them: design note [hf-convert]); Gemma's
 ``embed_scale`` and Bert's integer ``position_ids`` are non-persistent buffers of modules with
 parameters (design note [meta-buffers])."""
 
@@ -159,6 +159,7 @@ def test_family_from_save_pretrained_trains_like_one_process(worlds, tmp_path, n
     for k, v in ref_state.items():
         torch.testing.assert_close(state[k], v, **tol, msg=lambda m, k=k: f"{k}: {m}")
     torch.testing.assert_close(logits, ref_logits, **tol)
+    assert _keys(dst) == _keys(src), "save_pretrained's layout (one tensor per expert for MoE)"
     config().save_pretrained(dst)
     loaded = cls.from_pretrained(dst).eval()
     for k, v in loaded.state_dict().items():
@@ -166,6 +167,13 @@ def test_family_from_save_pretrained_trains_like_one_process(worlds, tmp_path, n
     with torch.no_grad():
         again = loaded(input_ids=batch(-1), labels=batch(-1)).logits
     torch.testing.assert_close(again, logits, rtol=0, atol=RELOAD_ATOL.get(name, 0.0))
+
+
+def _keys(directory: str) -> list[str]:
+    from safetensors import safe_open
+
+    return sorted(k for n in os.listdir(directory) if n.endswith(".safetensors")
+                  for k in safe_open(os.path.join(directory, n), "pt").keys())
 
 
 def _read_bytes_body(name: str, src: str):
