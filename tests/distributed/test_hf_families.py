@@ -176,7 +176,14 @@ def _keys(directory: str) -> list[str]:
                   for k in safe_open(os.path.join(directory, n), "pt").keys())
 
 
-def _read_bytes_body(name: str, src: str):
+def _tensors(directory: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for n in os.listdir(directory) if n.endswith(".safetensors")
+            for k, v in load_file(os.path.join(directory, n)).items()}
+
+
+def _read_bytes_body(name: str, src: str, dst: str):
     """The tensor bytes this rank reads while loading (every read goes through _read_exactly)."""
     from lightning_vescale.checkpoint import _safetensors_format as fmt
     from lightning_vescale.checkpoint import load_safetensors
@@ -198,6 +205,10 @@ def _read_bytes_body(name: str, src: str):
         fmt._read_exactly = original
     with torch.no_grad():
         logits = model(input_ids=batch(-1)).logits
+    from lightning_vescale.checkpoint import save_safetensors
+
+    save_safetensors(model, dst, max_shard_size="30KB")
+    save_safetensors(model, dst + "_state_dict", layout="state_dict")
     return counted[0], logits
 
 
@@ -205,10 +216,12 @@ def _read_bytes_body(name: str, src: str):
 def test_per_expert_checkpoint_each_rank_reads_its_share(worlds, tmp_path, name):
     """``save_pretrained`` writes one tensor per expert, the model stacks them: each rank reads
     the runs of its own shard only (the reads add up to the checkpoint once), and the logits are
-    ``from_pretrained``'s (was: refused, the keys did not match)."""
+    ``from_pretrained``'s (was: refused, the keys did not match). ``save_safetensors`` at 2
+    ranks then writes exactly ``save_pretrained``'s tensors (was: the stacked layout), or with
+    ``layout="state_dict"`` the model's own."""
     from safetensors import safe_open
 
-    src = str(tmp_path)
+    src = str(tmp_path / "src")
     write_checkpoint(name, src)
     files = [n for n in os.listdir(src) if n.endswith(".safetensors")]
     keys = [k for n in files for k in safe_open(os.path.join(src, n), "pt").keys()]
@@ -217,9 +230,17 @@ def test_per_expert_checkpoint_each_rank_reads_its_share(worlds, tmp_path, name)
     cls, _ = family(name)
     with torch.no_grad():
         ref = cls.from_pretrained(src)(input_ids=batch(-1)).logits
-    results = worlds(2).run(_read_bytes_body, name, src)
+    dst = str(tmp_path / "dst")
+    results = worlds(2).run(_read_bytes_body, name, src, dst)
     for _, logits in results:
         torch.testing.assert_close(logits, ref, rtol=0, atol=0)
     read = [r for r, _ in results]
     assert all(r < 0.7 * data for r in read), (read, data)
     assert sum(read) < 1.1 * data, (read, data)
+    written, expected = _tensors(dst), _tensors(src)
+    assert sorted(written) == sorted(expected)
+    assert all(torch.equal(written[k], v) for k, v in expected.items())
+    with torch.device("meta"):
+        own = sorted(cls(family(name)[1]()).state_dict())
+    assert sorted(_tensors(dst + "_state_dict")) == [k for k in own if k != "lm_head.weight"
+                                                     or k in expected]

@@ -228,3 +228,10 @@ def test_verify_checks_every_crc(tmp_path):
     (tmp_path / ".integrity.json").unlink()
     with pytest.raises(CheckpointLoadError, match="has no checksum"):
         load_safetensors(Tiny(), tmp_path, verify=True)
+
+
+def test_save_layout_argument_is_checked(tmp_path):
+    from lightning_vescale.checkpoint import save_safetensors
+
+    with pytest.raises(ValueError, match=r"layout='hf'.*'save_pretrained'.*'state_dict'"):
+        save_safetensors(torch.nn.Linear(2, 2), tmp_path, layout="hf")
