@@ -30,8 +30,12 @@ be described as runs: such a target is computed by running the converter on the 
 tensors (every rank reads them whole, one converter at a time) and cut to the local part; the
 MoE conversions of Mixtral / Qwen-MoE / DeepSeek-style models never need it.
 
-A checkpoint already in the module's layout (our ``save_safetensors`` output) matches no
-converter and loads as it is. Models that are not ``transformers`` models, and a ``transformers``
+Saving (``save_safetensors(layout="save_pretrained")``) goes the other way with the same runs:
+``transformers``' own ``revert_weight_conversion`` on meta tensors names and shapes the file
+tensors ``save_pretrained`` would write, the forward conversion of those (virtual, as above) says
+which runs of the module tensor each file tensor is (:func:`save_layout`), and a rank writes the
+runs of its own range into the files. A checkpoint already in the module's layout
+(``layout="state_dict"``) matches no converter and loads as it is. Models that are not ``transformers`` models, and a ``transformers``
 that declares no conversion, are left alone (the checkpoint's own keys).
 """
 
@@ -368,7 +372,8 @@ def save_layout(module: nn.Module, tensors: dict[str, tuple[tuple[int, ...], tor
     ``save_pretrained`` writes in another layout (stacked experts written one per expert), how:
     ``transformers``' own ``revert_weight_conversion`` on meta tensors names and shapes the file
     tensors, and the forward conversion of those (design note [hf-convert]) says which range of
-    the module tensor each one is. Others are absent (written as they are)."""
+    the module tensor each one is. Others are absent (written as they are), also one whose
+    conversion is not stack/cat (``from_pretrained`` reads a tensor under its module name)."""
     found = find_hf_model(module)
     if found is None or _conversion(found[1]) is None:
         return {}
@@ -392,7 +397,7 @@ def save_layout(module: nn.Module, tensors: dict[str, tuple[tuple[int, ...], tor
                                  node=_Leaf(entry), sources=(entry.name,), file=entry.file)
         leaves = _leaves(entry.node)
         if leaves is None or entry.shape != tuple(mine[name][0]):
-            return {}  # not expressible as byte runs: keep the module's own layout
+            continue  # not byte runs of files (a transpose...): written as the module holds it
         out[pre + name] = SavedAs(
             pieces=tuple((pre + leaf.entry.name, leaf.entry.name, tuple(leaf.shape))
                          for leaf in leaves),

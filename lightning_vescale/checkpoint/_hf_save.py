@@ -173,10 +173,12 @@ def _pwrite(fd: int, t: Tensor, offset: int) -> None:
         done += os.pwrite(fd, data[done:], offset + done)
 
 
-def _write_owned(item: _Item, fds: dict[str, int], rank: int, failed: bool = False) -> None:
+def _write_owned(item: _Item, fds: dict[str, int], rank: int, failed: bool = False,
+                 gathered: Optional[dict[int, Tensor]] = None) -> None:
     """Write the bytes of ``item`` this rank owns (see the design note, step 2). ``failed``
     (this rank has failed already): write nothing, but still join the gather of a DTensor of
-    another placement, which its peers are running."""
+    another placement, which its peers are running. ``gathered`` keeps the last such gather
+    for the next pieces of the same tensor (one gather per tensor, one full tensor held)."""
     t, fd = item.tensor, fds.get(item.file)
     if isinstance(t, DTensor) and _is_ragged(t):
         if failed:
@@ -188,7 +190,13 @@ def _write_owned(item: _Item, fds: dict[str, int], rank: int, failed: bool = Fal
         start, end = placements[dim].local_range(tuple(t.shape), mesh.get_local_rank(dim))
         _write_range(fd, item, t.to_local().view(-1).to(item.dtype), start, end)
         return
-    full = t.full_tensor() if isinstance(t, DTensor) else t  # a collective for DTensors
+    full = t
+    if isinstance(t, DTensor):
+        gathered = {} if gathered is None else gathered
+        if id(t) not in gathered:
+            gathered.clear()
+            gathered[id(t)] = t.full_tensor()  # a collective
+        full = gathered[id(t)]
     if rank == 0 and not failed:
         _write_range(fd, item, full.reshape(-1).to(item.dtype), 0, full.numel())
 
@@ -305,9 +313,10 @@ def write_safetensors(source: Union[nn.Module, dict[str, Tensor]], directory: Un
     except Exception as err:  # noqa: BLE001
         error = err
     try:
+        gathered: dict[int, Tensor] = {}
         for it in items:  # a rank that failed keeps joining the gathers: none waits on it
             try:
-                _write_owned(it, fds, rank, failed=error is not None)
+                _write_owned(it, fds, rank, failed=error is not None, gathered=gathered)
             except Exception as err:  # noqa: BLE001
                 error = error or err
     finally:

@@ -244,3 +244,26 @@ def test_per_expert_checkpoint_each_rank_reads_its_share(worlds, tmp_path, name)
         own = sorted(cls(family(name)[1]()).state_dict())
     assert sorted(_tensors(dst + "_state_dict")) == [k for k in own if k != "lm_head.weight"
                                                      or k in expected]
+
+
+def _torch_fsdp2_save_body(name: str, src: str, dst: str) -> None:
+    """torch's FSDP2 (``Shard(0)`` DTensors: each converted tensor gathered once, then cut)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from lightning_vescale.checkpoint import save_safetensors
+
+    cls, _ = family(name)
+    model = cls.from_pretrained(src)
+    for layer in model.model.layers:
+        torch_fully_shard(layer)
+    torch_fully_shard(model)
+    save_safetensors(model, dst, max_shard_size="30KB")
+
+
+def test_torch_fsdp2_moe_saved_as_save_pretrained(worlds, tmp_path):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    write_checkpoint("qwen3_moe", src)
+    worlds(2).run(_torch_fsdp2_save_body, "qwen3_moe", src, dst)
+    written, expected = _tensors(dst), _tensors(src)
+    assert sorted(written) == sorted(expected)
+    assert all(torch.equal(written[k], v) for k, v in expected.items())
