@@ -188,7 +188,7 @@ def _write_owned(item: _Item, fds: dict[str, int], rank: int, failed: bool = Fal
         if any(mesh.get_local_rank(d) != 0 for d in range(mesh.ndim) if d != dim):
             return  # HSDP: another replica holds the same range
         start, end = placements[dim].local_range(tuple(t.shape), mesh.get_local_rank(dim))
-        _write_range(fd, item, t.to_local().view(-1).to(item.dtype), start, end)
+        _write_range(fd, item, t.to_local().view(-1), start, end)
         return
     full = t
     if isinstance(t, DTensor):
@@ -198,21 +198,22 @@ def _write_owned(item: _Item, fds: dict[str, int], rank: int, failed: bool = Fal
             gathered[id(t)] = t.full_tensor()  # a collective
         full = gathered[id(t)]
     if rank == 0 and not failed:
-        _write_range(fd, item, full.reshape(-1).to(item.dtype), 0, full.numel())
+        _write_range(fd, item, full.reshape(-1), 0, full.numel())
 
 
 def _write_range(fd: int, item: _Item, data: Tensor, start: int, end: int) -> None:
-    """Write ``data``, elements ``[start, end)`` of ``item.tensor`` flattened, where they go in
-    ``item``: at their offset, or, for a piece of a tensor saved in ``save_pretrained``'s layout,
-    the runs that fall in that piece (design note [hf-convert])."""
+    """Write ``data``, elements ``[start, end)`` of ``item.tensor`` flattened, converted to the
+    output dtype, where they go in ``item``: at their offset, or, for a piece of a tensor saved
+    in ``save_pretrained``'s layout, the runs that fall in that piece (design note
+    [hf-convert]); only what is written is converted."""
     size = item.dtype.itemsize
     if item.saved is None:
-        _pwrite(fd, data, item.offset + start * size)
+        _pwrite(fd, data.to(item.dtype), item.offset + start * size)
         return
     pos = 0
     for leaf, s, e in item.saved.entry.node.runs(start, end):
         if leaf.entry.name == item.piece:
-            _pwrite(fd, data[pos:pos + e - s], item.offset + s * size)
+            _pwrite(fd, data[pos:pos + e - s].to(item.dtype), item.offset + s * size)
         pos += e - s
 
 
