@@ -19,7 +19,10 @@ materialised and initialised as usual (design note [fsdp-materialize]), then ove
 The checkpoint's keys are the Hugging Face model's own (``model.layers.0...``), while the
 LightningModule usually holds that model as an attribute (``self.model``): the keys are matched
 after the prefix that makes the most of them names of the module's state dict (``""``,
-``"model."``, ...); none matching is an error listing a few keys of each. Strictness follows the
+``"model."``, ...); none matching is an error listing a few keys of each. A checkpoint whose
+layout ``transformers`` converts when loading (one tensor per expert for a model that stacks
+them: Mixtral, Qwen3-MoE) is seen converted, each rank still reading only its own bytes (design
+note [hf-convert]). Strictness follows the
 LightningModule's ``strict_loading`` (Trainer) and is on for Fabric: a key of the module that the
 checkpoint lacks, or the reverse, is an error naming them.
 
@@ -87,7 +90,7 @@ def find_prefix(module_keys: list[str], ckpt_keys: list[str]) -> tuple[str, int]
 
 def load_pretrained(module: Module, path: Union[str, os.PathLike], *, strict: bool) -> None:
     """Load ``path`` into the sharded ``module`` (see design note [pretrained-weights])."""
-    keys = checkpoint_keys(path)
+    keys = checkpoint_keys(path, module)  # as converted for a transformers model in it
     module_keys = list(module.state_dict())
     prefix, matched = find_prefix(module_keys, keys)
     if matched == 0:

@@ -27,6 +27,10 @@ offset. Then:
 A full disk (``ENOSPC``, or a quota) is reported as the other formats report it: "No space left
 on <dir> (... MiB free now) while ..." and what is left (``_files.raise_if_no_space``).
 
+Layout: for a ``transformers`` model, a tensor that the library converts on load (stacked MoE
+experts) is written as ``save_pretrained`` writes it, cut into its file tensors: a rank writes
+the runs of its range that fall in each of them (design note [hf-convert]).
+
 Memory bound per rank: its largest local shard in the output dtype, plus, for a non-RaggedShard
 ``DTensor``, one full tensor. The directory must be visible to every rank (one machine, or a
 shared file system); files of other names in it (the user's ``config.json``) are kept.
@@ -34,8 +38,10 @@ shared file system); files of other names in it (the user's ``config.json``) are
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import math
 import os
 import re
 import zlib
@@ -59,6 +65,7 @@ from lightning_vescale.checkpoint._hf_publish import (
     shard_names,
     temp_name,
 )
+from lightning_vescale.checkpoint._hf_convert import SavedAs, save_layout
 from lightning_vescale.checkpoint._manifest import (
     INTEGRITY_FILENAME,
     MANIFEST_VERSION,
@@ -68,7 +75,10 @@ from lightning_vescale.checkpoint._safetensors_format import build_header, dtype
 from lightning_vescale.checkpoint._state_dicts import _is_ragged
 from lightning_vescale.placement import ragged_mesh_dim
 
-__all__ = ["parse_size", "save_safetensors", "write_safetensors"]
+__all__ = ["LAYOUTS", "parse_size", "save_safetensors", "write_safetensors"]
+
+#: ``save_safetensors(layout=...)``: transformers' ``save_pretrained`` layout, or the module's.
+LAYOUTS = ("save_pretrained", "state_dict")
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -94,11 +104,18 @@ class _Item:
     shape: tuple[int, ...]
     file: str = ""
     offset: int = 0
+    # A file tensor that is a part of ``tensor`` (save_pretrained's layout, design note
+    # [hf-convert]): the leaf ``piece`` of ``saved``, whose runs say which ranges.
+    saved: Optional[SavedAs] = None
+    piece: str = ""
 
 
 def _items(module_or_sd: Union[nn.Module, dict[str, Tensor]], dtype: Optional[torch.dtype],
-           key_map: Optional[Callable[[str], Optional[str]]]) -> list[_Item]:
-    """The tensors to write, tied duplicates dropped (first name kept), renamed by ``key_map``."""
+           key_map: Optional[Callable[[str], Optional[str]]],
+           layout: str = "save_pretrained") -> list[_Item]:
+    """The tensors to write, tied duplicates dropped (first name kept), each cut into the file
+    tensors of ``save_pretrained``'s layout where ``transformers`` converts it (``layout``),
+    renamed by ``key_map``."""
     if isinstance(module_or_sd, nn.Module):
         sd = module_or_sd.state_dict()
         first: dict[int, str] = {}
@@ -109,14 +126,22 @@ def _items(module_or_sd: Union[nn.Module, dict[str, Tensor]], dtype: Optional[to
         sd = {k: v for k, v in sd.items() if k in keep or k not in aliases}
     else:
         sd = module_or_sd
+    saved = {}
+    if isinstance(module_or_sd, nn.Module) and layout == "save_pretrained":
+        saved = save_layout(module_or_sd, {k: (tuple(t.shape), t.dtype) for k, t in sd.items()
+                                           if isinstance(t, Tensor)})
     out = []
     for k, t in sd.items():
-        name = key_map(k) if key_map is not None else k
-        if name is None or not isinstance(t, Tensor):
+        if not isinstance(t, Tensor):
             continue
         out_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
         dtype_code(out_dtype)  # a dtype safetensors cannot store: fail before writing anything
-        out.append(_Item(name=name, tensor=t, dtype=out_dtype, shape=tuple(t.shape)))
+        parts = saved[k].pieces if k in saved else ((k, "", tuple(t.shape)),)
+        for file_key, leaf, shape in parts:
+            name = key_map(file_key) if key_map is not None else file_key
+            if name is not None:
+                out.append(_Item(name=name, tensor=t, dtype=out_dtype, shape=shape,
+                                 saved=saved.get(k), piece=leaf))
     return out
 
 
@@ -132,7 +157,7 @@ def _plan(items: list[_Item], max_bytes: int, save_id: str
     groups: list[list[_Item]] = [[]]
     size = 0
     for it in items:
-        nbytes = it.tensor.numel() * it.dtype.itemsize
+        nbytes = math.prod(it.shape) * it.dtype.itemsize
         if groups[-1] and size + nbytes > max_bytes:
             groups.append([])
             size = 0
@@ -143,8 +168,7 @@ def _plan(items: list[_Item], max_bytes: int, save_id: str
         header, offsets = build_header([(it.name, it.dtype, it.shape) for it in group],
                                        {"format": "pt", SAVE_ID_KEY: save_id})
         headers[name] = header
-        placed += [_Item(name=it.name, tensor=it.tensor, dtype=it.dtype, shape=it.shape,
-                         file=name, offset=offsets[it.name]) for it in group]
+        placed += [dataclasses.replace(it, file=name, offset=offsets[it.name]) for it in group]
     return headers, placed
 
 
@@ -161,10 +185,12 @@ def _pwrite(fd: int, t: Tensor, offset: int) -> None:
         done += os.pwrite(fd, data[done:], offset + done)
 
 
-def _write_owned(item: _Item, fds: dict[str, int], rank: int, failed: bool = False) -> None:
+def _write_owned(item: _Item, fds: dict[str, int], rank: int, failed: bool = False,
+                 gathered: Optional[dict[int, Tensor]] = None) -> None:
     """Write the bytes of ``item`` this rank owns (see the design note, step 2). ``failed``
     (this rank has failed already): write nothing, but still join the gather of a DTensor of
-    another placement, which its peers are running."""
+    another placement, which its peers are running. ``gathered`` keeps the last such gather
+    for the next pieces of the same tensor (one gather per tensor, one full tensor held)."""
     t, fd = item.tensor, fds.get(item.file)
     if isinstance(t, DTensor) and _is_ragged(t):
         if failed:
@@ -173,13 +199,34 @@ def _write_owned(item: _Item, fds: dict[str, int], rank: int, failed: bool = Fal
         dim = ragged_mesh_dim(placements, "save_safetensors")
         if any(mesh.get_local_rank(d) != 0 for d in range(mesh.ndim) if d != dim):
             return  # HSDP: another replica holds the same range
-        start, _ = placements[dim].local_range(item.shape, mesh.get_local_rank(dim))
-        local = t.to_local().view(-1).to(item.dtype)
-        _pwrite(fd, local, item.offset + start * item.dtype.itemsize)
+        start, end = placements[dim].local_range(tuple(t.shape), mesh.get_local_rank(dim))
+        _write_range(fd, item, t.to_local().view(-1), start, end)
         return
-    full = t.full_tensor() if isinstance(t, DTensor) else t  # a collective for DTensors
+    full = t
+    if isinstance(t, DTensor):
+        gathered = {} if gathered is None else gathered
+        if id(t) not in gathered:
+            gathered.clear()
+            gathered[id(t)] = t.full_tensor()  # a collective
+        full = gathered[id(t)]
     if rank == 0 and not failed:
-        _pwrite(fd, full.to(item.dtype), item.offset)
+        _write_range(fd, item, full.reshape(-1), 0, full.numel())
+
+
+def _write_range(fd: int, item: _Item, data: Tensor, start: int, end: int) -> None:
+    """Write ``data``, elements ``[start, end)`` of ``item.tensor`` flattened, converted to the
+    output dtype, where they go in ``item``: at their offset, or, for a piece of a tensor saved
+    in ``save_pretrained``'s layout, the runs that fall in that piece (design note
+    [hf-convert]); only what is written is converted."""
+    size = item.dtype.itemsize
+    if item.saved is None:
+        _pwrite(fd, data.to(item.dtype), item.offset + start * size)
+        return
+    pos = 0
+    for leaf, s, e in item.saved.entry.node.runs(start, end):
+        if leaf.entry.name == item.piece:
+            _pwrite(fd, data[pos:pos + e - s].to(item.dtype), item.offset + s * size)
+        pos += e - s
 
 
 def _agree(failed: bool) -> bool:
@@ -231,7 +278,7 @@ def _index_and_manifest(headers: dict[str, bytes], items: list[_Item], save_id: 
     files = dict(crcs)
     index_bytes = None
     if len(headers) > 1:
-        total = sum(it.tensor.numel() * it.dtype.itemsize for it in items)
+        total = sum(math.prod(it.shape) * it.dtype.itemsize for it in items)
         index = {"metadata": {"total_size": total, SAVE_ID_KEY: save_id},
                  "weight_map": {it.name: it.file for it in items}}
         index_bytes = json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"
@@ -246,18 +293,23 @@ def write_safetensors(source: Union[nn.Module, dict[str, Tensor]],
                       directory: Union[str, os.PathLike], *,
                       max_shard_size: Union[int, str] = "5GB",
                       dtype: Optional[torch.dtype] = None,
-                      key_map: Optional[Callable[[str], Optional[str]]] = None) -> list[Path]:
+                      key_map: Optional[Callable[[str], Optional[str]]] = None,
+                      layout: str = "save_pretrained") -> list[Path]:
     """:func:`save_safetensors` for a module or a plain state dict (design note [hf-save])."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"save_safetensors(layout={layout!r}): expected one of {LAYOUTS} "
+                         "('save_pretrained': the layout transformers' save_pretrained writes; "
+                         "'state_dict': the module's own names and shapes).")
     max_bytes = parse_size(max_shard_size)
     rank, world = _rank_world()
     root = Path(directory)
     token = _broadcast(_files._new_token())
     save_id = save_id_of(token)
-    headers, items = _plan(_items(source, dtype, key_map), max_bytes, save_id)
+    headers, items = _plan(_items(source, dtype, key_map, layout), max_bytes, save_id)
     names = list(headers)
     sizes = {name: len(h) for name, h in headers.items()}
     for it in items:
-        sizes[it.file] += it.tensor.numel() * it.dtype.itemsize
+        sizes[it.file] += math.prod(it.shape) * it.dtype.itemsize
     error: Optional[BaseException] = None
     try:
         if rank == 0:
@@ -272,9 +324,10 @@ def write_safetensors(source: Union[nn.Module, dict[str, Tensor]],
     except Exception as err:  # noqa: BLE001
         error = err
     try:
+        gathered: dict[int, Tensor] = {}
         for it in items:  # a rank that failed keeps joining the gathers: none waits on it
             try:
-                _write_owned(it, fds, rank, failed=error is not None)
+                _write_owned(it, fds, rank, failed=error is not None, gathered=gathered)
             except Exception as err:  # noqa: BLE001
                 error = error or err
     finally:
@@ -339,7 +392,8 @@ def _raise_if_any_failed(error: Optional[BaseException], root: Path, names: list
 def save_safetensors(module: nn.Module, directory: Union[str, os.PathLike], *,
                      max_shard_size: Union[int, str] = "5GB",
                      dtype: Optional[torch.dtype] = None,
-                     key_map: Optional[Callable[[str], Optional[str]]] = None) -> list[Path]:
+                     key_map: Optional[Callable[[str], Optional[str]]] = None,
+                     layout: str = "save_pretrained") -> list[Path]:
     """Write ``module``'s weights as Hugging Face safetensors shards plus the index.
 
     Call on every rank (a collective). ``transformers``' ``from_pretrained(directory)`` (with the
@@ -361,6 +415,13 @@ def save_safetensors(module: nn.Module, directory: Union[str, os.PathLike], *,
             are.
         key_map: rename (or, returning ``None``, drop) keys: e.g. ``lambda k:
             k.removeprefix("model.")`` for a LightningModule holding the HF model as ``model``.
+            Applied to the file's keys (after ``layout``).
+        layout: ``"save_pretrained"`` (default): for a ``transformers`` model (or a module
+            holding one) the tensors the library converts on load are written as its
+            ``save_pretrained`` writes them (stacked experts one tensor per expert, Mixtral's
+            ``block_sparse_moe`` names), each rank still writing only its own byte runs
+            (design note [hf-convert]); ``"state_dict"``: the module's own names and shapes
+            (``from_pretrained`` reads both).
 
     Returns:
         The files written: ``model.safetensors``, or the shards
@@ -372,4 +433,4 @@ def save_safetensors(module: nn.Module, directory: Union[str, os.PathLike], *,
             and what was left behind.
     """
     return write_safetensors(module, directory, max_shard_size=max_shard_size, dtype=dtype,
-                             key_map=key_map)
+                             key_map=key_map, layout=layout)

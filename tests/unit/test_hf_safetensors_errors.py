@@ -279,3 +279,10 @@ def test_overlapping_offsets_duplicate_keys_and_uncovered_bytes(tmp_path):
     _rewrite_header(path, good)
     path.write_bytes(path.read_bytes()[:-8])
     load_safetensors(Tiny(), path)
+
+
+def test_save_layout_argument_is_checked(tmp_path):
+    from lightning_vescale.checkpoint import save_safetensors
+
+    with pytest.raises(ValueError, match=r"layout='hf'.*'save_pretrained'.*'state_dict'"):
+        save_safetensors(torch.nn.Linear(2, 2), tmp_path, layout="hf")
