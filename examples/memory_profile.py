@@ -1,4 +1,4 @@
-"""Profile a real training run with ``MemoryProfiler``: the README's memory plot and table.
+"""Profile a real training run with ``MemoryProfiler``: the docs' memory plot and table.
 
 Trains the embedded GPT (``examples/gpt.py``) for a few steps with any strategy, profiling every
 step and saving one checkpoint, and writes per rank ``memory_timeline_rank{r}.png`` plus (rank
@@ -10,7 +10,7 @@ zero) ``memory_table_{strategy}.txt`` and the CSV metrics under ``--out`` (defau
     python examples/memory_profile.py --strategy vescale_fsdp --devices 2
     python examples/memory_profile.py --accelerator cuda --snapshot   # + allocator snapshot
 
-The README's figure and table were made with ``--out docs/memory`` (see
+The figure and table of docs/guides/memory-profiling.md were made with ``--out docs/memory`` (see
 ``benchmarks/RESULTS_memory.md``); the default never writes into the repository.
 
 Needs ``matplotlib`` for the plot (``pip install 'lightning-vescale[plot]'``); without it, pass

@@ -1,4 +1,4 @@
-"""The README's optimizer snippets: AdamW8bit and Muon in ``configure_optimizers``, on shards.
+"""docs/guides/optimizers.md's snippets: AdamW8bit and Muon in ``configure_optimizers``, on shards.
 
     python examples/optimizers.py adamw8bit       # or: muon; 2 CPU processes (or every GPU)
 

@@ -1,4 +1,5 @@
-"""The README's demo: train a small GPT with ``strategy="vescale_fsdp"``, then show what happened.
+"""The README's demo: train a small GPT with ``strategy="vescale_fsdp"``, then show what happened
+(docs/getting-started.md explains the output).
 
 Runs on CPU with 2 processes (gloo) in well under a minute::
 
@@ -216,7 +217,7 @@ def sharding_report(trainer: pl.Trainer, model: GPTModule) -> str:
 
 
 def report(sharding: str, runs: list[RunResult]) -> str:
-    """What rank 0 prints after the runs (the README shows one)."""
+    """What rank 0 prints after the runs (docs/getting-started.md shows one)."""
     lines = ["", sharding, "", "== Training: the same model, data and seed =="]
     for r in runs:
         lines.append(f"{r.strategy:>13} x{r.world_size}: loss {r.first_loss:.4f} -> "

@@ -1,5 +1,5 @@
-"""The README's Trainer snippets, runnable as they are shown (``tests/examples`` checks that the
-README's code blocks are verbatim excerpts of this file and runs it).
+"""The Trainer snippets of the README and the docs, runnable as they are shown (``tests/examples``
+checks that their code blocks are verbatim excerpts of this file and runs it).
 
     python examples/trainer_usage.py          # every GPU of this machine, or its CPU
 
@@ -18,14 +18,14 @@ from examples.train_gpt import CharDataModule, GPTModule  # noqa: E402
 
 
 def main() -> None:
-    # -- README: the first lines --------------------------------------------------------------
+    # -- README and docs: the first lines -----------------------------------------------------
     import lightning as L
     import lightning_vescale  # registers the "vescale_fsdp" strategy
 
     trainer = L.Trainer(strategy="vescale_fsdp", precision="bf16-mixed", max_steps=10)
     trainer.fit(GPTModule(), CharDataModule())
 
-    # -- README: "With the Trainer" -------------------------------------------------------------
+    # -- docs/guides/trainer.md ---------------------------------------------------------------
     from lightning_vescale import VeScaleFSDPStrategy
 
     strategy = VeScaleFSDPStrategy(
@@ -40,7 +40,7 @@ def main() -> None:
     trainer = L.Trainer(strategy=strategy, precision="bf16-mixed", max_steps=10)
     trainer.fit(GPTModule(), CharDataModule())
 
-    # -- README: "See where memory goes" ------------------------------------------------------
+    # -- docs/guides/memory-profiling.md ------------------------------------------------------
     from lightning_vescale import MemoryProfiler
 
     trainer = L.Trainer(strategy="vescale_fsdp", max_steps=10,
