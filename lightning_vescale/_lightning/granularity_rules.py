@@ -19,10 +19,13 @@ strategy is built (the same forms as everywhere, planner/_granularity.py). A pat
 matches no parameter of the model is an error at sharding time, naming the pattern and
 parameter names close to it: a typo must not silently shard experts row-wise.
 
-``"matrix"`` with ``optimizer_block_size`` (the 8-bit quantization block) keeps each expert
-whole and its blocks inside it only if the block divides the matrix; the strategy refuses a
-quantized-size matrix whose element count is not a multiple of the block (an ``AdamW8bit`` block
-would mix two experts' moments under one scale) and names block sizes that fit.
+``"matrix"`` with ``optimizer_block_size`` (the 8-bit quantization block) resolves to
+``lcm(matrix, block)`` elements for large tensors: shard bounds fall between whole matrices and
+on block boundaries. Whether a block may hold two matrices is the optimizer's question, not the
+layout's: the strategies mark the parameters they shard per matrix, and ``AdamW8bit`` refuses a
+stacked tensor whose matrix is not a multiple of its block (one scale would mix two experts'
+moments; design note [adamw8bit]), naming block sizes that fit. SOAP, Shampoo and Muon, which
+have no blocks, take the same layout; a 2-D tensor (one matrix) is never refused.
 """
 
 from __future__ import annotations
@@ -30,13 +33,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
-import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional, Union
+from typing import Any, Union
 
-from lightning_vescale.planner import check_granularity, matrix_numel
+from lightning_vescale.planner import check_granularity
 
-__all__ = ["GranularityRules", "check_matrix_fits_block"]
+__all__ = ["GranularityRules"]
 
 _Form = Union[int, str, None]
 
@@ -91,22 +93,3 @@ class GranularityRules:
             f"{names[:3]}; write '*.experts.*' to match every parameter under an 'experts' "
             "module, or remove the rule.")
 
-
-def check_matrix_fits_block(fqn: str, shape: Sequence[int], block: Optional[int]) -> None:
-    """``"matrix"`` on a tensor whose block-wise optimizer state is quantized in ``block``
-    elements: every block must lie in one matrix (one expert), so ``block`` must divide the
-    matrix's element count. Raises ``ValueError`` naming the sizes that fit."""
-    if block is None:
-        return
-    m = matrix_numel(shape)
-    if m % block == 0:
-        return
-    fits = math.gcd(m, block)
-    raise ValueError(
-        f"granularity 'matrix' for parameter {fqn!r} of shape {tuple(shape)}: one matrix has "
-        f"{m} elements, not a multiple of optimizer_block_size={block}, so an AdamW8bit block "
-        f"would hold two experts' moments under one scale. Use optimizer_block_size={fits} "
-        f"(the largest block that divides {m} and {block}; state it on AdamW8bit(block_size="
-        f"{fits}) too, or leave AdamW8bit's block_size=None to inherit it), or "
-        "optimizer_block_size=None if no optimizer of this model is block-wise (Muon, SOAP, "
-        "AdamW).")
