@@ -8,13 +8,15 @@ blocks) a matrix that an 8-bit block would straddle are errors that name the fix
 
 from __future__ import annotations
 
+import fnmatch
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from examples.moe import MoEConfig, MoEGPT
 from lightning_vescale import VeScaleFSDPStrategy
-from lightning_vescale._lightning.granularity_rules import GranularityRules
+from lightning_vescale._lightning.granularity_rules import GranularityRules, suggest_pattern
 from lightning_vescale._lightning.sharding import ShardGranularity, parse_granularity, shard_model
 from lightning_vescale.fabric import VeScaleFabricStrategy
 from lightning_vescale.mesh import init_mesh
@@ -171,4 +173,33 @@ def _typo_names_the_pattern():
 def test_rules_shard_a_moe_model(worlds, world):
     assert worlds(world).run(_rules_shard_experts_whole_rest_aligned) == [True] * world
     messages = worlds(world).run(_typo_names_the_pattern)
-    assert all("'*.expert.*'" in m and "match no parameter" in m for m in messages)
+    assert all("'*.expert.*' matches no parameter" in m and "did you mean '*.experts.*'" in m
+               for m in messages)
+
+
+def _unused_message(rules, names):
+    rules = GranularityRules.parse(rules)
+    for n in names:
+        rules.form_for(n)
+    with pytest.raises(ValueError) as info:
+        rules.check_all_used(names)
+    return str(info.value)
+
+
+def test_a_pattern_that_takes_nothing_gets_a_pattern_that_would():
+    names = [n for n, _ in MoEGPT(MoEConfig(**CFG)).named_parameters()]
+    msg = _unused_message({"*.expert.*": "matrix"}, names)  # the typo
+    assert "did you mean '*.experts.*' (it matches 4, e.g. 'blocks.0.mlp.experts.w_in')" in msg
+    assert "'*.expert.*' to match" not in msg  # no longer the same pattern back as the fix
+    msg = _unused_message({"experts": "matrix"}, names)  # no wildcards
+    assert "did you mean '*.experts.*'" in msg
+    msg = _unused_message({"model.blocks.*.mlp.expert.*": "matrix"}, names)  # prefix and typo
+    assert "did you mean 'blocks.*.mlp.experts.*'" in msg
+    msg = _unused_message({"*": None, "*.experts.*": "matrix"}, names)  # shadowed
+    assert "matches 4 parameter(s)" in msg and "put '*.experts.*' before '*'" in msg
+    msg = _unused_message({"*.zzz": "matrix"}, names)  # nothing close: no suggestion
+    assert "'*.zzz' matches no parameter" in msg and "did you mean" not in msg
+    for bad in ("*.expert.*", "experts", "*.zzz", "*.experts.w_gate"):  # never itself back
+        suggested = suggest_pattern(bad, names)
+        assert suggested != bad and (suggested is None or any(
+            fnmatch.fnmatchcase(n, suggested) for n in names))
