@@ -90,6 +90,25 @@ def test_trainer_usage_runs(tmp_path):
     assert {p.name for p in tmp_path.iterdir()} <= {"out", "lightning_logs"}
 
 
+@pytest.mark.slow  # a script in a fresh process (twice): the second CI step
+def test_train_gpt_resume_reports_its_own_steps_and_validates(tmp_path):
+    """``--resume DIR --max-steps N``: it trains N minus the checkpoint's steps and says so, and
+    prints the perplexity of the final model. It printed "in 8 steps" after 2 and "validation
+    perplexity nan" (the resumed steps 7-8 miss every multiple of the validation interval 3)."""
+    import re
+
+    ckpt = tmp_path / "gpt_ckpt"
+    common = [sys.executable, str(ROOT / "examples/train_gpt.py"), "--no-ddp", "--val-every", "3"]
+    first = run(common + ["--max-steps", "6", "--save", str(ckpt)], cwd=tmp_path)
+    assert "in 6 steps, validation perplexity" in first
+    out = run(common + ["--max-steps", "8", "--resume", str(ckpt)], cwd=tmp_path)
+    line = re.search(r"vescale_fsdp x2: loss (\S+) -> (\S+) in (\d+) steps \(resumed at step "
+                     r"(\d+)\), validation perplexity (\S+)", out)
+    assert line, out[-2000:]
+    assert (int(line[3]), int(line[4])) == (2, 6)
+    assert 1.0 < float(line[5]) < 65.0, line[0]  # finite: the final model was validated
+
+
 @pytest.mark.slow  # a script in a fresh process: the second CI step
 @pytest.mark.parametrize("optimizer,name", [("adamw8bit", "GPTAdamW8bit"), ("muon", "GPTMuon")])
 def test_optimizers_example_runs(optimizer, name):
