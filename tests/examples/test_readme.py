@@ -193,6 +193,7 @@ def _two_nodes(tmp_path: Path) -> None:
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     assert (tmp_path / "out" / "checkpoints" / "llama" / "last.ckpt" / ".metadata").is_file()
+    assert {p.name for p in tmp_path.iterdir()} == {"out"}  # Lightning's logs under out/ too
 
 
 COMMANDS: dict[str, object] = {
