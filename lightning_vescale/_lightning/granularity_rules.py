@@ -143,6 +143,7 @@ def suggest_pattern(pattern: str, names: Sequence[str]) -> Optional[str]:
         candidates += [base] + ([f"*.{core}.*", f"*.{core}", f"{core}.*", f"*{core}*"]
                                 if core else [])
     for cand in candidates:
-        if cand.strip("*?.") and cand != pattern and any(fnmatch.fnmatchcase(n, cand) for n in names):
+        if cand.strip("*?.") and cand != pattern and \
+                any(fnmatch.fnmatchcase(n, cand) for n in names):
             return cand
     return None

@@ -19,7 +19,8 @@ collectives would, so at the first divergence every rank sees the others' entrie
 waiting. It says which ranks skipped a group only where the entries prove it (ranks at the
 end-of-backward all-reduce went without the group the others are about to run); between two
 groups it names both: the ranks may run both in another order, and a group's index in the tree
-says nothing about when it runs (a branch may call a module registered after the next one). Off by default: it adds one small synchronous collective per collective.
+says nothing about when it runs (a branch may call a module registered after the next one).
+Off by default: it adds one small synchronous collective per collective.
 """
 
 from __future__ import annotations
