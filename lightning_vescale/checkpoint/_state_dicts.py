@@ -69,7 +69,9 @@ def _gather_to_rank0(t: DTensor, keep: bool) -> Any:
     (one ``RaggedShard`` mesh dim, the others ``Replicate``; rank 0 at the mesh's origin);
     :data:`_NOT_RAGGED` for any other layout (the caller uses ``full_tensor()``).
 
-    Design note [full-state-gather]: a full state dict is kept on rank 0 only. ``full_tensor()``
+    Design note [full-state-gather]
+    -------------------------------
+    A full state dict is kept on rank 0 only. ``full_tensor()``
     is an all-gather (or a broadcast from a sole owner): every other rank received a full copy of
     each tensor only to drop it, and that copy was the collective's output buffer, which the
     backend's worker thread (gloo's) still references for a moment after the collective returns:
