@@ -213,8 +213,10 @@ def num_params(c: LlamaConfig) -> int:
 def main(args: Optional[list[str]] = None, run: bool = True):  # noqa: ANN201
     from lightning.pytorch.cli import LightningCLI
 
+    # default_root_dir: Lightning's logs (and checkpoints without a dirpath) go under ./out/,
+    # as every example's
     return LightningCLI(LlamaModule, TokenDataModule, args=args, run=run,
-                        save_config_callback=None)
+                        save_config_callback=None, trainer_defaults={"default_root_dir": "out"})
 
 
 if __name__ == "__main__":

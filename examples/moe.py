@@ -265,9 +265,10 @@ class MoEModule(pl.LightningModule):
 def main(args: Optional[list[str]] = None, run: bool = True) -> Any:
     from lightning.pytorch.cli import LightningCLI
 
+    # default_root_dir: Lightning's logs and checkpoints go under ./out/, as every example's
     return LightningCLI(MoEModule, CharDataModule, args=args, run=run,
                         save_config_callback=None,
-                        trainer_defaults={"strategy": "vescale_fsdp"})
+                        trainer_defaults={"strategy": "vescale_fsdp", "default_root_dir": "out"})
 
 
 if __name__ == "__main__":

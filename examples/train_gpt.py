@@ -118,13 +118,23 @@ _ROWS = (("parameters, between steps", ("params_sharded", "params_unsharded"), {
 
 
 class _Record(Callback):
-    """Loss at the first and last step, and every rank's largest bytes per category (gathered
-    to every rank at the end of fit from the ``MemoryProfiler``'s samples)."""
+    """The loss of every step of this run, the step it started at (> 0 when resumed), the step
+    of its last validation, and every rank's largest bytes per category (gathered to every rank
+    at the end of fit from the ``MemoryProfiler``'s samples)."""
 
     def __init__(self, profiler: MemoryProfiler) -> None:
         self.profiler = profiler
         self.losses: list[float] = []
         self.memory: list[dict[str, int]] = []  # per rank
+        self.start_step = 0
+        self.validated_at: Optional[int] = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start_step = trainer.global_step  # a resumed run starts at the checkpoint's step
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.validated_at = trainer.global_step
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if "train_loss" in trainer.callback_metrics:
@@ -150,11 +160,13 @@ class RunResult:
     strategy: str
     world_size: int
     rank: int
-    steps: int
+    steps: int  #: optimizer steps of this run (a resumed run: after the checkpoint's)
+    start_step: int  #: the global step it started at (the checkpoint's; 0 for a fresh run)
     first_loss: float
     last_loss: float
     val_ppl: float
     memory: list[dict[str, int]]  # per rank, bytes
+    losses: tuple[float, ...] = ()  #: every step's loss (the mean over the ranks)
 
 
 def fit(strategy: Any, args: argparse.Namespace, *, save: Optional[str] = None,
@@ -171,15 +183,23 @@ def fit(strategy: Any, args: argparse.Namespace, *, save: Optional[str] = None,
         num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
         enable_model_summary=False, callbacks=[profiler, record],
     )
-    trainer.fit(model, CharDataModule(), ckpt_path=resume)
+    data = CharDataModule()
+    trainer.fit(model, data, ckpt_path=resume)
+    last_loss = float(trainer.callback_metrics["train_loss"])
     if save:
         trainer.save_checkpoint(save, weights_only=False)  # optimizer and loops too: resumable
+    if record.validated_at != trainer.global_step:
+        # the last step was not validated (a resumed run whose steps miss every multiple of
+        # val_check_interval): validate the final model, so the perplexity printed is its own
+        trainer.validate(model, data, verbose=False)
     name = strategy if isinstance(strategy, str) else type(strategy).__name__
     result = RunResult(strategy=name, world_size=trainer.world_size, rank=trainer.global_rank,
-                       steps=trainer.global_step, first_loss=record.losses[0] if record.losses else
-                       float("nan"), last_loss=float(trainer.callback_metrics["train_loss"]),
+                       steps=trainer.global_step - record.start_step,
+                       start_step=record.start_step,
+                       first_loss=record.losses[0] if record.losses else float("nan"),
+                       last_loss=last_loss,
                        val_ppl=float(trainer.callback_metrics.get("val_ppl", float("nan"))),
-                       memory=record.memory)
+                       memory=record.memory, losses=tuple(record.losses))
     return trainer, model, result
 
 
@@ -220,9 +240,16 @@ def report(sharding: str, runs: list[RunResult]) -> str:
     """What rank 0 prints after the runs (docs/getting-started.md shows one)."""
     lines = ["", sharding, "", "== Training: the same model, data and seed =="]
     for r in runs:
+        resumed = f" (resumed at step {r.start_step})" if r.start_step else ""
         lines.append(f"{r.strategy:>13} x{r.world_size}: loss {r.first_loss:.4f} -> "
-                     f"{r.last_loss:.4f} in {r.steps} steps, validation perplexity "
+                     f"{r.last_loss:.4f} in {r.steps} steps{resumed}, validation perplexity "
                      f"{r.val_ppl:.4f}")
+    if len(runs) == 2 and runs[0].losses and len(runs[0].losses) == len(runs[1].losses):
+        # the digits above depend on the CPU's floating-point kernels; this does not
+        diff = max(abs(a - b) for a, b in zip(runs[0].losses, runs[1].losses))
+        same = "bitwise equal" if diff == 0 else f"max |difference| {diff:.1e}"
+        lines.append(f"  {runs[0].strategy} vs {runs[1].strategy}: the losses of all "
+                     f"{len(runs[0].losses)} steps {same}")
     lines += ["", "== Memory per rank (MemoryProfiler: largest value over the profiled steps) ==",
               memory_table(runs)]
     if len(runs) == 2:

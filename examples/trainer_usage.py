@@ -9,6 +9,7 @@ one CPU process here. Each Trainer trains the example GPT for a few steps.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +19,11 @@ from examples.train_gpt import CharDataModule, GPTModule  # noqa: E402
 
 
 def main() -> None:
+    # Every example writes under ./out/ (git-ignored): Lightning's logs and checkpoints of the
+    # Trainers below too (a Trainer argument given in PL_TRAINER_<NAME> is its default; the
+    # snippets of the README and the docs stay the lines a user writes).
+    os.environ.setdefault("PL_TRAINER_DEFAULT_ROOT_DIR", "out")
+
     # -- README and docs: the first lines -----------------------------------------------------
     import lightning as L
     import lightning_vescale  # registers the "vescale_fsdp" strategy

@@ -132,11 +132,12 @@ class ShardingSummary:
 
         lines = [fmt(head), *(fmt(r) for r in rows)]
         if self.comm_policy:
-            lines.append(self._comm_line())
+            lines.append(self.comm_line())
         return "\n".join(lines)
 
-    def _comm_line(self) -> str:
-        """The policy and the bytes it saves per all-gather / reduce-scatter of every group."""
+    def comm_line(self) -> str:
+        """The policy and the bytes it saves per all-gather / reduce-scatter of every group
+        (the table's last line; the strategies log it once when they shard with a policy)."""
         def mb(n: int) -> str:
             return f"{n / 2**20:,.2f} MiB"
 

@@ -49,7 +49,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -82,7 +82,7 @@ from lightning_vescale._lightning.sharding import (
 )
 from lightning_vescale.checkpoint import check_checkpoint_path
 from lightning_vescale.optim import AdamW8bit, Muon, flat_param_optimizer
-from lightning_vescale.optim.adamw8bit import mark_sharded_for_block_size
+from lightning_vescale.optim.adamw8bit import mark_sharded_for_block_size, mark_whole_matrices
 from lightning_vescale._lightning.sync_states import (
     broadcast_module_states,
     validate_sync_module_states,
@@ -93,6 +93,7 @@ from lightning_vescale._lightning.other_nodes import (
     waiting_for_other_nodes,
 )
 from lightning_vescale.precision import _VeScalePrecisionMixin
+from lightning_vescale.sharding_summary import sharding_summary
 
 __all__ = ["RegistryEntry", "VeScaleStrategyCore"]
 
@@ -349,6 +350,11 @@ class VeScaleStrategyCore:
                     init_params=self._pretrained_weights is None or not strict)
         # AdamW8bit(block_size=None) built on these checks them against this block at once
         mark_sharded_for_block_size(module.parameters(), self._optimizer_block_size)
+        # and its blocks must not mix two matrices of a tensor sharded per matrix (checked by
+        # AdamW8bit, the optimizer with blocks: design note [granularity-rules])
+        mark_whole_matrices(self._granularity.whole_matrices(module.named_parameters()))
+        if self._comm_policy is not None:  # say once that the policy is on, and what it saves
+            rank_zero_info(f"vescale_fsdp: {sharding_summary(module).comm_line()}")
         if self._pretrained_weights is not None:  # [pretrained-weights]: before any optimizer
             load_pretrained(module, self._pretrained_weights, strict=strict)
 

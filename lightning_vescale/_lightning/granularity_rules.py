@@ -16,13 +16,18 @@ form, for example (YAML)::
 The first pattern that matches wins (insertion order, as YAML and ``dict`` keep it); a
 parameter no pattern matches gets the default (``None``). Every value is checked when the
 strategy is built (the same forms as everywhere, planner/_granularity.py). A pattern that
-matches no parameter of the model is an error at sharding time, naming the pattern and
-parameter names close to it: a typo must not silently shard experts row-wise.
+takes no parameter of the model is an error at sharding time, naming the pattern and either a
+pattern built from the real names that would match (``'*.expert.*'`` -> ``'*.experts.*'``),
+the names close to it, or the earlier rule that shadows it: a typo must not silently shard
+experts row-wise.
 
-``"matrix"`` with ``optimizer_block_size`` (the 8-bit quantization block) keeps each expert
-whole and its blocks inside it only if the block divides the matrix; the strategy refuses a
-quantized-size matrix whose element count is not a multiple of the block (an ``AdamW8bit`` block
-would mix two experts' moments under one scale) and names block sizes that fit.
+``"matrix"`` with ``optimizer_block_size`` (the 8-bit quantization block) resolves to
+``lcm(matrix, block)`` elements for large tensors: shard bounds fall between whole matrices and
+on block boundaries. Whether a block may hold two matrices is the optimizer's question, not the
+layout's: the strategies mark the parameters they shard per matrix, and ``AdamW8bit`` refuses a
+stacked tensor whose matrix is not a multiple of its block (one scale would mix two experts'
+moments; design note [adamw8bit]), naming block sizes that fit. SOAP, Shampoo and Muon, which
+have no blocks, take the same layout; a 2-D tensor (one matrix) is never refused.
 """
 
 from __future__ import annotations
@@ -30,13 +35,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
-from lightning_vescale.planner import check_granularity, matrix_numel
+from lightning_vescale.planner import check_granularity
 
-__all__ = ["GranularityRules", "check_matrix_fits_block"]
+__all__ = ["GranularityRules", "suggest_pattern"]
 
 _Form = Union[int, str, None]
 
@@ -78,35 +82,68 @@ class GranularityRules:
         return None
 
     def check_all_used(self, names: Sequence[str]) -> None:
-        """Raise if a pattern matched none of ``names`` (the model's parameter names)."""
+        """Raise if a pattern took none of ``names`` (the model's parameter names): it matches
+        none of them (the error suggests a pattern that does, built from the names, when one
+        is close), or every name it matches is taken by an earlier rule (first match wins)."""
         unused = [p for p, _ in self.rules if p not in self.used]
         if not unused:
             return
-        hints = {p: difflib.get_close_matches(p.replace("*", ""), names, n=3, cutoff=0.3)
-                 for p in unused}
-        shown = "; ".join(f"{p!r} (close names: {h})" if h else repr(p) for p, h in hints.items())
+        problems = [self._why_unused(p, names) for p in unused]
         raise ValueError(
-            f"granularity: the pattern(s) {shown} match no parameter of the model. Patterns are "
-            f"fnmatch globs over the fully qualified names of model.named_parameters(), e.g. "
-            f"{names[:3]}; write '*.experts.*' to match every parameter under an 'experts' "
-            "module, or remove the rule.")
+            f"granularity: {' '.join(problems)} Patterns are fnmatch globs over the fully "
+            f"qualified names of model.named_parameters(), e.g. {list(names[:3])}; fix the "
+            "pattern or remove the rule.")
+
+    def _why_unused(self, pattern: str, names: Sequence[str]) -> str:
+        matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if matched:  # shadowed: an earlier rule takes every name it matches
+            earlier = next(p for p, _ in self.rules if fnmatch.fnmatchcase(matched[0], p))
+            return (f"The rule {pattern!r} matches {len(matched)} parameter(s) (e.g. "
+                    f"{matched[0]!r}) but an earlier rule, {earlier!r}, takes each of them "
+                    f"(the first matching rule wins): put {pattern!r} before {earlier!r}.")
+        hint = suggest_pattern(pattern, names)
+        if hint is not None:
+            hits = [n for n in names if fnmatch.fnmatchcase(n, hint)]
+            return (f"The pattern {pattern!r} matches no parameter of the model; did you mean "
+                    f"{hint!r} (it matches {len(hits)}, e.g. {hits[0]!r})?")
+        close = difflib.get_close_matches(pattern.replace("*", ""), names, n=3, cutoff=0.3)
+        return (f"The pattern {pattern!r} matches no parameter of the model"
+                + (f" (close names: {close})." if close else "."))
 
 
-def check_matrix_fits_block(fqn: str, shape: Sequence[int], block: Optional[int]) -> None:
-    """``"matrix"`` on a tensor whose block-wise optimizer state is quantized in ``block``
-    elements: every block must lie in one matrix (one expert), so ``block`` must divide the
-    matrix's element count. Raises ``ValueError`` naming the sizes that fit."""
-    if block is None:
-        return
-    m = matrix_numel(shape)
-    if m % block == 0:
-        return
-    fits = math.gcd(m, block)
-    raise ValueError(
-        f"granularity 'matrix' for parameter {fqn!r} of shape {tuple(shape)}: one matrix has "
-        f"{m} elements, not a multiple of optimizer_block_size={block}, so an AdamW8bit block "
-        f"would hold two experts' moments under one scale. Use optimizer_block_size={fits} "
-        f"(the largest block that divides {m} and {block}; state it on AdamW8bit(block_size="
-        f"{fits}) too, or leave AdamW8bit's block_size=None to inherit it), or "
-        "optimizer_block_size=None if no optimizer of this model is block-wise (Muon, SOAP, "
-        "AdamW).")
+def _name_parts(names: Sequence[str]) -> list[str]:
+    return sorted({part for n in names for part in n.split(".")})
+
+
+def suggest_pattern(pattern: str, names: Sequence[str]) -> Optional[str]:
+    """A pattern like ``pattern`` that matches some of ``names``, built from them, or ``None``.
+
+    Each dot-separated segment that matches no part of any name is replaced by the closest part
+    (``'*.expert.*'`` -> ``'*.experts.*'``) or, without a close one, dropped
+    (``'model.experts.*'`` on a model whose names do not start with ``model``); then the result
+    is tried as it is and widened to match anywhere (``'experts'`` -> ``'*.experts.*'``). The
+    first candidate that differs from ``pattern``, names something (not only wildcards) and
+    matches a name wins.
+    """
+    parts = _name_parts(names)
+    repaired, kept = [], []
+    for seg in pattern.split("."):
+        if any(fnmatch.fnmatchcase(part, seg) for part in parts):
+            repaired.append(seg)
+            kept.append(seg)
+            continue
+        close = difflib.get_close_matches(seg.replace("*", "").replace("?", ""), parts, n=1,
+                                          cutoff=0.6)
+        repaired.append(close[0] if close else seg)
+        if close:
+            kept.append(close[0])
+    candidates: list[str] = []
+    for base in (".".join(repaired), ".".join(kept)):
+        core = base.strip("*.")
+        candidates += [base] + ([f"*.{core}.*", f"*.{core}", f"{core}.*", f"*{core}*"]
+                                if core else [])
+    for cand in candidates:
+        if cand.strip("*?.") and cand != pattern and \
+                any(fnmatch.fnmatchcase(n, cand) for n in names):
+            return cand
+    return None

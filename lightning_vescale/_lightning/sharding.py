@@ -60,10 +60,7 @@ from lightning_vescale.fsdp import (
     reshard_policy,
 )
 from lightning_vescale.optim import DEFAULT_BLOCK_SIZE, DEFAULT_MIN_8BIT_SIZE
-from lightning_vescale._lightning.granularity_rules import (
-    GranularityRules,
-    check_matrix_fits_block,
-)
+from lightning_vescale._lightning.granularity_rules import GranularityRules
 from lightning_vescale.planner import (
     check_granularity,
     is_matrix_granularity,
@@ -327,10 +324,18 @@ class ShardGranularity:
         shape = tuple(param.shape)
         large = self.optimizer_block_size is not None and math.prod(shape) >= self.min_block_numel
         form = self.form_for(name)
-        if large and is_matrix_granularity(form):
-            check_matrix_fits_block(name, shape, self.optimizer_block_size)
+        # "matrix" and a block: lcm(matrix, block), bounds between matrices and on blocks;
+        # whether a block may hold two matrices is the optimizer's check (AdamW8bit's), not
+        # this layout's (design note [granularity-rules])
         return resolve_granularity(form, shape,
                                    multiple_of=self.optimizer_block_size if large else None)
+
+    def whole_matrices(self, named_params: Iterable[tuple[str, Tensor]]
+                       ) -> list[tuple[str, Tensor]]:
+        """The ``(name, param)`` pairs whose granularity is ``"matrix"`` (names fully
+        qualified, as :meth:`form_for` reads them): what ``mark_whole_matrices`` records for the
+        block-wise optimizer's check."""
+        return [(n, p) for n, p in named_params if is_matrix_granularity(self.form_for(n))]
 
     def bound(self, prefix: str) -> Callable[[str, Tensor], int]:
         """This policy for the parameters of the module at ``prefix`` (``fully_shard`` names

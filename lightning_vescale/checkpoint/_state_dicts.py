@@ -2,7 +2,8 @@
 
 Both formats of design note [checkpoint-formats] are keyed by FQNs (``state_dict()`` names).
 Building: :func:`model_state` / :func:`optimizer_state`, sharded (``DTensor`` values, no
-communication) or full (gathered one tensor at a time, CPU tensors on rank 0). Applying a *full*
+communication) or full (gathered to rank 0 one tensor at a time, CPU tensors there; design note
+[full-state-gather] in :func:`_gather_to_rank0`). Applying a *full*
 state dict to a sharded module or optimizer slices every tensor down to this rank's part
 (:func:`load_full_model_state`, :func:`load_full_optimizer_state`), so at most one full tensor
 exists at a time. The file formats themselves live in ``_sharded.py`` and ``_full.py``.
@@ -15,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn import Module
@@ -26,6 +28,7 @@ from lightning_vescale.placement import (
     RaggedShard,
     local_slice,
     ragged_from_local,
+    ragged_ranges,
     ragged_shard_and_rank,
 )
 
@@ -40,20 +43,75 @@ __all__ = [
 # ------------------------------------------------------------------------------------------------
 # Tensors
 # ------------------------------------------------------------------------------------------------
-def _full(t: Any, keep: bool = True) -> Any:
+def _full(t: Any, keep: bool) -> Any:
     """The full CPU tensor of a ``DTensor`` (collective over its mesh) or tensor; else ``t``.
 
-    ``keep=False`` (the ranks whose full state dict is ``{}``): take part in the gather, then
-    drop its result at once, so such a rank holds at most one full tensor at a time instead of
-    a CPU copy of the whole model until the dict is thrown away.
+    ``keep=False`` (the ranks whose full state dict is ``{}``): take part in the collective and
+    hold no full tensor (design note [full-state-gather]).
     """
     if isinstance(t, DTensor):
-        t = _on_collective_device(t).full_tensor()
+        gathered = _gather_to_rank0(t, keep)
+        t = _on_collective_device(t).full_tensor() if gathered is _NOT_RAGGED else gathered
     if not keep:
         return None
     if isinstance(t, Tensor):
         t = t.detach().cpu()
     return t
+
+
+#: :func:`_gather_to_rank0`'s answer for a layout it leaves to ``full_tensor()``.
+_NOT_RAGGED = object()
+
+
+@torch.no_grad()
+def _gather_to_rank0(t: DTensor, keep: bool) -> Any:
+    """``t`` gathered on global rank 0 only (``None`` elsewhere), for this package's layouts
+    (one ``RaggedShard`` mesh dim, the others ``Replicate``; rank 0 at the mesh's origin);
+    :data:`_NOT_RAGGED` for any other layout (the caller uses ``full_tensor()``).
+
+    Design note [full-state-gather]
+    -------------------------------
+    A full state dict is kept on rank 0 only. ``full_tensor()``
+    is an all-gather (or a broadcast from a sole owner): every other rank received a full copy of
+    each tensor only to drop it, and that copy was the collective's output buffer, which the
+    backend's worker thread (gloo's) still references for a moment after the collective returns:
+    the next gather could begin while the previous full tensor was alive (2 at once on rank 1 in
+    20-50 % of runs here, every run on another machine). Instead every rank that holds elements
+    sends its shard (a contiguous flat range) to rank 0, which receives each straight into its
+    range of the one full tensor it allocates: no other rank allocates anything (a CPU-offloaded
+    shard on a GPU-only group: one copy of the shard on the device), rank 0 one full tensor (as
+    ``full_tensor()`` did, and no padding or concatenation), and the bytes cross the network
+    once. Ranks of other replicas (HSDP) hold the same shards as rank 0's replica and take no
+    part; so does a rank that holds no element of the tensor.
+    """
+    mesh, placements = t.device_mesh, t.placements
+    ragged_dims = [i for i, p in enumerate(placements) if isinstance(p, RaggedShard)]
+    coord = mesh.get_coordinate()
+    if (len(ragged_dims) != 1 or coord is None
+            or not all(isinstance(p, (RaggedShard, Replicate)) for p in placements)
+            or int(mesh.mesh.reshape(-1)[0]) != 0):
+        return _NOT_RAGGED
+    d = ragged_dims[0]
+    if any(c != 0 for i, c in enumerate(coord) if i != d):
+        return None  # another replica: rank 0's shard group gathers without it
+    assert (coord[d] == 0) == keep, (coord, keep)  # rank 0, the mesh's origin, keeps
+    ranges = ragged_ranges(t.shape, placements[d])
+    local = t._local_tensor.reshape(-1)
+    group = mesh.get_group(d)
+    where = collective_device(group, local.device, mesh)
+    if not keep:
+        if local.numel():
+            dist.send(local.to(where), group=group, group_dst=0)
+        return None
+    out = torch.empty(t.numel(), dtype=local.dtype, device=where)
+    for r, (start, end) in enumerate(ranges):
+        if end == start:
+            continue
+        if r == 0:
+            out[start:end].copy_(local)
+        else:
+            dist.recv(out[start:end], group=group, group_src=r)
+    return out.view(t.shape)
 
 
 def _full_values(sd: Mapping[str, Any], keep: bool) -> dict[str, Any]:

@@ -15,8 +15,12 @@ end-of-backward gradient-flag all-reduce, is preceded by one all-gather of three
 the group's shard group: what the rank is about to run (kind), which group (its index in the
 root's tree) and how many collectives that group ran before. The checks pair up exactly as the
 collectives would, so at the first divergence every rank sees the others' entries and raises a
-``RuntimeError`` naming the group (its module's FQN) and the ranks that skipped it, instead of
-waiting. Off by default: it adds one small synchronous collective per collective.
+``RuntimeError`` naming the groups (their modules' FQNs) and the ranks at each, instead of
+waiting. It says which ranks skipped a group only where the entries prove it (ranks at the
+end-of-backward all-reduce went without the group the others are about to run); between two
+groups it names both: the ranks may run both in another order, and a group's index in the tree
+says nothing about when it runs (a branch may call a module registered after the next one).
+Off by default: it adds one small synchronous collective per collective.
 """
 
 from __future__ import annotations
@@ -62,20 +66,47 @@ def check_collective(kind: str, index: int, count: int, *, group: dist.ProcessGr
     entries = [tuple(e) for e in out.view(size, 3).tolist()]
     if len(set(entries)) == 1:
         return
-    ranks = dist.get_process_group_ranks(group)
+    raise RuntimeError(_divergence_message(entries, dist.get_process_group_ranks(group),
+                                           name_of))
 
+
+def _divergence_message(entries: list[tuple[int, ...]], ranks: list[int],
+                        name_of: Callable[[int], str]) -> str:
+    """The error for ranks about to run different collectives (``entries[i]``: rank
+    ``ranks[i]``'s ``(kind, index, count)``).
+
+    Only what the entries prove is said: a rank at the gradient-flag all-reduce has finished its
+    backward, so the groups the others are about to run are ones it went without. Between two
+    groups, which one the other ranks skipped cannot be told at this point (the ranks may run
+    both in another order, or one on some ranks only): both are named, with the ranks at each.
+    The groups' indices (registration order) say nothing about the order they run in.
+    """
     def what(e: tuple[int, ...]) -> str:
         target = f" of {name_of(e[1])!r}" if e[1] >= 0 else ""
         return f"{KINDS[e[0]]}{target} (its collective #{e[2]})"
 
-    first = min(entries, key=lambda e: (e[1] < 0, e[1], e[2]))
-    skipped = [r for r, e in zip(ranks, entries) if e != first]
-    ran = [r for r, e in zip(ranks, entries) if e == first]
     at = "; ".join(f"rank {r}: {what(e)}" for r, e in zip(ranks, entries))
-    target = repr(name_of(first[1])) if first[1] >= 0 else "the gradient-flag all-reduce"
-    raise RuntimeError(
-        f"fully_shard: the ranks do not run the same collective ({at}). Ranks {skipped} "
-        f"skipped {target}, which ranks {ran} ran: a sharding group must run its forward and "
-        "backward on every rank, in the same order (a data-dependent branch around a "
-        "fully_shard module cannot be sharded; run the module on an empty batch instead). "
+    by_entry: dict[tuple[int, ...], list[int]] = {}
+    for r, e in zip(ranks, entries):
+        by_entry.setdefault(e, []).append(r)
+    groups = [e for e in by_entry if e[1] >= 0]
+    names = list(dict.fromkeys(repr(name_of(e[1])) for e in groups))
+    done = [r for e, rs in by_entry.items() if e[1] < 0 for r in rs]
+    if done:
+        running = [r for e, rs in by_entry.items() if e[1] >= 0 for r in rs]
+        verdict = (f"Ranks {done} finished their backward (at the gradient-flag all-reduce) "
+                   f"without {' and '.join(names)}, which ranks {running} are about to run")
+    elif len(names) == 1:  # one group, different collectives of it
+        where = ", ".join(f"ranks {rs} at its {what(e)}" for e, rs in by_entry.items())
+        verdict = f"The ranks run {names[0]} a different number of times ({where})"
+    else:
+        where = ", ".join(f"ranks {rs} at {name_of(e[1])!r}" for e, rs in by_entry.items())
+        verdict = (f"One of {' and '.join(names)} runs on some ranks only, or the ranks run "
+                   f"them in different orders ({where}; which rank went without which group "
+                   "cannot be told before a rank reaches the other group)")
+    return (
+        f"fully_shard: the ranks do not run the same collective ({at}). {verdict}: a sharding "
+        "group must run its forward and backward on every rank, in the same order (a "
+        "data-dependent branch around a fully_shard module cannot be sharded; run the module "
+        "on an empty batch instead). "
         f"Design note [fsdp-collective-check]; unset {ENV} to skip this check.")

@@ -29,6 +29,15 @@ every rank (the check uses all ranks' ranges, which are pure functions of the pl
 the fix: a sharding granularity that is a multiple of ``block_size``. Parameter checks and the
 state export/import below are the shared ones of ``_base.py`` (design note [sharded-optimizer]).
 
+*Whole matrices.* A stacked ``(E, out, in)`` weight that the strategies shard with granularity
+``"matrix"`` (each expert whole on one rank, design note [granularity-rules]) is marked with
+its name (:func:`mark_whole_matrices`). Its quantization blocks must then lie in one matrix each
+(one absmax scale must not mix two experts' moments): ``block_size`` must divide
+``shape[-2] * shape[-1]``, checked where the layout is (construction, a group added, the block
+size inherited), naming the block sizes that fit. It is this optimizer's rule, not the
+strategy's: SOAP, Shampoo or Muon on the same layout have no blocks, and a tensor holding one
+matrix (2-D) cannot mix two.
+
 *Fast path.* Quantized parameters whose local tensors tile one storage (a ``DBuffer`` shard) at
 block-aligned relative offsets are stepped as one span in one vectorised pass, bitwise equal to
 the per-parameter path; the rules are design note [adamw8bit-fast-path] in ``_adamw8bit_flat.py``.
@@ -52,6 +61,7 @@ with torch.optim.AdamW): block scales ignore non-finite values, which are stored
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -80,7 +90,7 @@ from lightning_vescale.optim._quant import DEFAULT_BLOCK_SIZE, QuantizedMoment, 
 from lightning_vescale.placement import compact_, contiguous_runs, run_view
 
 __all__ = ["AdamW8bit", "DEFAULT_MIN_8BIT_SIZE", "DEFAULT_CHUNK_SIZE",
-           "mark_sharded_for_block_size"]
+           "mark_sharded_for_block_size", "mark_whole_matrices"]
 
 #: Parameters with fewer GLOBAL elements keep fp32 moments (bitsandbytes' value).
 DEFAULT_MIN_8BIT_SIZE = 4096
@@ -100,6 +110,42 @@ def mark_sharded_for_block_size(params: Iterable[torch.Tensor], block_size: int 
         return
     for p in params:
         setattr(p, _SHARDED_FOR, int(block_size))
+
+
+#: Set by the strategies on the parameters they shard with granularity ``"matrix"``: the
+#: parameter's name, for the whole-matrix block check (design note [adamw8bit], *Whole matrices*).
+_WHOLE_MATRICES = "_lightning_vescale_whole_matrices"
+
+
+def mark_whole_matrices(named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Record on each ``(name, param)`` that it was sharded with every matrix whole on one rank
+    (granularity ``"matrix"``), so that an ``AdamW8bit`` built on it refuses blocks that would
+    hold two of its matrices (see :func:`check_blocks_in_matrices`)."""
+    for name, p in named_params:
+        setattr(p, _WHOLE_MATRICES, str(name))
+
+
+def check_blocks_in_matrices(p: torch.Tensor, block_size: int) -> None:
+    """Raise ``ValueError`` if ``p`` was marked by :func:`mark_whole_matrices`, stacks more than
+    one matrix, and ``block_size`` does not divide one matrix's element count: a quantization
+    block would then hold two matrices' (experts') moments under one scale. Names the fix."""
+    name = getattr(p, _WHOLE_MATRICES, None)
+    shape = tuple(p.shape)
+    if name is None or len(shape) < 3 or math.prod(shape[:-2]) < 2:
+        return  # not sharded per matrix, or one matrix: no block can hold two
+    m = shape[-2] * shape[-1]
+    if m % block_size == 0:
+        return
+    fits = math.gcd(m, block_size)
+    raise ValueError(
+        f"AdamW8bit(block_size={block_size}): parameter {name!r} of shape {shape} is sharded "
+        f"with granularity 'matrix' (each of its {math.prod(shape[:-2])} matrices whole on one "
+        f"rank), but one matrix has {m} elements, not a multiple of {block_size}, so a "
+        f"quantization block would hold two matrices' (experts') moments under one scale. Use "
+        f"optimizer_block_size={fits} on the strategy (the largest block that divides {m} and "
+        f"{block_size}; AdamW8bit(block_size=None) inherits it), or a granularity other than "
+        f"'matrix' for {name!r}, or a matrix optimizer (Muon, SOAP, Shampoo), which has no "
+        "blocks.")
 
 
 # Group keys that torch.optim.AdamW's groups lack, with the values used when the optimizer's own
@@ -237,6 +283,7 @@ class AdamW8bit(ShardedOptimizer):
         quantized = layout.numel >= int(group["min_8bit_size"])
         if quantized:
             check_block_aligned(layout, group_block_size(group), who="AdamW8bit", name=name)
+            check_blocks_in_matrices(p, group_block_size(group))
         return layout, quantized
 
     # -- step ------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """A sharding group that runs on some ranks only: with the opt-in collective check every rank
-raises at once, naming the group's module and the ranks that skipped it (design note
+raises at once, naming the groups' modules and the ranks at each (design note
 [fsdp-collective-check]), instead of exchanging mismatched buffers and waiting for the gloo
 timeout. The world has a 5 s process-group timeout: a hang would fail the test in seconds."""
 
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_vescale.fsdp import fully_shard
-from lightning_vescale.fsdp._collective_check import ENV
+from lightning_vescale.fsdp._collective_check import ENV, _divergence_message
 from tests.harness import World
 
 
@@ -32,14 +32,29 @@ class Net(nn.Module):
         return self.blocks[2](x)
 
 
-def _skipped_group(check: bool) -> str:
+class ExpertFirst(nn.Module):
+    """``expert`` is registered after ``a`` but called before it, on rank 0 only: the group
+    indices (registration order) are not the order the groups run in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.expert = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == 0:
+            x = self.expert(x)
+        return self.a(x)
+
+
+def _skipped_group(check: bool, net: str = "blocks") -> str:
     if check:
         os.environ[ENV] = "1"
     else:
         os.environ.pop(ENV, None)
     torch.manual_seed(0)
-    model = Net()
-    for block in model.blocks:
+    model = Net() if net == "blocks" else ExpertFirst()
+    for block in (model.blocks if net == "blocks" else [model.a, model.expert]):
         fully_shard(block)
     fully_shard(model)
     t0 = time.monotonic()
@@ -58,9 +73,34 @@ def test_a_group_skipped_on_one_rank_is_named_at_once():
     for msg in out:
         seconds = float(msg.split("s ", 1)[0])
         assert seconds < 4.0, msg  # before the 5 s gloo timeout: the check raised, not gloo
-        assert "Ranks [1] skipped 'blocks.1', which ranks [0] ran" in msg, msg
         assert "rank 0: all-gather of 'blocks.1'" in msg and \
             "rank 1: all-gather of 'blocks.2'" in msg, msg
+        assert "One of 'blocks.1' and 'blocks.2' runs on some ranks only" in msg, msg
+        assert "ranks [0] at 'blocks.1', ranks [1] at 'blocks.2'" in msg, msg
+
+
+def test_a_group_run_before_one_registered_earlier_is_not_blamed_on_the_wrong_ranks():
+    """The issue's case: ``expert`` on rank 0 only, called before ``a`` (registered first). The
+    check used to take the lowest index as the group some ranks skipped and said "Ranks [0]
+    skipped 'a', which ranks [1] ran": the wrong group and the wrong ranks."""
+    with World(2, pg_timeout_s=5.0, run_timeout_s=60.0) as world:
+        out = world.run(_skipped_group, True, "expert_first")
+    for msg in out:
+        assert "skipped 'a'" not in msg, msg
+        assert "rank 0: all-gather of 'expert'" in msg and "rank 1: all-gather of 'a'" in msg
+        assert "One of 'expert' and 'a' runs on some ranks only" in msg, msg
+        assert "ranks [0] at 'expert', ranks [1] at 'a'" in msg, msg
+
+
+def test_ranks_that_finished_backward_are_named_as_going_without_the_group():
+    names = {0: "a", 1: "expert"}.__getitem__
+    ag, rs, flag = 0, 1, 2  # KINDS' indices
+    msg = _divergence_message([(rs, 1, 1), (flag, -1, 0), (rs, 1, 1)], [0, 1, 2], names)
+    assert "Ranks [1] finished their backward (at the gradient-flag all-reduce) without " \
+        "'expert', which ranks [0, 2] are about to run" in msg, msg
+    msg = _divergence_message([(ag, 0, 1), (rs, 0, 0)], [0, 1], names)
+    assert "The ranks run 'a' a different number of times (ranks [0] at its all-gather of " \
+        "'a' (its collective #1), ranks [1] at its reduce-scatter of 'a'" in msg, msg
 
 
 @pytest.mark.parametrize("check", [False])

@@ -86,8 +86,28 @@ def test_every_example_file_is_run():
 def test_trainer_usage_runs(tmp_path):
     run([sys.executable, str(ROOT / "examples/trainer_usage.py")], cwd=tmp_path)
     assert (tmp_path / "out" / "memory" / "memory_timeline_rank0.png").is_file()  # under out/
-    # everything the example writes is under out/ (git-ignored) or Lightning's own logs
-    assert {p.name for p in tmp_path.iterdir()} <= {"out", "lightning_logs"}
+    # everything the example writes is under out/ (git-ignored), Lightning's logs too
+    assert {p.name for p in tmp_path.iterdir()} == {"out"}
+    assert (tmp_path / "out" / "lightning_logs").is_dir()
+
+
+@pytest.mark.slow  # a script in a fresh process (twice): the second CI step
+def test_train_gpt_resume_reports_its_own_steps_and_validates(tmp_path):
+    """``--resume DIR --max-steps N``: it trains N minus the checkpoint's steps and says so, and
+    prints the perplexity of the final model. It printed "in 8 steps" after 2 and "validation
+    perplexity nan" (the resumed steps 7-8 miss every multiple of the validation interval 3)."""
+    import re
+
+    ckpt = tmp_path / "gpt_ckpt"
+    common = [sys.executable, str(ROOT / "examples/train_gpt.py"), "--no-ddp", "--val-every", "3"]
+    first = run(common + ["--max-steps", "6", "--save", str(ckpt)], cwd=tmp_path)
+    assert "in 6 steps, validation perplexity" in first
+    out = run(common + ["--max-steps", "8", "--resume", str(ckpt)], cwd=tmp_path)
+    line = re.search(r"vescale_fsdp x2: loss (\S+) -> (\S+) in (\d+) steps \(resumed at step "
+                     r"(\d+)\), validation perplexity (\S+)", out)
+    assert line, out[-2000:]
+    assert (int(line[3]), int(line[4])) == (2, 6)
+    assert 1.0 < float(line[5]) < 65.0, line[0]  # finite: the final model was validated
 
 
 @pytest.mark.slow  # a script in a fresh process: the second CI step

@@ -33,3 +33,16 @@ def test_moe_example_trains_on_cpu(tmp_path, optimizer):
     cli.trainer.fit(cli.model, cli.datamodule)
     for rank in load(tmp_path, "moe"):
         assert len(rank["losses"]) == 3 and all(x == x for x in rank["losses"])
+
+
+def test_moe_example_writes_under_out(tmp_path, monkeypatch):
+    """Run as the README shows (Lightning's logger and checkpoints on) from an empty directory:
+    everything lands under ./out/, as for every example (it wrote ./lightning_logs/)."""
+    from examples.moe import main
+
+    monkeypatch.chdir(tmp_path)
+    args = [a for a in TINY if not a.startswith(("--trainer.logger", "--trainer.enable_check"))]
+    cli = main(args=["--config", str(CONFIG), *args, "--trainer.max_steps=1"], run=False)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    assert {p.name for p in tmp_path.iterdir()} == {"out"}
+    assert (tmp_path / "out" / "lightning_logs").is_dir()

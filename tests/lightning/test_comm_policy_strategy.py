@@ -3,6 +3,8 @@ from ``optimizer_block_size``, and a Trainer run (fork, 2 ranks) that trains lik
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -129,3 +131,46 @@ def test_bf16_true_masters_all_gather_quantized(worlds):
     assert q8 > 0
     for p, q in zip(plain, quant):
         assert abs(p - q) <= 0.03 * abs(p), (plain, quant)
+
+
+def test_a_cli_run_says_once_that_the_policy_is_on(tmp_path):
+    """LightningCLI with ``comm_policy`` in the strategy's arguments: rank 0 logs the policy and
+    the bytes it saves once, when the model is sharded (a run without one logs nothing). The
+    ranks are forks of this process: a file handler on Lightning's loggers sees every rank's
+    records (pytest's log capture would keep the children's to themselves)."""
+    import logging
+    from pathlib import Path
+
+    from examples.cli import main
+
+    config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "gpt_vescale.yaml"
+    # rank_zero_info logs to lightning.pytorch's logger once it is imported, else fabric's
+    loggers = [logging.getLogger(n) for n in ("lightning.pytorch", "lightning.fabric")]
+    levels = [lg.level for lg in loggers]
+    for policy in ("{all_gather: int8}", None):
+        log = tmp_path / f"{bool(policy)}.log"
+        handler = logging.FileHandler(log)
+        for lg in loggers:
+            lg.addHandler(handler)
+            lg.setLevel(logging.INFO)
+        try:
+            args = ["--config", str(config), "--trainer.strategy.init_args.start_method=fork",
+                    "--trainer.max_steps=1", "--trainer.enable_progress_bar=false",
+                    "--trainer.enable_model_summary=false", "--model.n_embd=32"]
+            if policy:
+                args.append(f"--trainer.strategy.init_args.comm_policy={policy}")
+            cli = main(args=args, run=False)
+            cli.trainer.fit(cli.model, cli.datamodule)
+        finally:
+            for lg, lv in zip(loggers, levels):
+                lg.removeHandler(handler)
+                lg.setLevel(lv)
+            handler.close()
+        lines = [line for line in log.read_text().splitlines()
+                 if "vescale_fsdp: comm policy:" in line]
+        if policy:
+            assert len(lines) == 1, log.read_text()  # once, on rank 0
+            assert re.search(r"all-gather int8 \(block 256\); all-gather [\d.]+ MiB instead of "
+                             r"[\d.]+ MiB \(0\.\d\dx\)", lines[0]), lines  # fewer bytes
+        else:
+            assert lines == []
