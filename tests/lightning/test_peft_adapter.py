@@ -159,3 +159,19 @@ def test_fabric_lora_adapter_loads(worlds, tmp_path):
     loaded, reference = worlds(2).run(_fabric_lora_run, str(tmp_path))[0]
     torch.testing.assert_close(loaded, reference, rtol=0, atol=0)
     assert not (tmp_path / "direct_rank0" / "adapter_model.safetensors").exists()
+
+
+def test_one_process_writes_what_save_pretrained_writes(tmp_path):
+    """No process group, plain model: the same files as peft's own call; user errors."""
+    model = _lora(_base())
+    model.save_pretrained(str(tmp_path / "peft"))
+    holder = torch.nn.ModuleDict({"model": model})
+    save_peft_adapter(holder, tmp_path / "ours")  # found inside the holder
+    ours, theirs = _adapter_files(tmp_path / "ours"), _adapter_files(tmp_path / "peft")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    with pytest.raises(TypeError, match="state_dict="):
+        save_peft_adapter(model, tmp_path / "x", state_dict={})
+    with pytest.raises(ValueError, match="holds 0"):
+        save_peft_adapter(torch.nn.Linear(2, 2), tmp_path / "x")
+    with pytest.raises(ValueError, match="'nope'"):
+        save_peft_adapter(model, tmp_path / "x", selected_adapters=["nope"])
