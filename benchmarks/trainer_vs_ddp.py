@@ -159,7 +159,8 @@ def _once(a: argparse.Namespace, model: str, strategy: str, out: Path) -> list[d
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=a.timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"{model} {strategy} failed:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{model} {strategy} failed:\n"
+                           f"{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -199,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--models: unknown {unknown}; choose from {list(MODELS)}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     print(f"OMP_NUM_THREADS: {os.environ.get('OMP_NUM_THREADS') if a.keep_omp else 'unset'}; "
-          f"{a.runs} runs x {a.steps} steps (+{a.warmup} warm-up), 2 ranks, batch {a.batch}x{a.seq}")
+          f"{a.runs} runs x {a.steps} steps (+{a.warmup} warm-up), 2 ranks, "
+          f"batch {a.batch}x{a.seq}")
     print("| model | DDP ms/step | ours ms/step | ours / DDP | last loss DDP / ours "
           "| threads per rank DDP / ours |")
     print("| --- | ---: | ---: | ---: | --- | --- |")

@@ -59,7 +59,8 @@ def save_peft_adapter(model: Module, save_directory: Union[str, os.PathLike], *,
     for key in ("state_dict", "is_main_process"):
         if key in save_pretrained_kwargs:
             raise TypeError(f"save_peft_adapter sets {key}= itself (rank 0 saves the gathered "
-                            f"adapter tensors); got {key}={save_pretrained_kwargs[key]!r}. Drop it.")
+                            f"adapter tensors); got {key}={save_pretrained_kwargs[key]!r}. "
+                            "Drop it.")
     peft_model = _find_peft_model(model)
     state_dict = peft_model.state_dict()
     names = _broadcast_object(rank0_agreed(
@@ -114,7 +115,8 @@ def _adapter_entries(peft_model: Module, state_dict: dict[str, Any],
     for adapter in adapters:
         if adapter not in peft_model.peft_config:
             raise ValueError(f"save_peft_adapter(selected_adapters=...) names {adapter!r}, which "
-                             f"the model does not have; its adapters: {list(peft_model.peft_config)}.")
+                             "the model does not have; its adapters: "
+                             f"{list(peft_model.peft_config)}.")
         selected = get_peft_model_state_dict(peft_model, state_dict=state_dict,
                                              adapter_name=adapter,
                                              save_embedding_layers=save_embedding_layers)
