@@ -225,6 +225,35 @@ class FSDPState:
     def is_root(self) -> bool:
         return self.ctx.root is self
 
+    # -- FSDP2's ``FSDPState`` attributes read through ``fully_shard.state(module)`` -------------
+    # (design note [fsdp-state-accessor] in ``api.py``): aliases of ours, same meaning.
+    @property
+    def _fsdp_param_group(self) -> ParamGroup | None:
+        """The group's parameters (FSDP2: its ``FSDPParamGroup``); ``None`` without any."""
+        return self.group
+
+    @property
+    def _fsdp_param_groups(self) -> list[ParamGroup]:
+        return [] if self.group is None else [self.group]
+
+    @property
+    def _is_root(self) -> bool | None:
+        """``None`` before the first forward (lazy init), then whether this is the root."""
+        return None if self.ctx.root is None else self.is_root
+
+    @property
+    def _state_ctx(self) -> RootContext:
+        """The root context shared by the tree (``all_states``), FSDP2's ``FSDPStateContext``."""
+        return self.ctx
+
+    @property
+    def _mp_policy(self) -> MixedPrecisionPolicy:
+        return self.mp_policy
+
+    @property
+    def _modules(self) -> tuple[nn.Module, ...]:
+        return tuple(self.modules)
+
     def _lazy_init(self) -> None:
         if self.ctx.root is None:
             self.ctx.adopt(self)
