@@ -277,7 +277,9 @@ class RootContext:
         gradient" flags of every reduced group's trainable parameters gives the global answer.
         Which groups were reduced is the same on every rank, so is the message.
         """
-        groups = [g for g in self.groups if g.reduced]
+        # a reduce without the replica all-reduce publishes nothing yet (FSDP2's
+        # set_requires_all_reduce(False)): the arrival flags add up until the one with it
+        groups = [g for g in self.groups if g.reduced and not g.reduced_partially]
         for g in groups:  # set_reduce_scatter_unused_params(True): every parameter, no flags
             if g.grads_for_unused:
                 g.publish_grads([True] * len(g.trainable()))
