@@ -71,6 +71,14 @@ Design note [dbuffer-collectives]
   a divide; so only the transport is narrow (NCCL's bf16 reduce-scatter would round every
   partial sum to bf16). HSDP's replica all-reduce moves the wire dtype too, as an all-to-all,
   an fp32 sum and an all-gather (``wire_all_reduce_sum``): one rounding, of the total.
+* HSDP gradient accumulation with ``set_requires_all_reduce(False)`` (FSDP2's): each such
+  micro-batch is reduce-scattered within the shard group and its output added to
+  ``grad_partial`` (one shard, ``reduce_dtype``; FSDP2's ``partial_reduce_output``), counted as
+  ``grad_shard`` memory; ``grad_shard`` and the published gradients are left alone. The next
+  reduce with the all-reduce adds ``grad_partial`` to its reduce-scatter output and all-reduces
+  the total across the replicas once, so only the last micro-batch pays the replica traffic.
+  The divisions (``pre`` on the input, ``post`` and ``scale`` on the output) are linear: the
+  total is divided once.
 * Gradient accumulation without sync (``set_requires_gradient_sync(False)``) in mixed
   precision: each backward's ``grad_full`` holds one micro-batch's gradient in ``param_dtype``;
   :meth:`accumulate_grad` adds it into ``grad_acc`` (``reduce_dtype``, e.g. fp32) and frees it,
@@ -233,6 +241,9 @@ class DBuffer:
         self.grad_shard: torch.Tensor | None = None
         #: unsynced gradients summed in reduce_dtype (see [dbuffer-collectives]); usually None
         self.grad_acc: torch.Tensor | None = None
+        #: HSDP, ``reduce_scatter(all_reduce=False)``: the shard-group sums of the micro-batches
+        #: not yet all-reduced across replicas (FSDP2's ``partial_reduce_output``); usually None
+        self.grad_partial: torch.Tensor | None = None
         self._grad_fresh = True  # grad_full holds no gradient (zero it on materialise)
         lo = self.rank * S
         self._local: dict[str, tuple[int, int]] = {}
@@ -416,7 +427,7 @@ class DBuffer:
         return {
             "param_shard": nbytes(self.shard),
             "param_unsharded": nbytes(self.full) + nbytes(self.partial),
-            "grad_shard": nbytes(self.grad_shard),
+            "grad_shard": nbytes(self.grad_shard) + nbytes(self.grad_partial),
             "grad_unsharded": nbytes(self.grad_full) + nbytes(self.grad_acc),
             "comm": self._comm_bytes + (self.quantized.held_bytes() if self.quantized else 0),
         }
@@ -490,18 +501,23 @@ class DBuffer:
         return handle
 
     def reduce_scatter(self, async_op: bool = False, op: str | dist.ReduceOp = "avg",
-                       accumulate: bool = False, scale: float | None = None) -> CommHandle:
+                       accumulate: bool = False, scale: float | None = None,
+                       all_reduce: bool = True) -> CommHandle:
         """Reduce :attr:`grad_full` across ranks into the owned :attr:`grad_shard`, in place.
 
         ``accumulate=True`` adds onto the existing sharded gradients instead of overwriting.
         ``scale`` multiplies the reduced shard (e.g. ``op="sum"`` then ``1 / factor``: FSDP2's
-        ``set_gradient_divide_factor``).
+        ``set_gradient_divide_factor``). HSDP, ``all_reduce=False`` (FSDP2's
+        ``set_requires_all_reduce(False)``): reduce-scatter within the shard group only and add
+        the result to :attr:`grad_partial`, leaving :attr:`grad_shard` alone; the next reduce
+        with the all-reduce adds it in before all-reducing across the replicas
+        ([dbuffer-collectives]).
         The unsharded gradient storage is *not* freed; call :meth:`free_grad` after ``wait``.
         """
         self._check_collective()
         rop = _resolve_op(op)
         with record_function("vescale::reduce_scatter"):
-            return self._reduce_scatter(async_op, rop, accumulate, scale)
+            return self._reduce_scatter(async_op, rop, accumulate, scale, all_reduce)
 
     def _on_gloo(self) -> bool:
         """Whether the shard group runs on gloo (CPU): AVG is a SUM and one division (gloo's
@@ -526,8 +542,8 @@ class DBuffer:
                                        world_size=self.world_size, async_op=async_op,
                                        release=release)
 
-    def _reduce_scatter(self, async_op: bool, rop: dist.ReduceOp,
-                        accumulate: bool, scale: float | None = None) -> CommHandle:
+    def _reduce_scatter(self, async_op: bool, rop: dist.ReduceOp, accumulate: bool,
+                        scale: float | None = None, all_reduce: bool = True) -> CommHandle:
         wire = self.wire_dtype
         # a wire dtype always takes the all-to-all form: AVG is a SUM and a division, as gloo's
         rop, pre, post, scale = reduce_factors(
@@ -537,9 +553,11 @@ class DBuffer:
             raise ValueError(f"DBuffer {self.name!r}: a reduce_scatter_dtype supports op 'sum' "
                              f"and 'avg' only, got {rop}")
         # offload: the collective writes on device; the epilogue copies the shard to the host
+        partial = self.replicate_group is not None and not all_reduce
         direct = (not accumulate and self.reduce_dtype == self.dtype and not self.offload
-                  and wire is None)
-        gs = self._ensure_grad_shard(zero=accumulate)  # a copy overwrites every element
+                  and wire is None and not partial)
+        # a copy overwrites every element; a partial reduce does not touch the grad shard
+        gs = None if partial else self._ensure_grad_shard(zero=accumulate)
         if self.grad_acc is not None:  # unsynced micro-batches, summed in reduce_dtype
             inp, self.grad_acc = self.grad_acc, None
             inp.add_(self.grad_full)  # the last micro-batch, added in reduce_dtype in place
@@ -581,6 +599,29 @@ class DBuffer:
             work = self._gloo_reduce_scatter_sum(out, inp, async_op)
         else:
             work = _reduce_scatter_flat(out, inp, op=rop, group=self.group, async_op=async_op)
+        if partial:
+            def keep_partial(out=out) -> None:
+                # the shard group's sum of this micro-batch, before ``post`` and ``scale``
+                # (linear: applied once, to the total, after the all-reduce)
+                if self.grad_partial is None:
+                    self.grad_partial = out
+                else:
+                    self.grad_partial.add_(out)
+                self._comm_bytes -= extra
+
+            handle = CommHandle(work, keep_partial)
+            if not async_op:
+                handle.wait()
+            return handle
+        if self.replicate_group is not None and self.grad_partial is not None:
+            # the micro-batches reduced without the all-reduce join this one before it (an
+            # accelerator's current stream waits for this reduce-scatter: last micro-batch only)
+            if work is not None:
+                with record_function("vescale::comm_wait"):
+                    work.wait()
+                work = None
+            out.add_(self.grad_partial)
+            self.grad_partial = None
         if self.replicate_group is not None:
             # HSDP: all-reduce the output across replicas, after the reduce-scatter (on a side
             # stream on accelerators); with AVG each stage averages over its own group. A wire

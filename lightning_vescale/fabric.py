@@ -173,9 +173,11 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         self._check_device_mesh_world()  # in the main process, before any rank starts
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
-                                                       self.num_nodes)
+        # On every rank, as Fabric's DDP: where the processes were started outside (torchrun, or
+        # the ranks > 0 this launcher re-ran) it starts nothing but still gives each rank its
+        # share of the CPUs (OMP_NUM_THREADS, torch.set_num_threads) before the function runs.
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
+                                                   self.num_nodes)
 
     # -- model & optimizers ----------------------------------------------------------------------
     @override

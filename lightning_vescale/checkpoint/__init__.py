@@ -63,6 +63,7 @@ from lightning_vescale.checkpoint._hf_load import (
 )
 from lightning_vescale.checkpoint._hf_save import save_safetensors
 from lightning_vescale.checkpoint._full import consolidate, load_full, read_full, save_full
+from lightning_vescale.checkpoint._peft import save_peft_adapter
 from lightning_vescale.checkpoint._sharded import (
     count_sharded_optimizers,
     load_sharded,
@@ -93,6 +94,7 @@ __all__ = [
     "read_full",
     "remove_checkpoint",
     "save_full",
+    "save_peft_adapter",
     "save_safetensors",
     "save_sharded",
     "sharded_checkpoint_has",

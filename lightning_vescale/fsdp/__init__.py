@@ -12,7 +12,9 @@ profiler: :func:`get_state`, :func:`iter_param_groups`, :func:`param_fqn_map`, :
 Design notes of layer 3 (the package's convention and the other layers' notes:
 ``lightning_vescale/NOTES.md``): each is a block in the docstring of the module it describes.
 
-* ``api.py``: [fsdp-api] (what ``fully_shard`` builds)
+* ``api.py``: [fsdp-api] (what ``fully_shard`` builds) [fsdp-state-accessor]
+  (``fully_shard.state``, containers without forward, deepcopy)
+* ``_extensions.py``: [fsdp-all-gather-extension] (FSDP2's ``fsdp_pre_all_gather``: refused)
 * ``_comm_policy.py``: [comm-policy] (what the collectives carry: int8/fp8 all-gather, wire
   dtype)
 * ``_reshard.py``: [fsdp-reshard-policy] (``reshard_after_forward``, decided once)
@@ -37,7 +39,7 @@ Modules import one way: ``api`` -> ``_module`` / ``_collect`` / ``_state_dict`` 
 -> ``_materialize`` -> ``_state`` -> ``_root`` -> ``_param_group`` -> ``_param_group_grads`` ->
 ``_managed_param``; below them ``_comm_policy`` / ``_policy`` / ``_reshard`` /
 ``_training_state`` / ``_tree`` / ``_replaced`` / ``_subgroups`` / ``_collective_check`` /
-``_shard_placement`` / ``_outside_call``.
+``_shard_placement`` / ``_outside_call`` / ``_extensions``.
 """
 
 from lightning_vescale.fsdp._training_state import TrainingState

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_vescale.fsdp._extensions import check_no_all_gather_extension
 from lightning_vescale.fsdp._param_group import Owner
 from lightning_vescale.fsdp._replaced import mark_replaced, taken_by
 from lightning_vescale.fsdp._state import get_state, states_in
@@ -119,6 +120,7 @@ def check_param(name: str, param: nn.Parameter) -> None:
     Raises:
         ValueError: ``param`` is already a DTensor.
         TypeError: a sparse or complex parameter.
+        ValueError: ``param`` defines FSDP2's all-gather extension (``fsdp_pre_all_gather``).
     """
     if isinstance(param, DTensor):
         raise ValueError(
@@ -127,6 +129,7 @@ def check_param(name: str, param: nn.Parameter) -> None:
     if param.layout != torch.strided or param.is_sparse:
         raise TypeError(f"parameter {name!r} has layout {param.layout}; fully_shard supports "
                         "dense (strided) parameters only.")
+    check_no_all_gather_extension(name, param)  # design note [fsdp-all-gather-extension]
     if param.is_complex():
         raise TypeError(f"parameter {name!r} is complex ({param.dtype}); fully_shard supports "
                         "real floating-point parameters; store it as a real view "

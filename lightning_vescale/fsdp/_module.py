@@ -159,18 +159,15 @@ class VeScaleFSDPModule(FSDPModule):
             group.reduce_grads = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """FSDP2's HSDP switch to reduce-scatter without the replica all-reduce. On a 1-D mesh
-        there is no all-reduce, so either value is accepted. On an HSDP mesh ``True`` is the
-        only behaviour: the all-reduce runs in place on the reduce-scattered flat shard, and
-        there is no separate partial-gradient buffer to accumulate into between the two. For
-        gradient accumulation use ``set_requires_gradient_sync(False)``, which skips all
-        communication until the last micro-batch."""
+        """FSDP2's HSDP switch for gradient accumulation: with ``False`` each backward
+        reduce-scatters within the shard group only and sums the result in the buffers'
+        partial gradient shard, without the all-reduce across replicas and without touching
+        ``.grad``; the next backward with ``True`` adds that sum in and all-reduces once
+        (design note [dbuffer-collectives]). Set ``False`` on all micro-batches but the last.
+        On a 1-D mesh there is no all-reduce: either value does nothing."""
         _check_bool("requires_all_reduce", requires_all_reduce)
-        if not requires_all_reduce and any(g.mesh_info.is_hsdp for g in self._groups(recurse)):
-            raise _not_supported(
-                "set_requires_all_reduce(False)", "the replica all-reduce runs in place on each "
-                "reduce-scattered gradient shard; to accumulate gradients without communication "
-                "use set_requires_gradient_sync(False) on all but the last micro-batch.")
+        for group in self._groups(recurse):
+            group.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change whether groups free their unsharded parameters after forward (the root

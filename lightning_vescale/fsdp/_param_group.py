@@ -93,6 +93,8 @@ class ParamGroup(GroupGradients):
         self.comm_policy = comm_policy
         self.quantized = quantized or {}
         self.reduce_grads = True  # set_requires_gradient_sync
+        self.requires_all_reduce = True  # set_requires_all_reduce (HSDP)
+        self.reduced_partially = False  # the last reduce skipped the replica all-reduce
         # FSDPModule setters (design note [fsdp-module] in _module.py)
         self.reshard_after_backward = True
         self.unshard_in_backward = True

@@ -93,6 +93,8 @@ class GroupGradients:
     mesh_info: MeshInfo
     root: BackwardRoot | None
     reduce_grads: bool
+    requires_all_reduce: bool
+    reduced_partially: bool
     gradient_divide_factor: float | None
     force_sum_reduction: bool
     grads_for_unused: bool
@@ -260,6 +262,7 @@ class GroupGradients:
         for buf in self.buffers.values():
             buf.free_grad()
             buf.grad_acc = None
+            buf.grad_partial = None
         self._grads_ready = False
         self.needs_reduce = False
         for mp in self.params:
@@ -286,6 +289,9 @@ class GroupGradients:
                 op, scale = "sum", 1.0 / self.mesh_info.data_parallel_size
             else:
                 op = "avg"
+        # HSDP, set_requires_all_reduce(False): the shard group only; the sharded gradients
+        # are neither touched nor published until a reduce with the all-reduce (FSDP2's)
+        partial = self.mesh_info.is_hsdp and not self.requires_all_reduce
         handles = []
         for buf in self.buffers.values():
             mps = [mp for mp in self.params if mp.buffer is buf and mp.requires_grad]
@@ -297,12 +303,13 @@ class GroupGradients:
             # plain reduce-scatter overwrites the whole shard, kept gradients included.
             accumulate = any(mp.sharded is not None and mp.sharded.grad is not None
                              for mp in mps)
-            if accumulate:
+            if accumulate and not partial:
                 self._prepare_accumulate(mps)
             handles.append(buf.reduce_scatter(async_op=async_op, op=op, accumulate=accumulate,
-                                              scale=scale))
+                                              scale=scale, all_reduce=not partial))
         self._reduce = handles
         self.reduced = True
+        self.reduced_partially = partial
         self.needs_reduce = False
         if not async_op:
             self.wait_for_reduce()

@@ -46,6 +46,7 @@ from torch.profiler import record_function
 
 from lightning_vescale.fsdp._collective_check import check_collective
 from lightning_vescale.fsdp._collective_check import enabled as collective_check_on
+from lightning_vescale.fsdp._extensions import check_group_for_all_gather_extension
 from lightning_vescale.fsdp._training_state import TrainingState
 from lightning_vescale.fsdp._param_group import ParamGroup
 
@@ -127,6 +128,7 @@ class RootContext:
                 group.index = i
                 group.adopt_replaced_params()  # FSDP2's reset_sharded_param
                 group.check_views()
+                check_group_for_all_gather_extension(group)  # [fsdp-all-gather-extension]
                 group.sync_requires_grad()
 
     def root_pre_forward(self) -> None:
@@ -290,7 +292,9 @@ class RootContext:
         gradient" flags of every reduced group's trainable parameters gives the global answer.
         Which groups were reduced is the same on every rank, so is the message.
         """
-        groups = [g for g in self.groups if g.reduced]
+        # a reduce without the replica all-reduce publishes nothing yet (FSDP2's
+        # set_requires_all_reduce(False)): the arrival flags add up until the one with it
+        groups = [g for g in self.groups if g.reduced and not g.reduced_partially]
         for g in groups:  # set_reduce_scatter_unused_params(True): every parameter, no flags
             if g.grads_for_unused:
                 g.publish_grads([True] * len(g.trainable()))

@@ -75,6 +75,11 @@ keep every group gathered for the whole backward. A forward whose output never g
 backward (an evaluation with grad on) leaves its use open: the final callback then completes
 the group, correct but without the early reshard, for that iteration only. An activation-
 checkpointing recompute is not a use (design note [fsdp-final-callback]): it only unshards.
+The modules of a list group (``fully_shard([norm, output])``) that run in one forward are one
+use: each wraps its inputs in a :class:`_PostBackward` of that use, and the use ends when all of
+them ran (counted per use), so the group is not resharded between ``output``'s backward and
+``norm``'s (which re-gathered it: one all-gather more than FSDP2, and a group pinned with
+``reshard_after_forward=False`` freed and rebuilt).
 
 Design note [fsdp-reentrant]
 ----------------------------
@@ -183,6 +188,11 @@ class FSDPState:
         self._post_backward_seen = 0
         self._post_backward_expected = 0
         self._open_uses: set[int] = set()
+        # per use, its _PostBackwards not yet run (a list group's modules run in one forward
+        # share one use, one _PostBackward each: design note [fsdp-multi-forward])
+        self._use_remaining: dict[int, int] = {}
+        self._next_use = 0
+        self._use_in_pass: int | None = None  # the use of this forward pass (list groups)
         self._use: int | None = None  # the current forward's use, for its output hooks
         # A forward with grad whose inputs needed no gradient registered no _PostBackward: the
         # group's backward has no structural end then, and the final callback completes it.
@@ -225,6 +235,35 @@ class FSDPState:
     def is_root(self) -> bool:
         return self.ctx.root is self
 
+    # -- FSDP2's ``FSDPState`` attributes read through ``fully_shard.state(module)`` -------------
+    # (design note [fsdp-state-accessor] in ``api.py``): aliases of ours, same meaning.
+    @property
+    def _fsdp_param_group(self) -> ParamGroup | None:
+        """The group's parameters (FSDP2: its ``FSDPParamGroup``); ``None`` without any."""
+        return self.group
+
+    @property
+    def _fsdp_param_groups(self) -> list[ParamGroup]:
+        return [] if self.group is None else [self.group]
+
+    @property
+    def _is_root(self) -> bool | None:
+        """``None`` before the first forward (lazy init), then whether this is the root."""
+        return None if self.ctx.root is None else self.is_root
+
+    @property
+    def _state_ctx(self) -> RootContext:
+        """The root context shared by the tree (``all_states``), FSDP2's ``FSDPStateContext``."""
+        return self.ctx
+
+    @property
+    def _mp_policy(self) -> MixedPrecisionPolicy:
+        return self.mp_policy
+
+    @property
+    def _modules(self) -> tuple[nn.Module, ...]:
+        return tuple(self.modules)
+
     def _lazy_init(self) -> None:
         if self.ctx.root is None:
             self.ctx.adopt(self)
@@ -259,7 +298,7 @@ class FSDPState:
                 # unsharded already (FSDP2: only the first module's pre-forward unshards).
                 self._pending.discard(id(module))
                 self._unshard_now()
-                return self._prepare_inputs(args, kwargs)
+                return self._prepare_inputs(args, kwargs, same_pass=True)
             ctx = self.ctx
             if self.is_root:
                 ctx.root_pre_forward()
@@ -273,28 +312,37 @@ class FSDPState:
             else:
                 ctx.prefetch_forward(self)
             self._pending = {id(r()) for r in self.module_weakrefs} - {id(module)}
-            return self._prepare_inputs(args, kwargs)
+            return self._prepare_inputs(args, kwargs, same_pass=False)
 
-    def _prepare_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Cast the forward inputs (policy) and wrap those needing a gradient."""
+    def _prepare_inputs(self, args: tuple, kwargs: dict, *,
+                        same_pass: bool) -> tuple[tuple, dict]:
+        """Cast the forward inputs (policy) and wrap those needing a gradient (``same_pass``:
+        another module of a list group in the forward its first module began)."""
         policy = self.mp_policy
         if policy.cast_forward_inputs and policy.param_dtype is not None:
             args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
         if self.group is not None and torch.is_grad_enabled():
             self.group.expect_gradients()
-            args, kwargs = self._register_post_backward(args, kwargs)
+            args, kwargs = self._register_post_backward(args, kwargs, same_pass)
         return args, kwargs
 
-    def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _register_post_backward(self, args: tuple, kwargs: dict,
+                                same_pass: bool) -> tuple[tuple, dict]:
         inputs = [t for t in tensors_in((args, kwargs) if kwargs else args) if t.requires_grad]
         self._use = None
+        if not same_pass:
+            self._use_in_pass = None
         if not inputs:
             # no input gradient: the group's backward has no structural end this iteration,
             # the final callback completes it
             self._unhooked_forward = True
             return args, kwargs
         unique = list({id(t): t for t in inputs}.values())
-        self._use = use = self._post_backward_expected
+        if not same_pass or self._use_in_pass is None:
+            self._use_in_pass = self._next_use
+            self._next_use += 1
+        self._use = use = self._use_in_pass
+        self._use_remaining[use] = self._use_remaining.get(use, 0) + 1
         outs = _PostBackward.apply(self, use, *unique)
         replace = {id(t): o for t, o in zip(unique, outs)}
         self._post_backward_expected += 1
@@ -368,7 +416,11 @@ class FSDPState:
 
     def _post_backward(self, use: int) -> None:
         self._post_backward_seen += 1
-        self._open_uses.discard(use)
+        left = self._use_remaining.pop(use, 1) - 1
+        if left > 0:  # a list group's use: another of its modules' backward is still to come
+            self._use_remaining[use] = left
+        else:
+            self._open_uses.discard(use)
         if self._unhooked_forward:
             return  # a forward without input gradients: the final callback completes the group
         if self._post_backward_seen == self._post_backward_expected:  # the last use's backward
@@ -402,6 +454,9 @@ class FSDPState:
     def reset_post_backward(self) -> None:
         self._post_backward_expected = self._post_backward_seen = 0
         self._open_uses = set()
+        self._use_remaining = {}
+        self._next_use = 0
+        self._use_in_pass = None
         self._use = None
         self._unhooked_forward = False
         self._pending = set()

@@ -25,6 +25,24 @@ Every group gets one :class:`~lightning_vescale.mesh.MeshInfo` (from ``mesh``, o
 data-parallel mesh of :func:`lightning_vescale.mesh.init_mesh`) and the user's
 :class:`MixedPrecisionPolicy` object, whole; runtime settings (gradient sync, resharding after
 forward) live on the group, the prefetch setting on the root context.
+
+Design note [fsdp-state-accessor]
+---------------------------------
+FSDP2's composable-API surface beyond the call itself, with FSDP2's rules:
+
+* ``fully_shard.state(module)`` returns the module's :class:`FSDPState` (``None`` when
+  ``fully_shard`` did not shard it): one per call, shared by the modules of a list group. It
+  exposes, besides our own attributes, the FSDP2 names code reads through it:
+  ``_fsdp_param_group(s)`` (our :class:`ParamGroup`, not an ``FSDPParamGroup``), ``_is_root``
+  (``None`` before lazy init), ``_state_ctx`` (``all_states``), ``_mp_policy``, ``_modules``,
+  ``_lazy_init()``.
+* A container without ``forward`` (``nn.ModuleList``, ``nn.ModuleDict``) is refused with
+  FSDP2's ``ValueError``: no forward runs on it, so its hooks would never gather the
+  parameters. The message says to shard each block instead.
+* ``copy.deepcopy`` of a sharded module is refused (FSDP2's message, "FSDP does not support
+  deepcopy"; the error is both a ``RuntimeError`` and FSDP2's ``AssertionError``): the copy
+  would share no DBuffer and no hooks with a state of its own. Copy before ``fully_shard``, or
+  build a new model and load the state dict.
 """
 
 from __future__ import annotations
@@ -104,9 +122,25 @@ def _check_not_wrapped(module: nn.Module) -> None:
                 "torch.distributed.fsdp or lightning_vescale.fsdp.fully_shard, not both.")
 
 
+def _check_has_forward(module: nn.Module) -> None:
+    """Refuse a container without ``forward`` (FSDP2's ``_validate_module``): its forward hooks
+    would never run, so its children would see sharded parameters."""
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) \
+            and type(module).forward is nn.Module.forward:
+        kind = type(module).__name__
+        loop = "for b in model.layers: fully_shard(b)" if isinstance(module, nn.ModuleList) \
+            else "for b in model.layers.values(): fully_shard(b)"
+        raise ValueError(
+            f"fully_shard does not support containers that do not implement forward: got an "
+            f"{kind} of {len(module)} modules, whose forward never runs (its hooks would never "
+            f"gather the parameters). Shard each block instead ({loop}), then the module that "
+            "calls them (the root).")
+
+
 def _as_modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
     """``fully_shard``'s first argument as a list of distinct, non-nested modules."""
     if isinstance(module, nn.Module):
+        _check_has_forward(module)
         return [module]
     if not isinstance(module, (list, tuple)) or not module:
         raise TypeError(f"fully_shard expects an nn.Module or a non-empty list of nn.Modules, "
@@ -115,6 +149,7 @@ def _as_modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
     for m in modules:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard([...]) expects nn.Modules, got {type(m).__name__}")
+        _check_has_forward(m)
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError("fully_shard([...]) got the same module twice")
     ids = {id(m): i for i, m in enumerate(modules)}
@@ -326,6 +361,29 @@ def _managed(c: CollectedParam) -> ManagedParam:
                         original_weakref=weakref.ref(c.param))
 
 
+def _state_of(module: nn.Module) -> FSDPState | None:
+    """``fully_shard.state(module)``: the module's :class:`FSDPState`, ``None`` when
+    ``fully_shard`` did not shard it (FSDP2's composable-API accessor, design note
+    [fsdp-state-accessor])."""
+    return get_state(module)
+
+
+fully_shard.state = _state_of  # type: ignore[attr-defined]
+
+
+class DeepcopyError(RuntimeError, AssertionError):
+    """``copy.deepcopy`` of a sharded module (design note [fsdp-state-accessor]); also an
+    ``AssertionError``, the type FSDP2 raises, for code written against FSDP2."""
+
+
+def _refuse_deepcopy(self: nn.Module, memo: dict) -> Any:
+    raise DeepcopyError(
+        f"FSDP does not support deepcopy of a sharded module ({type(self).__name__}, sharded by "
+        "lightning_vescale.fsdp.fully_shard): the copy would have no DBuffers and no hooks of "
+        "its own. Deepcopy the model before fully_shard, or build a new one and "
+        "load_state_dict(model.state_dict()) (use state dicts for serialization).")
+
+
 _CLASSES: dict[type, type] = {}
 
 
@@ -334,7 +392,8 @@ def _wrap_class(module: nn.Module) -> None:
     if issubclass(cls, VeScaleFSDPModule):
         return
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"VeScaleFSDP{cls.__name__}", (VeScaleFSDPModule, cls), {})
+        _CLASSES[cls] = type(f"VeScaleFSDP{cls.__name__}", (VeScaleFSDPModule, cls),
+                             {"__deepcopy__": _refuse_deepcopy})
     module.__class__ = _CLASSES[cls]
 
 

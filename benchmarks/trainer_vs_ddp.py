@@ -1,0 +1,231 @@
+"""Trainer step time: ``strategy="vescale_fsdp"`` against ``strategy="ddp"`` at 2 ranks.
+
+The same LightningModule and data through ``Trainer(strategy="vescale_fsdp")`` and
+``Trainer(strategy="ddp")``, each with Lightning's default launcher (the script is re-run per
+rank) and ``OMP_NUM_THREADS`` NOT exported (what a user gets by default; ``--keep-omp`` keeps the
+caller's environment): every rank's thread count is what the launcher gives it, which is what
+issue 33's oversubscription was about (ours used to leave all cores to every rank but 0: 2.5-33x
+slower steps). Models (tiny configs, built from a config, no download):
+
+* ``llama``: transformers ``LlamaForCausalLM``; ``gpt2``: ``GPT2LMHeadModel``; ``mixtral``:
+  ``MixtralForCausalLM`` (4 experts, top 2);
+* ``litgpt`` (when litgpt imports): litgpt's ``GPT`` under Fabric, ``VeScaleFabricStrategy``
+  against Fabric's ``"ddp"``.
+
+A step is ``on_train_batch_start`` to ``on_train_batch_end`` on rank 0 (forward, backward,
+optimizer step); a run's figure is the median of its steps after ``--warmup``; the reported
+figure is the median over ``--runs`` fresh commands (DDP and ours alternate, so both see the
+same load). Each row also gives the runs' last losses (equal when ours computes DDP's floats)
+and every rank's ``torch.get_num_threads()``. The load average is printed before and after.
+
+Run:  python -m benchmarks.trainer_vs_ddp [--models llama,gpt2,mixtral,litgpt] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ("llama", "gpt2", "mixtral", "litgpt")
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker: one training run (re-run per rank by Lightning's launcher)
+# ------------------------------------------------------------------------------------------------
+def _hf_model(name: str, a: argparse.Namespace) -> Any:
+    import transformers as tf
+
+    common = dict(vocab_size=a.vocab, num_hidden_layers=a.layers, num_attention_heads=4,
+                  hidden_size=a.hidden, intermediate_size=2 * a.hidden,
+                  max_position_embeddings=a.seq)
+    if name == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(num_key_value_heads=2, **common))
+    if name == "mixtral":
+        return tf.MixtralForCausalLM(tf.MixtralConfig(num_key_value_heads=2, num_local_experts=4,
+                                                      num_experts_per_tok=2, **common))
+    if name == "gpt2":
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=a.vocab, n_positions=a.seq,
+                                                n_embd=a.hidden, n_layer=a.layers, n_head=4))
+    raise ValueError(f"--models: unknown model {name!r}; choose from {MODELS}")
+
+
+def _tokens(a: argparse.Namespace, world: int) -> Any:
+    import torch
+
+    n = world * a.batch * (a.warmup + a.steps)
+    return torch.randint(0, a.vocab, (n, a.seq), generator=torch.Generator().manual_seed(0))
+
+
+def _report(out: Path, rank: int, times: list[float], loss: float, a: argparse.Namespace) -> None:
+    import torch
+
+    (out / f"rank{rank}.json").write_text(json.dumps({
+        "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
+        "step_ms": 1e3 * statistics.median(times[a.warmup:]) if rank == 0 else None,
+        "loss": loss}))
+
+
+def _trainer_worker(a: argparse.Namespace, out: Path) -> None:
+    import lightning.pytorch as pl
+    import torch
+
+    import lightning_vescale  # noqa: F401  (registers strategy="vescale_fsdp")
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _hf_model(a.model, a)
+            self.times: list[float] = []
+            self.loss = float("nan")
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            (x,) = batch
+            loss = self.model(input_ids=x, labels=x).loss
+            self.loss = loss.item()
+            return loss
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.times.append(time.perf_counter() - self._start)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    pl.seed_everything(0, verbose=False)
+    module = Module()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_tokens(a, 2)),
+                                       batch_size=a.batch)
+    trainer = pl.Trainer(strategy=a.strategy, accelerator="cpu", devices=2,
+                         max_steps=a.warmup + a.steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, data)
+    _report(out, trainer.global_rank, module.times, module.loss, a)
+
+
+def _fabric_worker(a: argparse.Namespace, out: Path) -> None:
+    import torch
+    from lightning.fabric import Fabric
+    from litgpt import GPT, Config
+
+    from lightning_vescale import VeScaleFabricStrategy
+
+    strategy = VeScaleFabricStrategy() if a.strategy == "vescale_fsdp" else a.strategy
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    fabric.seed_everything(0)
+    config = Config(n_layer=a.layers, n_head=4, n_embd=a.hidden, block_size=a.seq,
+                    vocab_size=a.vocab, padded_vocab_size=a.vocab)
+    model = fabric.setup_module(GPT(config))
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    tokens = _tokens(a, fabric.world_size).view(-1, fabric.world_size, a.batch, a.seq)
+    times, loss = [], float("nan")
+    for step in tokens:
+        x = step[fabric.global_rank]
+        start = time.perf_counter()
+        logits = model(x)
+        value = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
+        fabric.backward(value)
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+        loss = value.item()
+    _report(out, fabric.global_rank, times, loss, a)
+
+
+# ------------------------------------------------------------------------------------------------
+# Driver
+# ------------------------------------------------------------------------------------------------
+def _once(a: argparse.Namespace, model: str, strategy: str, out: Path) -> list[dict]:
+    out.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
+    if not a.keep_omp:
+        env.pop("OMP_NUM_THREADS", None)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    argv = [sys.executable, "-m", "benchmarks.trainer_vs_ddp", "--worker", str(out),
+            "--model", model, "--strategy", strategy, "--steps", str(a.steps),
+            "--warmup", str(a.warmup), "--hidden", str(a.hidden), "--layers", str(a.layers),
+            "--vocab", str(a.vocab), "--seq", str(a.seq), "--batch", str(a.batch)]
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=a.timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{model} {strategy} failed:\n"
+                           f"{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _available(model: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("litgpt" if model == "litgpt" else "transformers") is not None
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--runs", type=int, default=3, help="fresh commands per side (median)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=3, help="untimed first steps per run")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--batch", type=int, default=4, help="per rank")
+    p.add_argument("--keep-omp", action="store_true",
+                   help="keep OMP_NUM_THREADS from this environment (default: not exported)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per command")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--strategy", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        (_fabric_worker if a.model == "litgpt" else _trainer_worker)(a, Path(a.worker))
+        return
+
+    import tempfile
+
+    models = [m for m in a.models.split(",") if m]
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown:
+        p.error(f"--models: unknown {unknown}; choose from {list(MODELS)}")
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    print(f"OMP_NUM_THREADS: {os.environ.get('OMP_NUM_THREADS') if a.keep_omp else 'unset'}; "
+          f"{a.runs} runs x {a.steps} steps (+{a.warmup} warm-up), 2 ranks, "
+          f"batch {a.batch}x{a.seq}")
+    print("| model | DDP ms/step | ours ms/step | ours / DDP | last loss DDP / ours "
+          "| threads per rank DDP / ours |")
+    print("| --- | ---: | ---: | ---: | --- | --- |")
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in models:
+            if not _available(model):
+                print(f"| {model} | (not installed: skipped) | | | | |", flush=True)
+                continue
+            sides: dict[str, list[list[dict]]] = {"ddp": [], "vescale_fsdp": []}
+            for run in range(a.runs):
+                for strategy in sides:
+                    sides[strategy].append(_once(a, model, strategy,
+                                                 Path(tmp) / f"{model}_{strategy}_{run}"))
+            ms = {s: statistics.median(r[0]["step_ms"] for r in runs) for s, runs in sides.items()}
+            loss = {s: runs[-1][0]["loss"] for s, runs in sides.items()}
+            threads = {s: "/".join(str(rank["threads"]) for rank in runs[-1])
+                       for s, runs in sides.items()}
+            name = f"{model} (Fabric)" if model == "litgpt" else model
+            print(f"| {name} | {ms['ddp']:.1f} | {ms['vescale_fsdp']:.1f} | "
+                  f"{ms['vescale_fsdp'] / ms['ddp']:.2f}x | {loss['ddp']:.6f} / "
+                  f"{loss['vescale_fsdp']:.6f} | {threads['ddp']} / {threads['vescale_fsdp']} |",
+                  flush=True)
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()
