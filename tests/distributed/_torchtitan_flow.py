@@ -84,6 +84,16 @@ def _spec(model: str) -> Any:
     return spec
 
 
+def use_vescale_fully_shard() -> None:
+    """The README's recipe: torchtitan's ``apply_fsdp_to_decoder`` (behind every
+    ``parallelize_*``) calls the ``fully_shard`` it imported from torch; give it ours."""
+    import torchtitan.distributed.fsdp
+
+    from lightning_vescale.fsdp import fully_shard
+
+    torchtitan.distributed.fsdp.fully_shard = fully_shard
+
+
 def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial_dtensor",
           steps: int = 20) -> dict[str, Any]:
     """``steps`` AdamW steps of torchtitan's ``model`` debug config at this world (every rank
@@ -92,15 +102,13 @@ def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial
     ``"meta"`` (torchtitan's trainer: meta, parallelize, ``to_empty``, ``init_weights``).
     Returns the global-mean losses and the final full parameters."""
     _cpu_shims()
-    import torchtitan.distributed.fsdp as tt_fsdp
+    import torchtitan.distributed.fsdp
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
 
-    theirs = tt_fsdp.fully_shard
+    theirs = torchtitan.distributed.fsdp.fully_shard
     if impl == "ours":
-        from lightning_vescale.fsdp import fully_shard
-
-        tt_fsdp.fully_shard = fully_shard
+        use_vescale_fully_shard()
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         spec = _spec(model)
@@ -150,4 +158,4 @@ def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial
                   for n, p in net.named_parameters()}
         return {"losses": losses, "params": params}
     finally:
-        tt_fsdp.fully_shard = theirs
+        torchtitan.distributed.fsdp.fully_shard = theirs
