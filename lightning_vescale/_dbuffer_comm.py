@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CommHandle", "gloo_reduce_scatter_sum", "gradient_divide_factors",
            "group_rank_and_size", "offload_copy", "reduce_factors", "replica_all_reduce",
-           "wire_all_reduce_sum"]
+           "wire_all_reduce_sum", "wire_needs_scale", "wire_reduce_scatter_sum"]
 
 
 class _Finished:
@@ -109,6 +109,86 @@ def gloo_reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, *, rank: int, 
     return _Finished(finish)
 
 
+# -- a narrow wire dtype (fp16): one power-of-two scale per sender --------------------------------
+def wire_needs_scale(wire: torch.dtype | None) -> bool:
+    """Whether gradients travel in ``wire`` with a per-sender scale: a float dtype whose range
+    is far narrower than fp32's (fp16, max 65504; bf16 has fp32's range and needs none)."""
+    return wire is not None and torch.finfo(wire).max < 1e38
+
+
+def pack_scaled(src: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    """``src`` (``(rows, C)``, scaled in place) as a ``(rows, C + 1)`` ``wire`` message: every
+    value times ``2**-k``, then the exponent ``k`` in the last column (one ``k`` for the whole
+    message: the smallest ``k >= 0`` that keeps its absmax within ``wire``'s range).
+
+    Powers of two keep the scaling exact (a value only loses what ``wire`` itself cannot hold
+    at that exponent) and ``k = 0`` leaves the values' bits alone. A non-finite absmax makes
+    ``k`` non-finite, so the receiver's gradient is non-finite too: an overflow stays visible
+    (a grad scaler skips the step), never a silent Inf in place of a finite gradient. No host
+    sync: ``k`` stays on the device."""
+    rows, C = src.shape
+    k = torch.ceil(torch.log2(src.abs().amax().float() / torch.finfo(wire).max)).clamp_(min=0)
+    src.mul_(torch.exp2(-k).to(src.dtype))
+    msg = torch.empty(rows, C + 1, dtype=wire, device=src.device)
+    msg[:, :C].copy_(src)
+    msg[:, C].copy_(k)
+    return msg
+
+
+def _unpack_add(out: torch.Tensor, part: torch.Tensor, first: bool) -> None:
+    """``out (+)= part's values * 2**k`` in ``out``'s dtype (``part``: one row of a
+    :func:`pack_scaled` message)."""
+    C = part.numel() - 1
+    factor = torch.exp2(part[C].to(out.dtype))
+    if first:
+        out.copy_(part[:C]).mul_(factor)
+    else:
+        out.addcmul_(part[:C], factor)
+
+
+def wire_reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, *, wire: torch.dtype | None,
+                            rank: int, world_size: int, group: Any, async_op: bool,
+                            release: Callable[[], None]) -> _Finished | None:
+    """``out = sum over ranks of inp[rank slice]``, moving ``wire``-dtype values and adding in
+    ``out``'s dtype (a ``reduce_scatter_dtype``, design note [dbuffer-collectives]): ``inp``
+    cast to ``wire`` through :func:`gloo_reduce_scatter_sum`'s all-to-all, or, for a wire that
+    needs a scale (:func:`wire_needs_scale`: fp16), a :func:`pack_scaled` message per rank (its
+    exponent beside every chunk; ``inp`` is scaled in place), each rank's chunk then multiplied
+    by its sender's ``2**k`` before the sum. Works at a world of one too. ``wire=None``: plain
+    :func:`gloo_reduce_scatter_sum` of ``inp``."""
+    W, S = world_size, out.numel()
+    if wire is None:
+        return gloo_reduce_scatter_sum(out, inp, rank=rank, world_size=W, group=group,
+                                       async_op=async_op, release=release)
+    if not wire_needs_scale(wire):
+        send = inp if inp.dtype == wire else inp.to(wire)
+        if W == 1:
+            out.copy_(send[:S])
+            release()
+            return None
+        return gloo_reduce_scatter_sum(out, send, rank=rank, world_size=W, group=group,
+                                       async_op=async_op, release=release)
+    send = pack_scaled(inp.view(W, S), wire)
+    if W == 1:
+        _unpack_add(out, send[0], first=True)
+        release()
+        return None
+    received = torch.empty_like(send)
+    work = dist.all_to_all_single(received.view(-1), send.view(-1), group=group, async_op=True)
+    order = [(rank - k) % W for k in range(1, W)] + [rank]  # as gloo_reduce_scatter_sum
+
+    def finish() -> None:
+        work.wait()
+        for i, k in enumerate(order):
+            _unpack_add(out, received[k], first=i == 0)
+        release()
+
+    if not async_op:
+        finish()
+        return None
+    return _Finished(finish)
+
+
 def group_rank_and_size(plan: "LayoutPlan", mesh_info: "MeshInfo | None", is_meta: bool,
                         name: str) -> tuple[int, int]:
     """This rank's index and the group size; the plan must be for that many ranks."""
@@ -143,13 +223,30 @@ def wire_all_reduce_sum(out: torch.Tensor, wire: torch.dtype, *, group: Any, siz
     Returns a work whose ``wait()`` finishes it (``None`` when ``async_op`` is false: done)."""
     n = out.numel()
     chunk = -(-n // size)
-    send = torch.zeros(size * chunk, dtype=wire, device=out.device)
-    send[:n].copy_(out)
+    if wire_needs_scale(wire):  # fp16: every message carries its sender's exponent
+        padded = torch.zeros(size * chunk, dtype=out.dtype, device=out.device)
+        padded[:n].copy_(out)
+        send = pack_scaled(padded.view(size, chunk), wire)
+    else:
+        send = torch.zeros(size * chunk, dtype=wire, device=out.device)
+        send[:n].copy_(out)
     received = torch.empty_like(send)
-    work = dist.all_to_all_single(received, send, group=group, async_op=True)
+    work = dist.all_to_all_single(received.view(-1), send.view(-1), group=group, async_op=True)
 
     def finish() -> None:
         work.wait()
+        if send.dim() == 2:
+            total = torch.empty(chunk, dtype=out.dtype, device=out.device)
+            for k in range(size):
+                _unpack_add(total, received[k], first=k == 0)
+            mine = pack_scaled(total.view(1, chunk), wire)
+            gathered = torch.empty(size, chunk + 1, dtype=wire, device=out.device)
+            _all_gather_flat(gathered.view(-1), mine.view(-1), group=group)
+            full = torch.empty(size, chunk, dtype=out.dtype, device=out.device)
+            for k in range(size):
+                _unpack_add(full[k], gathered[k], first=True)
+            out.copy_(full.view(-1)[:n])
+            return
         parts = received.view(size, chunk)
         total = parts[0].to(out.dtype)
         for k in range(1, size):

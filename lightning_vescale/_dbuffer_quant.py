@@ -35,8 +35,32 @@ rank's shard is whole blocks of ``B`` (the common case: tensor sizes and ``S`` m
 ``B``). A world of one moves nothing but still quantizes and dequantizes, so results do not
 depend on the world size.
 
+*Degenerate blocks* (one outlier sets the step of its neighbours) are refused: design note
+[quantized-degenerate-blocks].
+
 *Not quantized:* the re-gather of ``reshard_after_forward=<int>`` (it moves the kept chunk of
 already dequantized values among the smaller group, in ``param_dtype``).
+
+Design note [quantized-degenerate-blocks]
+-----------------------------------------
+One absmax per block means a single outlier sets the step for its 255 neighbours; a block whose
+codes no longer say anything is refused, never all-gathered silently. Criterion, per block of
+the rank's shard, evaluated while quantizing: the block is *degenerate* when its scale is finite
+and more than half of its nonzero elements get code 0 (int8: ``|x| <= scale / 2``, i.e. they
+round to 0; fp8: ``|x| / scale <= 2**-10``, below half of e4m3's smallest subnormal), i.e. most
+of what the block holds decodes to exactly 0. A gaussian block has ~1% such elements in int8
+(absmax ~3 sigma); it takes an outlier ~170 sigma (int8) or ~3 * 10**5 sigma (fp8) above its
+neighbours to reach half; ``1e30`` or ``3e38`` beside weights of ~0.1 zero every neighbour.
+Blocks of exact zeros and non-finite blocks (already NaN, see *Codes*) are not degenerate. The
+sender marks such a block by a negative scale (scales are otherwise >= 0) in its message, so
+every rank sees every mark after the all-gather and raises the same ``RuntimeError``, naming the
+group, the parameter, the block's elements and its absmax, and the ways out (``"fp8"``'s wider
+range, or ``CommPolicy(quantize={name: False})``): no rank is left waiting in a collective. We
+raise rather than send such blocks unquantized because a message of fixed size is what keeps the
+all-gather one collective without a size exchange. Costs: two comparisons and two row sums per
+block when quantizing, and one read of the received scales' signs on the host per quantized
+all-gather (on an accelerator a host sync when the all-gather is waited, which keeps the CPU
+from running ahead more than one group).
 """
 
 from __future__ import annotations
@@ -144,10 +168,11 @@ class QuantizedGather:
         fmt: ``"int8"`` or ``"fp8"``.
         block_size: elements per block.
         device: where the message buffers live (the DBuffer's compute device).
+        name: the DBuffer's name, for the error of a degenerate block.
     """
 
     def __init__(self, plan: LayoutPlan, *, rank: int, fmt: str, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, name: str = "") -> None:
         if fmt not in QUANT_FORMATS:
             raise ValueError(f"all_gather={fmt!r}: use 'int8' or 'fp8'")
         self.fmt, self.qmax, self.block_size = fmt, QUANT_FORMATS[fmt], block_size
@@ -155,6 +180,7 @@ class QuantizedGather:
         if self.code_dtype is None:
             raise RuntimeError("all_gather='fp8' needs torch.float8_e4m3fn (torch >= 2.1)")
         self.world_size, self.rank = plan.world_size, rank
+        self.plan, self.name = plan, name
         self.runs = all_rank_runs(plan, block_size)
         self.num_scales = max((sum(run.count for run in rs) for rs in self.runs), default=0)
         S = plan.shard_size
@@ -186,13 +212,54 @@ class QuantizedGather:
                 end = run.start + run.count * run.length
                 x = src[run.start:end].view(run.count, run.length)
                 s = scales[run.scale:run.scale + run.count]
-                torch.amax(x.abs(), dim=1, out=s)
+                # the absmax in the shard's dtype (exact: a max), widened into the fp32 scales:
+                # ``amax(out=)`` needs equal dtypes, and bf16/fp16 masters are common
+                s.copy_(torch.amax(x.abs(), dim=1))
                 s.div_(self.qmax)
                 safe = torch.where(s > 0, s, torch.ones_like(s))
                 q = torch.div(x, safe[:, None])
                 if self.fmt == "int8":
                     q.round_()
                 codes[run.start:end].view(run.count, run.length).copy_(q)
+                self._mark_degenerate(x, q, s)
+
+    def _mark_degenerate(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
+        """Negate the scales of degenerate blocks (design note [quantized-degenerate-blocks]):
+        finite scale, and more than half of the nonzero elements coded 0. On the device."""
+        zero = q == 0 if self.fmt == "int8" else q.abs() <= 2.0 ** -10
+        nonzero = x != 0
+        flushed = (zero & nonzero).sum(dim=1)
+        bad = (2 * flushed > nonzero.sum(dim=1)) & torch.isfinite(s)
+        s.copy_(torch.where(bad, -s, s))
+
+    def check_blocks(self, msg: torch.Tensor) -> None:
+        """Raise (on every rank alike: every rank holds the same gathered ``msg``) if a sender
+        marked a degenerate block (design note [quantized-degenerate-blocks])."""
+        scales = self._scales(msg)
+        bad = scales < 0
+        if not bool(bad.any()):
+            return
+        row, slot = (int(i) for i in bad.nonzero()[0])
+        absmax = -float(scales[row, slot]) * self.qmax
+        r = self.rank if msg is self.send else row  # the sender
+        run = next(u for u in self.runs[r] if u.scale <= slot < u.scale + u.count)
+        pos = run.start + (slot - run.scale) * run.length  # in rank r's shard
+        tensor, first = "<padding>", pos
+        for spec in self.plan.entries:
+            base = self.plan.offsets[spec.name] - r * self.shard_size
+            a, b = self.plan.local_range(spec.name, r)
+            if base + a <= pos < base + b:
+                tensor, first = spec.name, pos - base
+                break
+        wider = "all_gather='fp8' (a wider range) or " if self.fmt == "int8" else ""
+        raise RuntimeError(
+            f"CommPolicy(all_gather={self.fmt!r}): parameter {tensor!r} of {self.name or 'a '}"
+            f"{'' if self.name else 'group'} has a block (elements [{first}, "
+            f"{first + run.length}) of the flattened tensor, absmax {absmax:.4g}) where more "
+            "than half of the nonzero values quantize to 0: an outlier sets the block's scale "
+            f"and its neighbours are lost ({int(bad.sum())} such block(s) in this all-gather). "
+            f"Use {wider}CommPolicy(quantize={{{tensor!r}: False}}) to keep this parameter "
+            "unquantized, or remove the outlier.")
 
     def dequantize_(self, msg: torch.Tensor, full: torch.Tensor) -> None:
         """``full = code * scale`` for every rank's part of the gathered ``msg``."""
@@ -227,15 +294,21 @@ class QuantizedGather:
         the receive buffer. A world of one dequantizes its own message."""
         self.quantize_(src)
         if self.world_size == 1:
-            return None, lambda: self.dequantize_(self.send, full)
+            def finish_one() -> None:
+                self.dequantize_(self.send, full)
+                self.check_blocks(self.send)
+            return None, finish_one
         storage = self.recv.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.recv.numel())
         work = _all_gather_flat(self.recv, self.send, group=group, async_op=async_op)
 
         def finish() -> None:
-            self.dequantize_(self.recv, full)
-            self.recv.untyped_storage().resize_(0)
+            try:
+                self.dequantize_(self.recv, full)
+                self.check_blocks(self.recv)
+            finally:
+                self.recv.untyped_storage().resize_(0)
 
         return work, finish
 

@@ -8,27 +8,37 @@ Design note [meta-buffers]
 --------------------------
 ``module.to_empty(device=...)`` gives *every* tensor fresh, uninitialised storage. For
 parameters that is the point (they are initialised or loaded next); buffers are different: a
-*non-persistent* buffer (the rotary ``inv_freq`` of Llama-style models, a causal mask) is in no
-checkpoint, so a model built on meta that only gets its weights loaded would compute with
-garbage. The contract of :func:`~lightning_vescale.fsdp.materialize` for buffers:
+*non-persistent* buffer (the rotary ``inv_freq`` of Llama-style models, Gemma's ``embed_scale``,
+Bert's ``position_ids``) is in no checkpoint, so a model built on meta that only gets its weights
+loaded would compute with garbage. The contract of :func:`~lightning_vescale.fsdp.materialize`
+for buffers:
 
 * a buffer that was *not* on meta (a model built with its buffers on a real device) keeps its
   value: it is saved before ``to_empty`` and copied back (:func:`save_real_buffers`);
-* a buffer that *was* on meta is recomputed by, in this order, (1) the ``reset_parameters()`` of
-  the module that owns it, if it has one (torch's convention for meta init; it runs as part of
-  the default parameter init, or here when parameters are not initialised), then (2) for a
-  module of a Hugging Face ``transformers`` model that owns no parameter of its own (rotary
-  embeddings), the nearest ancestor's ``_init_weights(module)`` — what ``transformers`` itself
-  calls after building on meta (it recomputes ``inv_freq`` from the config);
-* floating-point buffers that were on meta are filled with NaN right after ``to_empty``, so one
-  that nothing recomputed is detected: a *non-persistent* one gets a warning naming it and the
-  fix (give the module a ``reset_parameters()`` that sets it, or build the buffers on a real
-  device); a persistent one is expected to come from the checkpoint loaded next.
+* no buffer that was on meta ever holds uninitialised memory: right after ``to_empty`` it is
+  filled (:func:`poison`: NaN for floating-point and complex dtypes, zero for the others);
+* every buffer that was on meta is then recomputed, *whatever its owner holds*, by, in this
+  order, (1) the ``reset_parameters()`` of the module that owns it (torch's convention for meta
+  init; it runs as part of the default parameter init, or here when parameters are not
+  initialised), then (2) for a module of a Hugging Face ``transformers`` model, the nearest
+  ancestor's ``_init_weights(module)`` — what ``transformers`` itself runs after building on meta
+  (``initialize_weights``: it sets ``inv_freq``, ``embed_scale``, ``position_ids``...);
+* neither call may touch a parameter (some are loaded already, or about to be; the RNG stream
+  must not move): an owner that has parameters of its own is recomputed through a *throwaway
+  copy* (:func:`_throwaway`) whose parameters, and whose other buffers, are meta tensors of the
+  same shapes (initialising them costs nothing and draws no random number) while the buffers
+  being recomputed are the real ones. ``transformers`` gets the same effect by flagging loaded
+  tensors ``_is_hf_initialized``; a copy needs no cooperation from the init code, and works for
+  ``reset_parameters()`` too;
+* a buffer counts as recomputed when its tensor was written in place (its version counter moved)
+  or replaced (its value is copied into the real buffer). A *non-persistent* buffer that nothing
+  recomputed is an error naming it and the fix, raised before any step (a persistent one is
+  expected from the checkpoint loaded next).
 """
 
 from __future__ import annotations
 
-import warnings
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -82,18 +92,22 @@ def restore_real_buffers(saved: list[tuple[nn.Module, str, torch.Tensor]]) -> No
                 new.copy_(value)
 
 
-def poison(buffers: list[MetaBuffer]) -> None:
-    """Fill the floating-point ones with NaN (see the design note: detects a missed one)."""
+Poisoned = dict[str, tuple[torch.Tensor, int]]
+
+
+def poison(buffers: list[MetaBuffer]) -> Poisoned:
+    """Fill each one: NaN where the dtype has it, else zero (see the design note: no buffer keeps
+    uninitialised memory, and a float one nothing recomputes cannot pass for a value). Returns
+    each one's tensor and version counter after the fill: what :func:`recompute` compares with
+    to see which ones were written since."""
+    out: Poisoned = {}
     with torch.no_grad():
         for b in buffers:
             t = b.tensor
-            if t is not None and t.is_floating_point():
-                t.fill_(float("nan"))
-
-
-def _still_poisoned(b: MetaBuffer) -> bool:
-    t = b.tensor
-    return t is not None and t.is_floating_point() and t.numel() > 0 and bool(t.isnan().all())
+            if t is not None:
+                t.fill_(float("nan") if t.is_floating_point() or t.is_complex() else 0)
+                out[b.fqn] = (t, t._version)
+    return out
 
 
 def _hf_init_owner(root: nn.Module, buffer: MetaBuffer) -> nn.Module | None:
@@ -107,34 +121,108 @@ def _hf_init_owner(root: nn.Module, buffer: MetaBuffer) -> nn.Module | None:
     return None
 
 
-@torch.no_grad()
-def recompute(root: nn.Module, buffers: list[MetaBuffer], *, reset_ran: bool) -> None:
-    """Recompute the buffers that were on meta (design note [meta-buffers]).
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    """A plain meta tensor of ``t``'s (global, for a DTensor) shape and dtype."""
+    return torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
 
-    ``reset_ran``: the default parameter init already called every ``reset_parameters()``.
+
+def _throwaway(module: nn.Module, real: set[str]) -> nn.Module:
+    """A copy of ``module`` (its submodules copied too) whose parameters and buffers are meta
+    tensors, except its own buffers named in ``real``, which are ``module``'s own tensors: init
+    code run on the copy writes those and nothing else (design note [meta-buffers])."""
+    clone = copy.copy(module)
+    clone._parameters = {k: None if p is None else nn.Parameter(_meta_like(p), p.requires_grad)
+                         for k, p in module._parameters.items()}
+    clone._buffers = {k: None if b is None else (b if k in real else _meta_like(b))
+                      for k, b in module._buffers.items()}
+    clone._modules = {k: None if c is None else _throwaway(c, set())
+                      for k, c in module._modules.items()}
+    return clone
+
+
+class _Watch:
+    """Which of one owner's buffers have been written (version counter) or replaced since."""
+
+    def __init__(self, owner: nn.Module, mine: list[MetaBuffer], poisoned: Poisoned) -> None:
+        self.owner, self.mine = owner, mine
+        self.start = {b.attr: poisoned[b.fqn] for b in mine if b.fqn in poisoned}
+        self.done: set[str] = set()
+
+    def collect(self, source: nn.Module) -> None:
+        """Mark what ``source`` (the owner or its throwaway copy) recomputed; a replaced buffer's
+        new value is copied into the real one (a meta or misshapen one does not count)."""
+        for attr, (real, version) in self.start.items():
+            if attr in self.done:
+                continue
+            now = source._buffers.get(attr)
+            if now is real:
+                if real._version != version:
+                    self.done.add(attr)
+            elif isinstance(now, torch.Tensor) and not now.is_meta \
+                    and now.shape == real.shape:
+                with torch.no_grad():
+                    real.copy_(now)
+                self.owner._buffers[attr] = real
+                self.done.add(attr)
+
+    @property
+    def pending(self) -> list[MetaBuffer]:
+        return [b for b in self.mine if b.attr in self.start and b.attr not in self.done]
+
+
+def _run(step: str, fn, errors: list[str]) -> None:
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - reported with the buffers left, if any
+        errors.append(f"{step}: {type(err).__name__}: {err}")
+
+
+@torch.no_grad()
+def recompute(root: nn.Module, buffers: list[MetaBuffer], poisoned: Poisoned, *,
+              reset_ran: bool) -> None:
+    """Recompute every buffer that was on meta (design note [meta-buffers]).
+
+    ``poisoned``: what :func:`poison` returned for ``buffers``. ``reset_ran``: the default
+    parameter init already called every ``reset_parameters()`` since (what it wrote counts).
+
+    Raises:
+        RuntimeError: a non-persistent buffer that nothing recomputed (named, with the fix).
     """
     owners: dict[int, nn.Module] = {}
     for b in buffers:
         owners.setdefault(id(b.owner), b.owner)
+    missed: list[str] = []
+    errors: list[str] = []
     for owner in owners.values():
         mine = [b for b in buffers if b.owner is owner]
-        if not any(_still_poisoned(b) for b in mine):
-            continue
-        if not reset_ran and callable(getattr(owner, "reset_parameters", None)) \
-                and not any(True for _ in owner.parameters(recurse=False)):
-            owner.reset_parameters()
-        if any(_still_poisoned(b) for b in mine) \
-                and not any(True for _ in owner.parameters(recurse=False)):
+        watch = _Watch(owner, mine, poisoned)
+        watch.collect(owner)  # what the default init wrote
+        own_params = any(p is not None for p in owner._parameters.values())
+        reset = getattr(owner, "reset_parameters", None)
+        if callable(reset) and watch.pending and not reset_ran:
+            if own_params:
+                clone = _throwaway(owner, {b.attr for b in watch.pending})
+                _run(f"{type(owner).__name__}.reset_parameters()", clone.reset_parameters,
+                     errors)
+                watch.collect(clone)
+            else:
+                _run(f"{type(owner).__name__}.reset_parameters()", reset, errors)
+                watch.collect(owner)
+        if watch.pending:
             hf = _hf_init_owner(root, mine[0])
             if hf is not None:
-                hf._init_weights(owner)
-    missed = [b.fqn for b in buffers if not b.persistent and _still_poisoned(b)]
+                clone = _throwaway(owner, {b.attr for b in watch.pending})
+                _run(f"{type(hf).__name__}._init_weights({type(owner).__name__})",
+                     lambda: hf._init_weights(clone), errors)
+                watch.collect(clone)
+        missed += [b.fqn for b in watch.pending if not b.persistent]
     if missed:
-        warnings.warn(
-            f"materialize: the non-persistent buffer(s) {missed} were created on the meta device "
-            "and nothing recomputed them, so they hold NaN (no checkpoint has them). Give their "
-            "module a reset_parameters() that sets them, or build the model with its buffers on "
-            "a real device (design note [meta-buffers]).", stacklevel=3)
+        raise RuntimeError(
+            f"The non-persistent buffer(s) {missed} were created on the meta device and nothing "
+            "recomputed them (no checkpoint has them: they would hold NaN or zeros). Give their "
+            "module a reset_parameters() that sets them (a Hugging Face model's _init_weights "
+            "is used too), or build the model with its buffers on a real device (design note "
+            "[meta-buffers])." + (f" Errors on the way: {errors}" if errors else ""))
 
 
 def allocate(module: nn.Module, device: torch.device) -> nn.Module:
@@ -145,6 +233,5 @@ def allocate(module: nn.Module, device: torch.device) -> nn.Module:
     real = save_real_buffers(module)
     module.to_empty(device=device)
     restore_real_buffers(real)
-    poison(on_meta)
-    recompute(module, on_meta, reset_ran=False)
+    recompute(module, on_meta, poison(on_meta), reset_ran=False)
     return module

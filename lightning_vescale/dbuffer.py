@@ -65,9 +65,10 @@ Design note [dbuffer-collectives]
   the result is bitwise gloo's (checked at 2, 3 and 4 ranks, fp32 and bf16:
   ``tests/distributed/test_dbuffer_gloo_reduce_scatter.py``). NCCL keeps its native
   reduce-scatter.
-* ``wire_dtype`` (``CommPolicy.reduce_scatter_dtype``): gradients are cast to it once and always
+* ``wire_dtype`` (``CommPolicy.reduce_scatter_dtype``): gradients are cast to it once (fp16:
+  scaled by a power of two per rank first, so nothing overflows: ``pack_scaled``) and always
   take the all-to-all form (any backend), the local sum is taken in fp32, and AVG is a SUM then
-  a divide; so only the transport is narrow (NCCL's own bf16 reduce-scatter would round every
+  a divide; so only the transport is narrow (NCCL's bf16 reduce-scatter would round every
   partial sum to bf16). HSDP's replica all-reduce moves the wire dtype too, as an all-to-all,
   an fp32 sum and an all-gather (``wire_all_reduce_sum``): one rounding, of the total.
 * Gradient accumulation without sync (``set_requires_gradient_sync(False)``) in mixed
@@ -121,11 +122,11 @@ from lightning_vescale._dbuffer_comm import (
     _all_gather_flat,
     _reduce_scatter_flat,
     _resolve_op,
-    gloo_reduce_scatter_sum,
     group_rank_and_size,
     offload_copy,
     reduce_factors,
     replica_all_reduce,
+    wire_reduce_scatter_sum,
 )
 from lightning_vescale._dbuffer_registry import dbuffer_of, live_dbuffers, register
 from lightning_vescale._dbuffer_quant import QuantizedGather
@@ -215,13 +216,13 @@ class DBuffer:
         self.partial: torch.Tensor | None = None
         self._partial_group: dist.ProcessGroup | None = None
         self.rank, self.world_size = group_rank_and_size(plan, mesh_info, self.is_meta, name)
-        self.dtype = dtype
+        self.dtype, self.wire_dtype = dtype, wire_dtype
         self.param_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
-        self.wire_dtype = wire_dtype
         self.quantize, self.quant_block_size = quantize, quant_block_size
         self.quantized = None if quantize is None or self.is_meta else QuantizedGather(
-            plan, rank=self.rank, fmt=quantize, block_size=quant_block_size, device=self.device)
+            plan, rank=self.rank, fmt=quantize, block_size=quant_block_size, device=self.device,
+            name=name)
         S, N = plan.shard_size, plan.buffer_size
         self.shard_size, self.buffer_size = S, N
         self._shapes = {spec.name: tuple(spec.shape) for spec in plan.entries}
@@ -512,17 +513,18 @@ class DBuffer:
         return self._gloo
 
     def _gloo_reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor,
-                                 async_op: bool) -> Any:
-        """``out = sum over ranks of inp[rank slice]`` on gloo (design note
-        [dbuffer-collectives]); the temporary counts as communication memory until the sum."""
-        nbytes = self.world_size * self.shard_size * inp.element_size()
+                                 async_op: bool, wire: torch.dtype | None = None) -> Any:
+        """``out = sum over ranks of inp[rank slice]`` on gloo, or in ``wire`` on any backend
+        (design note [dbuffer-collectives]); the temporaries count as communication memory."""
+        nbytes = self.world_size * self.shard_size * (wire or inp.dtype).itemsize * (1 + bool(wire))
         self._comm_bytes += nbytes
 
         def release() -> None:
             self._comm_bytes -= nbytes
 
-        return gloo_reduce_scatter_sum(out, inp, rank=self.rank, world_size=self.world_size,
-                                       group=self.group, async_op=async_op, release=release)
+        return wire_reduce_scatter_sum(out, inp, wire=wire, rank=self.rank, group=self.group,
+                                       world_size=self.world_size, async_op=async_op,
+                                       release=release)
 
     def _reduce_scatter(self, async_op: bool, rop: dist.ReduceOp,
                         accumulate: bool, scale: float | None = None) -> CommHandle:
@@ -547,8 +549,6 @@ class DBuffer:
             inp = self.grad_full.to(self.reduce_dtype)  # one cast for the whole group
         if pre is not None and pre != 1:
             inp.div_(pre)  # grad_full is freed after the reduce: dividing in place is safe
-        if wire is not None and inp.dtype != wire:
-            inp = inp.to(wire)  # what travels; the partial sums are added in fp32 (at least)
         sum_dtype = (self.reduce_dtype if wire is None
                      else torch.promote_types(torch.float32, self.reduce_dtype))
         out = gs if direct else torch.empty(self.shard_size, dtype=sum_dtype, device=self.device)
@@ -571,10 +571,12 @@ class DBuffer:
                     gs.copy_(out)
             self._comm_bytes -= extra
 
-        if self.world_size == 1:
+        if wire is not None:  # cast (fp16: scaled per rank) in the all-to-all form, fp32 sums
+            work = self._gloo_reduce_scatter_sum(out, inp, async_op, wire=wire)
+        elif self.world_size == 1:
             out.copy_(inp[: self.shard_size])
             work = None
-        elif rop == dist.ReduceOp.SUM and (self._on_gloo() or wire is not None):
+        elif rop == dist.ReduceOp.SUM and self._on_gloo():
             # all-to-all + local sum (in out's dtype): see [dbuffer-collectives]
             work = self._gloo_reduce_scatter_sum(out, inp, async_op)
         else:

@@ -19,9 +19,21 @@ materialised and initialised as usual (design note [fsdp-materialize]), then ove
 The checkpoint's keys are the Hugging Face model's own (``model.layers.0...``), while the
 LightningModule usually holds that model as an attribute (``self.model``): the keys are matched
 after the prefix that makes the most of them names of the module's state dict (``""``,
-``"model."``, ...); none matching is an error listing a few keys of each. Strictness follows the
+``"model."``, ...); none matching is an error listing a few keys of each. A checkpoint whose
+layout ``transformers`` converts when loading (one tensor per expert for a model that stacks
+them: Mixtral, Qwen3-MoE) is seen converted, each rank still reading only its own bytes (design
+note [hf-convert]). Strictness follows the
 LightningModule's ``strict_loading`` (Trainer) and is on for Fabric: a key of the module that the
 checkpoint lacks, or the reverse, is an error naming them.
+
+What is checked when: the strategy's constructor (:func:`validate_pretrained_weights`) opens
+the checkpoint as the load will (``open_checkpoint``: headers only, a few KB a file), so a path
+that does not exist, a directory with neither ``model.safetensors`` nor the index, a FIFO, device
+or symlink out of the directory, a damaged or lying header, an index that does not match its
+shards, or files of two saves fail before any process starts (the constructor runs on every
+node, in the process that becomes a rank or launches them on that machine, so the path is
+checked where the ranks read it). What needs the model waits for the load after sharding: the
+key prefix, missing and unexpected keys (``strict``), and shapes.
 """
 
 from __future__ import annotations
@@ -34,20 +46,29 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 
 from lightning_vescale.checkpoint import checkpoint_keys, load_safetensors
+from lightning_vescale.checkpoint._hf_files import open_checkpoint
 
 __all__ = ["find_prefix", "load_pretrained", "validate_pretrained_weights"]
 
 
 def validate_pretrained_weights(value: Any) -> Optional[Path]:
-    """The ``pretrained_weights`` argument: ``None`` or a path (not checked to exist here: it may
-    exist only where the ranks run)."""
+    """The ``pretrained_weights`` argument: ``None`` or the path of a checkpoint that opens
+    (see the design note: everything but the match with the model is checked here)."""
     if value is None:
         return None
     if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
         raise TypeError(
             f"pretrained_weights must be a path to a Hugging Face safetensors checkpoint (a "
             f".safetensors file or a save_pretrained directory) or None, got {value!r}.")
-    return Path(value)
+    path = Path(value)
+    try:
+        open_checkpoint(path).close()
+    except (OSError, RuntimeError) as err:  # FileNotFoundError, CheckpointLoadError, EACCES
+        raise ValueError(
+            f"pretrained_weights={str(path)!r} cannot be loaded: {err} (checked when the "
+            "strategy is built, before any process starts; pass the path of a .safetensors "
+            "file or of a directory save_pretrained or save_safetensors wrote).") from err
+    return path
 
 
 def find_prefix(module_keys: list[str], ckpt_keys: list[str]) -> tuple[str, int]:
@@ -69,7 +90,7 @@ def find_prefix(module_keys: list[str], ckpt_keys: list[str]) -> tuple[str, int]
 
 def load_pretrained(module: Module, path: Union[str, os.PathLike], *, strict: bool) -> None:
     """Load ``path`` into the sharded ``module`` (see design note [pretrained-weights])."""
-    keys = checkpoint_keys(path)
+    keys = checkpoint_keys(path, module)  # as converted for a transformers model in it
     module_keys = list(module.state_dict())
     prefix, matched = find_prefix(module_keys, keys)
     if matched == 0:

@@ -16,6 +16,11 @@ FSDP2 ``Shard(0)``) reads that range only, any other is read whole and cut to it
 No collective runs: every rank validates every header the same way, so a bad checkpoint raises
 the same error on every rank, and no rank waits for another.
 
+Layout: when ``module`` is (or holds) a ``transformers`` model for which the library declares a
+conversion (the stacked experts of Mixtral / Qwen3-MoE, stored one tensor per expert), the
+checkpoint's tensors are first seen as ``from_pretrained`` converts them, each converted tensor
+read range by range from its sources (design note [hf-convert]): still only a rank's own bytes.
+
 Keys: the module's ``state_dict()`` names. ``key_map`` (a dict, or a callable returning the new
 name or ``None`` to skip) renames checkpoint keys first. Tied parameters (one tensor under two
 names, e.g. ``lm_head.weight`` and ``model.embed_tokens.weight``) need only one of their names in
@@ -30,6 +35,7 @@ recomputes its non-persistent buffers (design note [meta-buffers]); then the wei
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -42,8 +48,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_vescale._meta_buffers import allocate
+from lightning_vescale.checkpoint._hf_convert import Entry, convert_entries, read_entry
 from lightning_vescale.checkpoint._hf_files import OpenCheckpoint, open_checkpoint
-from lightning_vescale.checkpoint._safetensors_format import TensorEntry, read_range
 from lightning_vescale.checkpoint._state_dicts import _copy_full_into, _is_ragged
 from lightning_vescale.placement import ragged_shard_and_rank
 
@@ -59,10 +65,15 @@ class IncompatibleKeys(NamedTuple):
     unexpected_keys: list[str]
 
 
-def checkpoint_keys(path: Union[str, os.PathLike]) -> list[str]:
-    """The tensor names of a Hugging Face safetensors checkpoint (headers only are read)."""
+def checkpoint_keys(path: Union[str, os.PathLike],
+                    module: Optional[nn.Module] = None) -> list[str]:
+    """The tensor names of a Hugging Face safetensors checkpoint (headers only are read); with
+    ``module``, as :func:`load_safetensors` sees them for it (after ``transformers``' conversion,
+    design note [hf-convert])."""
     with open_checkpoint(path) as ckpt:
-        return sorted(ckpt.entries)
+        if module is None:
+            return sorted(ckpt.entries)
+        return sorted(convert_entries(module, ckpt.entries))
 
 
 def _apply_key_map(keys: list[str], key_map: KeyMap) -> dict[str, str]:
@@ -112,28 +123,28 @@ def _materialize(module: nn.Module, device: Optional[torch.device]) -> None:
     allocate(module, device or _default_device(module))
 
 
-def _load_one(ckpt: OpenCheckpoint, entry: TensorEntry, target: Tensor) -> None:
+def _load_one(ckpt: OpenCheckpoint, entry: Entry, target: Tensor) -> None:
     """Read ``entry``'s part that ``target`` holds and write it into ``target``."""
-    stream = ckpt.stream(entry)
+    read = functools.partial(read_entry, ckpt.stream, entry)  # (start, end, *, out)
     if isinstance(target, DTensor) and _is_ragged(target):
         ragged, r = ragged_shard_and_rank(target.device_mesh, target.placements,
                                           "load_safetensors")
         start, end = ragged.local_range(tuple(target.shape), r)
         local = target.to_local().view(-1)
         if local.device.type == "cpu" and local.dtype == entry.dtype and local.is_contiguous():
-            read_range(stream, entry, start, end, out=local)  # straight into the shard
+            read(start, end, out=local)  # straight into the shard
         else:
-            local.copy_(read_range(stream, entry, start, end))
+            local.copy_(read(start, end))
         return
     if isinstance(target, DTensor):
         span = _contiguous_block(target)
         if span is not None:  # e.g. torch's FSDP2 Shard(0): the local rows are one range
             local = target.to_local()
-            local.copy_(read_range(stream, entry, *span).view(local.shape))
+            local.copy_(read(*span).view(local.shape))
             return
-        _copy_full_into(target, read_range(stream, entry).view(entry.shape), entry.name)
+        _copy_full_into(target, read().view(entry.shape), entry.name)
     else:
-        target.copy_(read_range(stream, entry).view(entry.shape))
+        target.copy_(read().view(entry.shape))
 
 
 def _contiguous_block(target: DTensor) -> Optional[tuple[int, int]]:
@@ -155,7 +166,7 @@ def _contiguous_block(target: DTensor) -> Optional[tuple[int, int]]:
     return start, start + math.prod(local)
 
 
-def _shape_errors(pairs: list[tuple[str, TensorEntry, Tensor]]) -> list[str]:
+def _shape_errors(pairs: list[tuple[str, Entry, Tensor]]) -> list[str]:
     return [f"{key!r}: the checkpoint has shape {entry.shape} ({entry.file.name}), the module "
             f"{tuple(target.shape)}" for key, entry, target in pairs
             if tuple(entry.shape) != tuple(target.shape)]
@@ -177,7 +188,9 @@ def load_safetensors(module: nn.Module, path: Union[str, os.PathLike], *, strict
         strict: raise if a module key has no tensor in the checkpoint or the checkpoint has a
             tensor the module does not (both listed by name).
         key_map: rename checkpoint keys to module keys: a dict (unlisted keys unchanged) or a
-            callable returning the new name or ``None`` to skip the tensor.
+            callable returning the new name or ``None`` to skip the tensor. For a
+            ``transformers`` model whose checkpoints ``from_pretrained`` converts (stacked
+            experts), it renames the converted keys (design note [hf-convert]).
         device: where a meta module is materialised (default: its mesh's device type).
         verify: check each file's CRC-32 against the directory's ``.integrity.json`` (what
             ``save_safetensors`` writes) first: every rank then reads every file once. Without
@@ -195,7 +208,8 @@ def load_safetensors(module: nn.Module, path: Union[str, os.PathLike], *, strict
     if _needs_materialize(module):
         _materialize(module, torch.device(device) if device is not None else None)
     with open_checkpoint(path, verify=verify) as ckpt:
-        renamed = _apply_key_map(sorted(ckpt.entries), key_map)
+        entries = convert_entries(module, ckpt.entries)
+        renamed = _apply_key_map(sorted(entries), key_map)
         targets = module.state_dict()
         aliases = _aliases(module)
         by_module_key = {new: old for old, new in renamed.items()}
@@ -208,7 +222,7 @@ def load_safetensors(module: nn.Module, path: Union[str, os.PathLike], *, strict
                 f"{type(module).__name__} do not have the same keys.\n  missing in the "
                 f"checkpoint: {missing}\n  unexpected in the checkpoint: {unexpected}\nPass "
                 "key_map= to rename checkpoint keys, or strict=False to load the common ones.")
-        pairs = [(new, ckpt.entries[old], targets[new]) for old, new in renamed.items()
+        pairs = [(new, entries[old], targets[new]) for old, new in renamed.items()
                  if new in targets and isinstance(targets[new], Tensor)]
         errors = _shape_errors(pairs)
         if errors:

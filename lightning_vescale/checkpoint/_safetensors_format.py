@@ -7,9 +7,14 @@ A ``.safetensors`` file is an 8-byte little-endian header length ``N``, ``N`` by
 then the data; a tensor's bytes are ``[8 + N + begin, 8 + N + end)`` of the file, row-major and
 little-endian. We parse the header ourselves (:func:`read_header`) and validate it against the
 file's size *before* reading any tensor byte: ``N`` must fit in the file and stay under
-:data:`MAX_HEADER_BYTES`, every entry must have a known dtype, a non-negative shape and offsets
-with ``begin <= end``, ``end - begin == numel * itemsize`` and ``8 + N + end <= file size``. A
-header that lies (offsets past the end, a size that does not match the shape) or a truncated file
+:data:`MAX_HEADER_BYTES`, no JSON object may name a key twice (``json`` would keep the last one
+silently), every entry must have a known dtype, a non-negative shape and offsets with
+``begin <= end``, ``end - begin == numel * itemsize`` and ``8 + N + end <= file size``, and the
+tensors must tile the data exactly, as the safetensors library requires: sorted by offset, each
+begins where the previous ends, the first at 0 and the last at the end of the file (two tensors
+over the same bytes would load one's values into the other; bytes no tensor covers are a sign of
+a damaged or hand-edited file). A header that breaks any of this (offsets past the end, a size
+that does not match the shape, overlapping offsets, a duplicate key, a gap) or a truncated file
 is a :class:`~lightning_vescale.checkpoint.CheckpointLoadError` naming the file and the key;
 nothing is read outside the file.
 
@@ -110,7 +115,10 @@ def read_header(stream: IO[bytes], size: int, path: Path) -> tuple[dict[str, Ten
                                f"{size - 8:,} after the length (limit {MAX_HEADER_BYTES:,})")
     raw = stream.read(n)
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as dup:
+        raise _bad(path, dup.key, "its name appears twice in one object of the header (JSON "
+                                  "parsers keep one silently; safetensors refuses it)") from None
     except (ValueError, RecursionError) as err:
         raise _bad(path, None, f"its header is not JSON ({type(err).__name__}: {err})") from None
     if not isinstance(header, dict):
@@ -121,7 +129,50 @@ def read_header(stream: IO[bytes], size: int, path: Path) -> tuple[dict[str, Ten
     data_start, data_len = 8 + n, size - 8 - n
     entries = {name: _entry(path, name, info, data_start, data_len)
                for name, info in header.items()}
+    _check_tiling(path, entries, data_start, data_len)
     return entries, {str(k): str(v) for k, v in meta.items()}
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' ``object_pairs_hook``: an object naming a key twice is refused."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _check_tiling(path: Path, entries: dict[str, TensorEntry], data_start: int,
+                  data_len: int) -> None:
+    """The tensors cover the data exactly once, back to back (see the design note); an overlap
+    is reported before a gap (it is what loads wrong values)."""
+    spans = sorted(entries.values(), key=lambda e: (e.begin, e.end))
+
+    def rel(e: TensorEntry) -> list[int]:
+        return [e.begin - data_start, e.end - data_start]
+
+    for before, e in zip(spans, spans[1:]):
+        if e.begin < before.end:
+            raise _bad(path, e.name, f"data_offsets {rel(e)} overlap those of tensor "
+                                     f"{before.name!r} {rel(before)} (two tensors over the "
+                                     "same bytes)")
+    pos = data_start
+    for e in spans:
+        if e.begin > pos:
+            raise _bad(path, None, f"the data bytes [{pos - data_start:,}, {rel(e)[0]:,}) before "
+                                   f"tensor {e.name!r} belong to no tensor")
+        pos = e.end
+    if pos != data_start + data_len:
+        raise _bad(path, None, f"the last {data_start + data_len - pos:,} bytes of the data "
+                               f"(from byte {pos - data_start:,} of {data_len:,}) belong to no "
+                               "tensor")
 
 
 def _is_count(value: Any) -> bool:

@@ -22,6 +22,7 @@ Design notes of layer 3 (the package's convention and the other layers' notes:
 * ``_managed_param.py``: [fsdp-param-objects] (the two parameter objects, swapping)
 * ``_param_group.py``: [fsdp-buffer-order] (matrices first; frozen parameters apart)
 * ``_param_group_grads.py``: [fsdp-grads] (grad buffer, reduce-scatter, publication)
+  [fsdp-post-acc-grad-hooks] (optimizer in backward: the sharded parameters' hooks)
 * ``_state.py``: [fsdp-schedule] (the hooks, prefetch) [fsdp-backward-completion] (when a
   group's backward is over, on every rank) [fsdp-multi-forward] (several forwards before one
   backward) [fsdp-reentrant] [fsdp-profiling] [fsdp-compile]

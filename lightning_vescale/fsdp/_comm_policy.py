@@ -27,7 +27,13 @@ optimizer states and checkpoints stay full precision.
 * ``reduce_scatter_dtype`` (e.g. ``torch.bfloat16`` or ``"bf16"``): every trainable buffer's
   gradients travel in it and are summed in fp32 (design note [dbuffer-collectives]),
   independently of ``MixedPrecisionPolicy.reduce_dtype`` (which still decides the dtype
-  unsynced micro-batches are accumulated in).
+  unsynced micro-batches are accumulated in). ``torch.float16`` (max 65504) travels scaled:
+  each rank's message by a power of two that fits its absmax, the exponent beside it
+  (``_dbuffer_comm.pack_scaled``), so gradients arrive finite (a non-finite one stays
+  non-finite, for the grad scaler). 8-bit floats are refused: unscaled they flush or saturate
+  gradients (8-bit traffic is the all-gather's ``"int8"``/``"fp8"``).
+* A quantized block whose codes would mostly be 0 (one outlier sets its scale) raises on every
+  rank, naming the parameter: design note [quantized-degenerate-blocks].
 
 Everything is checked when the policy is built or at ``fully_shard``, before any step.
 """
@@ -73,6 +79,14 @@ def _as_dtype(value: Any) -> torch.dtype | None:
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"CommPolicy: reduce_scatter_dtype={dtype} is not a floating-point "
                          "dtype; gradients travel in a float dtype (e.g. torch.bfloat16).")
+    if dtype is not None and dtype.itemsize < 2:
+        # float8/float4: unscaled, e4m3 flushes gradients below 2**-9 to zero and saturates
+        # at 448 (e5m2: 2 mantissa bits); a scaled 8-bit wire is not implemented
+        raise ValueError(
+            f"CommPolicy: reduce_scatter_dtype={dtype} is not supported: gradients would travel "
+            "without a scale, flushed to zero or saturated. Supported: torch.bfloat16, "
+            "torch.float16 (scaled per rank, design note [comm-policy]) and torch.float32; "
+            "for 8-bit traffic quantize the all-gather (all_gather='int8' or 'fp8').")
     return dtype
 
 
@@ -87,14 +101,17 @@ class CommPolicy:
             ``optimizer_block_size``); quantized tensors' shard bounds align to it.
         reduce_scatter_dtype: the dtype gradients travel in (a ``torch.dtype`` or a name like
             ``"bf16"``), summed in fp32; ``None``: the reduce dtype, as without a policy.
+            ``torch.bfloat16``, ``torch.float16`` (scaled per rank) or ``torch.float32``;
+            8-bit floats are refused.
         quantize: per-parameter override of which tensors are quantized: a dict
             ``name -> bool`` or a callable ``(name, param) -> bool``; ``None``: the default rule.
         min_numel: the default rule's size threshold (floating tensors of 2+ dims with at
             least this many elements are quantized).
 
     Raises:
-        ValueError, TypeError, RuntimeError: an unknown format or dtype name, a bad block
-            size, or ``"fp8"`` on a torch without float8 dtypes.
+        ValueError, TypeError, RuntimeError: an unknown format or dtype name, an 8-bit
+            ``reduce_scatter_dtype``, a bad block size, or ``"fp8"`` on a torch without float8
+            dtypes.
     """
 
     all_gather: str | None = None

@@ -59,6 +59,9 @@ class ManagedParam:
     sharded: nn.Parameter | None = None
     unsharded: nn.Parameter | None = None
     got_grad: bool = False  # received a gradient since its last reduce-scatter
+    #: its sharded parameter's post-accumulate-grad hooks ran in this backward, right after its
+    #: group's reduce-scatter (design note [fsdp-post-acc-grad-hooks])
+    hooks_ran: bool = False
     aliases: list[str] = field(default_factory=list)  # all names (tied params have several)
     #: all names relative to module ``k`` of a ``fully_shard([...])`` list, as ``(k, name)``
     scoped_aliases: list[tuple[int, str]] = field(default_factory=list)

@@ -213,7 +213,7 @@ def materialize(module: nn.Module, device: torch.device | str,
     real = _meta_buffers.save_real_buffers(module)
     module.to_empty(device=device)
     _meta_buffers.restore_real_buffers(real)
-    _meta_buffers.poison(on_meta)
+    poisoned = _meta_buffers.poison(on_meta)
     groups = [st.group for st in states_in(module) if st.group is not None]
     try:
         with torch.no_grad():
@@ -229,7 +229,7 @@ def materialize(module: nn.Module, device: torch.device | str,
     finally:
         for g in groups:
             g.swap(sharded=True)
-    _meta_buffers.recompute(module, on_meta, reset_ran=init_params and init_fn is None)
+    _meta_buffers.recompute(module, on_meta, poisoned, reset_ran=init_params and init_fn is None)
     return module
 
 

@@ -450,3 +450,5 @@ class ParamGroup(GroupGradients):
         self._arrived = 0
         self.reduced = False
         self._backward_prefetched = False
+        for mp in self.params:
+            mp.hooks_ran = False  # design note [fsdp-post-acc-grad-hooks]

@@ -24,6 +24,28 @@ per backward) and its :class:`~lightning_vescale.fsdp._training_state.TrainingSt
 reduce-scatters now is decided in one place, :meth:`ParamGroup.should_reduce`. What is
 root-wide (which group to prefetch, the final callback) the group asks of the root context
 (:class:`BackwardRoot`), never of a module state.
+
+Design note [fsdp-post-acc-grad-hooks]
+--------------------------------------
+Optimizer in backward: users register ``register_post_accumulate_grad_hook`` on the sharded
+parameters (what ``model.parameters()`` gives at rest). Autograd never accumulates into those
+(gradients land in the unsharded parameters' grad buffer), so autograd never calls their hooks;
+as FSDP2 (``foreach_reduce``), the group calls them itself on the reduced sharded gradient:
+:meth:`GroupGradients.run_post_reduce_hooks`, which the root calls right after the group's
+reduce-scatter finished (synchronously on CPU, at the wait of an asynchronous one), once per
+reduce, within the backward. Each parameter that received a gradient on this rank then has its
+sharded gradient published (a DTensor over the reduced shard, as :meth:`publish_grads` gives
+it) and its hooks called with the sharded parameter; an offloaded shard's copy to the host is
+waited first (FSDP2 also refuses to overlap that copy with a hook). A hook may step an
+optimizer and set ``grad = None``: that parameter is then not published again at the end of the
+backward. A parameter that received no gradient here but did on another rank (an expert routed
+elsewhere) is known to have one only after the end-of-backward flag all-reduce (design note
+[fsdp-final-callback]): its hooks run there, in :meth:`publish_grads`. So the hooks run once per
+synced backward for exactly the parameters that get a gradient, on every rank (FSDP2: only
+where the rank computed one). Without gradient sync nothing is reduced and no hook runs, as in
+FSDP2. After the hooks a buffer whose parameters all dropped their gradients frees its sharded
+gradient at once. What this does not save: the unsharded grad buffer of a group is one
+allocation until its reduce-scatter (as FSDP2's reduce-scatter input).
 """
 
 from __future__ import annotations
@@ -195,6 +217,42 @@ class GroupGradients:
                             view.add_(g)
                     mp.unsharded.grad = view
 
+    def run_post_reduce_hooks(self) -> None:
+        """The group's reduce-scatter finished: call the sharded parameters' post-accumulate-grad
+        hooks of those that received a gradient on this rank (design note
+        [fsdp-post-acc-grad-hooks]). A no-op for parameters without hooks."""
+        if self._reduce is not None:
+            return  # still in flight; the root calls again after its wait
+        hooked = [mp for mp in self.trainable()
+                  if (mp.got_grad or self.grads_for_unused) and not mp.hooks_ran
+                  and _post_acc_hooks(mp.sharded)]
+        if not hooked:
+            return
+        for mp in hooked:
+            assert mp.buffer is not None
+            mp.buffer.wait_offload()  # the host copy of the shard must be complete
+        for mp in hooked:
+            self._publish_one(mp)
+            mp.hooks_ran = True
+            _call_post_acc_hooks(mp.sharded)
+        for buf in {id(mp.buffer): mp.buffer for mp in hooked}.values():
+            mps = [mp for mp in self.params if mp.buffer is buf]
+            # every parameter's hooks ran and dropped its gradient (none is still to be
+            # published from other ranks' gradients): free the sharded gradient now
+            if all(mp.hooks_ran and mp.sharded is not None and mp.sharded.grad is None
+                   for mp in mps):
+                buf.release_grad_shard()
+
+    def _publish_one(self, mp: ManagedParam) -> torch.Tensor:
+        """Point ``mp.sharded.grad`` at its reduced gradient (unless it already views it)."""
+        assert mp.sharded is not None and mp.buffer is not None
+        g = mp.sharded.grad
+        if g is None or not self._is_our_grad(mp, g):
+            view = mp.buffer.grad_local_view(mp.name)
+            g = mp.sharded.grad = ragged_from_local(
+                view, self.mesh_info.mesh, mp.placements, mp.shape, autograd=False, check=False)
+        return g
+
     def discard_gradients(self) -> None:
         """Drop unreduced gradients (unsharded, and the unsynced accumulators): the recovery of
         ``reset_iter_state()``. Sharded gradients already published stay."""
@@ -206,6 +264,7 @@ class GroupGradients:
         self.needs_reduce = False
         for mp in self.params:
             mp.got_grad = False
+            mp.hooks_ran = False
             if mp.unsharded is not None:
                 mp.unsharded.grad = None
 
@@ -321,25 +380,30 @@ class GroupGradients:
         """
         published: dict[DBuffer, dict[int, torch.Tensor]] = {
             buf: {} for buf in self.buffers.values()}
+        late: list[ManagedParam] = []  # a gradient from other ranks only: hooks run now
+        any_ran = False
         for mp, got in zip(self.trainable(), received):
             mp.got_grad = False
+            ran, mp.hooks_ran = mp.hooks_ran, False
+            any_ran |= ran
             assert mp.sharded is not None and mp.buffer is not None
             g = mp.sharded.grad
-            if not got:  # keeps a gradient from an earlier backward, if any
+            if not got or ran:  # kept from an earlier backward, or left by this one's hooks
                 if (g is not None and mp.buffer.grad_shard is not None
                         and self._is_our_grad(mp, g)):
                     published[mp.buffer][id(mp.sharded)] = g
                 continue
-            if g is None or not self._is_our_grad(mp, g):
-                view = mp.buffer.grad_local_view(mp.name)
-                g = mp.sharded.grad = ragged_from_local(
-                    view, self.mesh_info.mesh, mp.placements, mp.shape,
-                    autograd=False, check=False)
-            published[mp.buffer][id(mp.sharded)] = g
+            published[mp.buffer][id(mp.sharded)] = self._publish_one(mp)
+            if _post_acc_hooks(mp.sharded):
+                late.append(mp)
         # Readers of many gradients at once check identity against this record instead of
         # every gradient's memory (design note [dbuffer-published-grads]).
         for buf, grads in published.items():
             buf.record_published_grads(grads)
+        for mp in late:  # design note [fsdp-post-acc-grad-hooks]
+            _call_post_acc_hooks(mp.sharded)
+        if late or any_ran:
+            self.release_unused_grad_shards()  # hooks that stepped and zeroed: free now
 
     def release_unused_grad_shards(self) -> None:
         """Free sharded-gradient storage of buffers whose parameters all have ``grad=None``.
@@ -353,3 +417,15 @@ class GroupGradients:
             if all(mp.sharded is None or mp.sharded.grad is None
                    for mp in self.params if mp.buffer is buf):
                 buf.release_grad_shard()
+
+
+def _post_acc_hooks(param: torch.Tensor | None) -> Any:
+    """The post-accumulate-grad hooks registered on ``param`` (a falsy value when none)."""
+    return getattr(param, "_post_accumulate_grad_hooks", None)
+
+
+def _call_post_acc_hooks(param: torch.Tensor | None) -> None:
+    """Call ``param``'s post-accumulate-grad hooks as autograd would (FSDP2's
+    ``foreach_reduce`` does the same for its sharded parameters)."""
+    for hook in tuple((_post_acc_hooks(param) or {}).values()):
+        hook(param)

@@ -143,7 +143,7 @@ class RootContext:
             # forgot everything, or no backward ran since the last forward: several forwards
             # before one backward keep counting their uses (design note [fsdp-multi-forward]).
             interrupted = self.final_callback_queued
-            self.finish_reduce()
+            self.finish_reduce(hooks=not interrupted)
             self.final_callback_queued = False
             if interrupted:
                 self.forget_iteration()
@@ -165,7 +165,7 @@ class RootContext:
         reshard every group, drop the iteration's (and any unsynced) gradients and forget where
         every state was (FSDP2's recovery contract)."""
         self.finish_flags()
-        self.finish_reduce()
+        self.finish_reduce(hooks=False)
         self.final_callback_queued = False
         self.forget_iteration()
         for st in self.all_states:
@@ -240,15 +240,27 @@ class RootContext:
         would only add to peak memory (FSDP2 is synchronous there).
         """
         self.finish_reduce()
-        async_op = group.mesh_info.device_type != "cpu"
+        async_op = self.reduce_async(group)
         group.reduce_scatter(async_op=async_op)
         if async_op:
             self.inflight_reduce = group
+        else:
+            group.run_post_reduce_hooks()  # design note [fsdp-post-acc-grad-hooks]
 
-    def finish_reduce(self) -> None:
+    @staticmethod
+    def reduce_async(group: ParamGroup) -> bool:
+        """Whether ``group``'s structural reduce-scatter is asynchronous: on accelerators (a
+        test may force the asynchronous path on gloo, whose handles are real too)."""
+        return group.mesh_info.device_type != "cpu"
+
+    def finish_reduce(self, hooks: bool = True) -> None:
+        """Wait for the reduce-scatter in flight, then run its post-accumulate-grad hooks
+        (``hooks=False``: the recovery of ``reset_iter_state()``, which drops gradients)."""
         group, self.inflight_reduce = self.inflight_reduce, None
         if group is not None:
             group.wait_for_reduce()
+            if hooks:
+                group.run_post_reduce_hooks()
 
     def _final_callback(self) -> None:
         with record_function("vescale::post_backward_final_callback"):
@@ -257,6 +269,7 @@ class RootContext:
             for group in self.groups:  # groups without a structural completion, in tree order
                 if group.should_reduce():
                     group.reduce_scatter(async_op=False)
+                    group.run_post_reduce_hooks()  # design note [fsdp-post-acc-grad-hooks]
                 else:
                     group.accumulate_unsynced()  # no sync: sum in reduce_dtype (if it differs)
                 if group.reshard_after_backward:  # set_reshard_after_backward(False): keep

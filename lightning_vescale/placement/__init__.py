@@ -11,6 +11,8 @@ Modules, each importing only those before it:
 * ``_common``: helpers shared by the DTensor extension (ragged specs, layouts, errors);
 * ``_dtensor``: redistribution (with autograd), ``to_local`` backward, DCP chunks (design note
   [ragged-dtensor]); ``_reductions``: norms and full reductions ([ragged-reductions]);
+* ``_random_ops`` (random fills: one-process values; [ragged-random]) and ``_init_ops``
+  (``new_*`` factories, dim-0 slices as views; [ragged-init]): what model init code calls;
 * ``_ops``: the operator dispatch hook (element-wise ops, copies; [ragged-ops]);
 * ``_flat_runs`` (memory layout: the one run builder, compaction), ``_flat_ops`` (which ops),
   ``_flat_probe`` (the exactness probe of list ops and of optimizer classes, one cache) and

@@ -45,8 +45,10 @@ SUPPORTED_FAMILIES = (
     "plain tensors or Replicate DTensors); copy_ (also from another layout of the same "
     "tensor), dtype casts, clone/detach and *_like "
     "factories; in-place random fills (uniform_, normal_, bernoulli_, random_, ...) and "
-    "rand_like/randn_like/randint_like; reductions sum/mean/amax/amin/linalg.vector_norm over "
-    "all dims or some (dim=...), max/min/any/all over all dims, "
+    "rand_like/randn_like/randint_like; new_empty/new_zeros/new_ones/new_full (Replicate for "
+    "another shape); slices of dim 0 with step 1 (views); reductions "
+    "sum/mean/amax/amin/linalg.vector_norm over all dims or some (dim=...), max/min/any/all "
+    "over all dims, "
     "_foreach_norm/_foreach_powsum/_foreach_max (results are Replicate); equal/allclose"
 )
 

@@ -53,7 +53,13 @@ ordinary DTensors keep the normal path. For ragged schemas:
 * random fills (``uniform_``, ``normal_``..., ``rand_like``...; ``RANDOM_HANDLERS``, design
   note [ragged-random] in ``_random_ops``) draw the whole tensor and keep the rank's range: the
   values of single-device initialisation under the same seed.
-* ``copy_`` between two layouts of the same tensor redistributes the source, then copies.
+* ``new_empty``/``new_zeros``/``new_ones``/``new_full`` (the input's layout for its own shape,
+  ``Replicate`` for another) and dim-0 slices ``w[a:b]`` (a ragged *view*, so writes reach
+  ``w``): ``INIT_HANDLERS``, design note [ragged-init] in ``_init_ops``; what model init code
+  (torchtitan's ``init_weights``) calls on sharded parameters.
+* ``copy_`` between two layouts of the same tensor redistributes the source, then copies; a
+  plain full source (only under DTensor's ``implicit_replication()``: otherwise DTensor refuses
+  mixing plain and DTensor operands before any hook runs) is a Replicate one.
 * anything else raises :class:`NotImplementedError` naming the op and the supported families;
   operands whose layouts do not match raise ``ValueError`` naming the op and both layouts.
 
@@ -87,7 +93,9 @@ from lightning_vescale.placement._common import (
     unsupported,
 )
 from lightning_vescale.placement._flat_step import activate as activate_flat_step
+from lightning_vescale.placement._init_ops import INIT_HANDLERS
 from lightning_vescale.placement._random_ops import RANDOM_HANDLERS
+from lightning_vescale.placement._ragged_shard import local_slice, ragged_shard_and_rank
 from lightning_vescale.placement._reductions import REDUCTION_HANDLERS
 
 __all__ = ["GUARDED_CUSTOM_OPS", "guard_custom_handler", "is_elementwise_op", "wrap_slow_path"]
@@ -297,8 +305,18 @@ def _copy_across_layouts(op, args, kwargs):
     """
     bound = bind_args(op, args, kwargs)
     dst, src = bound["self"], bound["src"]
-    if not (isinstance(dst, DTensor) and isinstance(src, DTensor)):
+    if not isinstance(dst, DTensor):
         return None
+    if not isinstance(src, DTensor):
+        # A plain multi-element ``src`` gets here only under DTensor's implicit replication
+        # (``implicit_replication()``): the full tensor on every rank; keep this rank's range.
+        if src.numel() == 1 or tuple(src.shape) != tuple(dst.shape) \
+                or not has_ragged(dst._spec):
+            return None
+        placement, rank = ragged_shard_and_rank(dst.device_mesh, dst.placements, str(op))
+        piece = local_slice(src.contiguous(), placement, rank)
+        dst._local_tensor.copy_(piece, non_blocking=bool(bound["non_blocking"]))
+        return dst
     if same_layout(dst._spec, src._spec) or is_scalar_like(src._spec):
         return None
     if tuple(dst.shape) != tuple(src.shape) or dst.device_mesh != src.device_mesh:
@@ -320,7 +338,8 @@ def wrap_slow_path(original: Callable[..., object]) -> Callable[..., object]:
         if not _schema_has_ragged(op_info):
             return original(op_call, args, kwargs, op_info, try_cache)
         activate_flat_step()  # the process has RaggedShard DTensors: list ops go flat
-        direct = REDUCTION_HANDLERS.get(op_call) or RANDOM_HANDLERS.get(op_call)
+        direct = (REDUCTION_HANDLERS.get(op_call) or RANDOM_HANDLERS.get(op_call)
+                  or INIT_HANDLERS.get(op_call))
         if direct is not None:
             return direct(op_call, args, kwargs)
         if op_call is aten.copy_.default:

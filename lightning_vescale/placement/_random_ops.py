@@ -3,10 +3,16 @@
 Design note [ragged-random]
 ---------------------------
 The FSDP2 meta-device flow (``with torch.device("meta"): model = ...``, ``fully_shard``,
-``model.to_empty(device=...)``, ``reset_parameters()``) runs ``nn.init`` on the sharded
-parameters: ``uniform_``/``normal_`` (``kaiming_uniform_``, ``trunc_normal_`` =
-``uniform_`` + element-wise ``erfinv_``/``mul_``/``add_``/``clamp_``), ``zero_``/``fill_``.
-The element-wise ones need nothing new; the random ones are answered here.
+``model.to_empty(device=...)``, ``reset_parameters()`` or torchtitan's ``init_weights()``) runs
+``nn.init`` on the sharded parameters: ``uniform_``/``normal_`` (``kaiming_uniform_``,
+``xavier_*``), ``zero_``/``fill_``, and ``trunc_normal_``, which torch 2.13 samples by
+rejection: ``normal_``, then while ``((x < a) | (x > b)).any()`` redraws a full
+``empty_like(x).normal_()`` and merges it with ``torch.where`` (or, when ``[a, b]`` holds at
+most 30% of the mass, ``uniform_`` candidates accepted against ``uniform_().log_()``). The
+element-wise parts need nothing new (design note [ragged-ops]), ``any()`` is one all-reduce
+whose Replicate result makes every rank loop equally often ([ragged-reductions]), and the random
+fills are answered here, so the whole sampler gives single-device values. Factories and dim-0
+slice views used by init code are design note [ragged-init].
 
 The contract: a random fill of a ragged DTensor gives **the values single-device
 initialisation gives under the same seed**, on every device type, and leaves the generator in
@@ -18,11 +24,27 @@ collective runs. Cost: one full-size temporary per call (initialisation only). O
 (``(Replicate(), RaggedShard)``, design note [ragged-nd]) each rank keeps the range of its
 coordinate on the ragged dim, so replicas hold identical values, as after a broadcast.
 
-torch's FSDP2, for comparison (measured with torch 2.13): on CUDA its ``Shard(0)`` DTensors use
-DTensor's ``OffsetBasedRNGTracker``, which offsets each shard's Philox stream to the shard's
-position in the full tensor; on CPU there is no RNG tracker and every rank draws its *local*
-numel from the start of the same stream, so the shards differ from single-device values (and
-the ranks' generators end in different states).
+torch's FSDP2, for comparison (torch 2.13): on CUDA its ``Shard(0)`` DTensors use DTensor's
+``OffsetBasedRNGTracker``, which starts each shard's Philox stream at offset
+``shard_index * local_numel`` (rounded up to 4) and advances every rank's generator by the full
+numel (rounded up to 4). A Philox offset is not an element index of the full draw (a CUDA
+kernel spreads elements over threads by launch configuration), so sharded values are in
+general not the full tensor's, and depend on the world size; only at world 1 (one shard) are
+they the full draw.
+Measured on CPU, where there is no RNG tracker: every rank draws its *local* numel from the
+start of the same stream, so the shards differ from single-device values (torchtitan's Llama3
+debug model at world 2: 32 of 45 parameters) and the ranks' generators end in different states.
+Ours: single-device values at every world size (torchtitan's Llama3 flow: all 45 bitwise at
+world 2, the generator ending where one process's does).
+
+Mixed with ``Replicate`` draws (e.g. ``t.new_empty(other_shape)`` in torchtitan's fused-QKV
+init, answered by DTensor itself): on CPU those are plain full draws too, so the whole init is
+single-device. On CUDA, with DTensor's tracker active, a Replicate draw gives the full draw's
+values but advances the generator by DTensor's rule (numel rounded up to 4) instead of the
+kernel's own increment, so later draws, ours included, follow DTensor's stream rather than a
+plain single-device one: still the same on every world size, as ours never depend on it. (Not
+measured: no GPU here. Routing our full draw through ``_rng_tracker._distribute_region`` with a
+Replicate spec would make it equal FSDP2's at world 1 on CUDA; left for a GPU-tested change.)
 
 Supported: the in-place random ops (``uniform_``, ``normal_``, ``bernoulli_`` with a float
 ``p``, ``random_``, ``exponential_``, ``geometric_``, ``log_normal_``, ``cauchy_``) and the

@@ -393,7 +393,7 @@ def _foreach_powsum(op, args, kwargs):
 def _extremum_reduction(op, x: DTensor, combine: str, keep_shape=(), as_bool=False) -> _Reduction:
     """max/min (and any/all, which are max/min over ``bool``) of one tensor."""
     local = x._local_tensor
-    if math.prod(x.shape) == 0:
+    if math.prod(x.shape) == 0 and not as_bool:  # any/all of nothing: False/True, as torch
         raise RuntimeError(f"{op}: the reduction of an empty tensor has no identity")
     dtype = torch.bool if as_bool else local.dtype
     work = local.ne(0) if as_bool and local.dtype != torch.bool else local

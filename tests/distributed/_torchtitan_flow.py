@@ -12,7 +12,8 @@ Three CPU shims, each for something this CPU-only machine lacks, none touching F
   ``"cuda"`` when no accelerator is found);
 * ``torchtitan.distributed.minimal_async_ep.kernels``: its Triton GPU kernels for expert
   parallelism, imported unconditionally by every model, never called at ``ep=1``; without
-  ``triton`` installed, a module whose kernels raise if called stands in for it;
+  ``triton`` installed, a module whose kernels raise if called stands in for it
+  (``_torchtitan_helpers.import_torchtitan_models``);
 * FlexAttention has no backward on CPU, so the configs' inner attention is torchtitan's own
   ``ScaledDotProductAttention`` (causal; the maskless backend its trainer supports).
 
@@ -22,34 +23,20 @@ Functions here run on ranks.
 from __future__ import annotations
 
 import dataclasses
-import sys
 import tempfile
-import types
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-_KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
-_KERNEL_NAMES = (
-    "copy_full_counts_to_peers_kernel", "copy_rows_to_peers_kernel", "expand_topk_grad_kernel",
-    "fill_combine_metadata_kernel", "fill_dispatch_metadata_kernel", "invert_flat_indices_kernel",
-    "reduce_topk_slots_kernel", "topk_scores_grad_kernel")
 SEQ = 32
 VOCAB_USED = 64  # tokens drawn from the first 64 ids: a short, learnable stream
 
 
 def _cpu_shims() -> None:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        if _KERNELS not in sys.modules:
-            mod = types.ModuleType(_KERNELS)
-            for name in _KERNEL_NAMES:
-                def kernel(*args: Any, _name: str = name, **kwargs: Any) -> None:
-                    raise RuntimeError(f"{_name}: a Triton GPU kernel (not on this machine)")
-                setattr(mod, name, kernel)
-            sys.modules[_KERNELS] = mod
+    from tests.distributed._torchtitan_helpers import import_torchtitan_models
+
+    import_torchtitan_models()  # a stand-in for its Triton kernels when triton is missing
     import torchtitan.distributed.parallel_dims as parallel_dims
 
     parallel_dims.device_type = "cpu"

@@ -132,7 +132,7 @@ def _save_with_failing_write_body(path, failing):
           for i in range(2)}
 
     def fail(*args, **kwargs):
-        raise OSError(28, "injected: no space left on device")
+        raise OSError(5, "injected: input/output error")  # ENOSPC: test_checkpoint_disk_full
 
     patch = mock.patch.object(hf_save, "_pwrite", fail) if dist.get_rank() in failing else \
         contextlib.nullcontext()

@@ -477,6 +477,24 @@ def test_install_is_idempotent():
 
 
 # -- dispatch overhead (measured, loosely bounded) ---------------------------------------------
+def _python_calls_into_us(fn) -> int:
+    """How many Python functions of this package ``fn()`` enters (profiled, not timed)."""
+    import sys
+    calls = 0
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        if event == "call" and "lightning_vescale" in frame.f_code.co_filename:
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
 def _overhead_body(iters: int):
     mesh = _mesh()
     ws = dist.get_world_size()
@@ -497,6 +515,12 @@ def _overhead_body(iters: int):
         for _ in range(iters):
             torch._foreach_addcdiv_(xs, xs, xs, 0.0)
         out[f"{name} foreach_addcdiv_(8) us"] = (time.perf_counter() - t0) / iters * 1e6
+
+        def loop(x=x):
+            for _ in range(10):
+                x.mul_(1.0)
+
+        out[f"{name} mul_ python calls into lightning_vescale"] = _python_calls_into_us(loop)
     return out
 
 
@@ -535,5 +559,7 @@ def test_optimizer_steps_hit_the_cpp_sharding_cache(worlds, foreach):
 def test_dispatch_overhead_matches_replicate(worlds):
     out = worlds(1).run(_overhead_body, 300)[0]
     print(out)
-    # Cached element-wise ops run in torch's C++ fast path: no Python per call for RaggedShard.
-    assert out["ragged mul_ us"] < 3 * out["replicate mul_ us"] + 20, out
+    # Cached element-wise ops run in torch's C++ fast path: no Python of ours per call for
+    # RaggedShard (the timings above are printed for reading; a duration is never asserted).
+    # (foreach ops on RaggedShard lists take the flat step on purpose: placement/_flat_step.py.)
+    assert out["ragged mul_ python calls into lightning_vescale"] == 0, out

@@ -44,15 +44,17 @@ def test_parallelize_with_our_fully_shard_equals_fsdp2(worlds, model):
     assert ours["losses"][-1] < ours["losses"][0] - 0.5, ours["losses"]
 
 
-def test_deepseek_v3_meta_flow_trains_like_the_cpu_built_model(worlds):
+@pytest.mark.parametrize("model", ["llama3", "deepseek_v3"])
+def test_meta_flow_trains_like_the_cpu_built_model(worlds, model):
     """torchtitan's trainer flow (meta, parallelize, ``to_empty``, ``init_weights``): before
-    the fix of the list group under ``to_empty`` the loss stayed ln(vocab) for every step.
-    ``init_weights`` on our sharded parameters draws what one process draws, so the run equals
-    the CPU-built one bitwise (torch's FSDP2 draws other values on CPU)."""
-    meta = _run(worlds, "ours", "deepseek_v3", "meta")
-    cpu = _run(worlds, "ours", "deepseek_v3", "cpu")
+    the fix of the list group under ``to_empty``, DeepSeek-V3's loss stayed ln(vocab) for every
+    step (Llama3's init needed ``new_empty`` on sharded parameters). ``init_weights`` on our
+    sharded parameters draws what one process draws, so the run equals the CPU-built one
+    bitwise (torch's FSDP2 draws other values on CPU: ``test_torchtitan_meta_init.py``)."""
+    meta = _run(worlds, "ours", model, "meta")
+    cpu = _run(worlds, "ours", model, "cpu")
     assert not any(math.isclose(v, meta["losses"][0]) for v in meta["losses"][1:]), meta
-    _equal(meta, cpu, "deepseek_v3 meta vs cpu")
+    _equal(meta, cpu, f"{model} meta vs cpu")
 
 
 def test_full_dtensor_backend_passes_dp_mesh_dims(worlds):

@@ -80,7 +80,7 @@ def test_trainer_trains_like_the_plain_run(tmp_path):
     assert "comm policy: all-gather int8" in (tmp_path / "int8_summary.txt").read_text()
 
 
-def _fabric_run(policy):
+def _fabric_run(policy, precision: str = "32-true"):
     import torch.distributed as dist
     from lightning.fabric import Fabric
 
@@ -89,7 +89,7 @@ def _fabric_run(policy):
     from lightning_vescale.sharding_summary import sharding_summary
     from tests.lightning._lit import CONFIG
 
-    fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(),
+    fabric = Fabric(accelerator="cpu", devices=dist.get_world_size(), precision=precision,
                     strategy=VeScaleFabricStrategy(comm_policy=policy))
     fabric.launch()
     torch.manual_seed(0)
@@ -116,3 +116,16 @@ def test_fabric_trains_like_the_plain_run(worlds):
     assert q0 == 0 and q8 > 0 and "comm policy: all-gather int8" in table
     for p, q in zip(plain, quant):
         assert abs(p - q) <= 0.02 * abs(p), (plain, quant)
+
+
+def test_bf16_true_masters_all_gather_quantized(worlds):
+    """Issue 34: precision="bf16-true" (bf16 masters) with an int8 all-gather crashed at the
+    first all-gather (the block absmax into fp32 scales); it now trains like the plain
+    bf16-true run (within quantization noise)."""
+    w = worlds(2)
+    plain, _, _ = w.run(_fabric_run, None, "bf16-true")[0]
+    quant, q8, _ = w.run(_fabric_run, {"all_gather": "int8", "min_numel": 1024},
+                         "bf16-true")[0]
+    assert q8 > 0
+    for p, q in zip(plain, quant):
+        assert abs(p - q) <= 0.03 * abs(p), (plain, quant)

@@ -113,6 +113,27 @@ def test_bad_pretrained_weights_argument(cls):
         cls(pretrained_weights=3)
 
 
+@pytest.mark.parametrize("cls", [VeScaleFSDPStrategy, VeScaleFabricStrategy])
+def test_pretrained_weights_are_checked_at_construction(cls, tmp_path):
+    """Issue 34: a missing path or a FIFO passed construction and failed after every rank had
+    started (93 s). Everything that does not need the model is checked in the constructor."""
+    from safetensors.torch import save_file
+
+    with pytest.raises(ValueError, match=r"pretrained_weights='.*nope'.*does not exist"):
+        cls(pretrained_weights=tmp_path / "nope")
+    os.mkfifo(tmp_path / "w.safetensors")  # opening it must not wait for a writer
+    with pytest.raises(ValueError, match=r"pretrained_weights=.*w\.safetensors.*a FIFO"):
+        cls(pretrained_weights=tmp_path / "w.safetensors")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"neither model\.safetensors nor"):
+        cls(pretrained_weights=tmp_path / "empty")
+    (tmp_path / "bad.safetensors").write_bytes(b"\x04" + b"\0" * 7 + b"[1] ")
+    with pytest.raises(ValueError, match=r"bad\.safetensors.*not an object"):
+        cls(pretrained_weights=str(tmp_path / "bad.safetensors"))
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "good.safetensors"))
+    cls(pretrained_weights=tmp_path / "good.safetensors")  # a valid one passes
+
+
 def test_a_checkpoint_of_another_model_is_named(tmp_path):
     from safetensors.torch import save_file
 
@@ -199,3 +220,65 @@ def test_a_non_strict_load_initialises_what_the_checkpoint_lacks(worlds, tmp_pat
     torch.testing.assert_close(loaded, weights["model.layers.1.mlp.down_proj.weight"])
     bound = 1 / w.shape[1] ** 0.5  # nn.Linear's kaiming_uniform_(a=sqrt(5)) bound
     assert torch.isfinite(w).all() and 0 < w.abs().max() <= bound
+
+
+def _write_family(name: str, directory: str) -> None:
+    """A tiny Mixtral (experts stacked in the model, one tensor per expert on disk) or Gemma
+    (``embed_scale``: a non-persistent buffer of a module with a weight) from save_pretrained."""
+    import transformers as T
+
+    common = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = {"mixtral": lambda: T.MixtralForCausalLM(T.MixtralConfig(**common,
+                                                                      num_local_experts=4)),
+             "gemma": lambda: T.GemmaForCausalLM(T.GemmaConfig(**common, head_dim=8))}[name]
+    torch.manual_seed(0)
+    model().save_pretrained(directory, max_shard_size="60KB")
+
+
+class _RecordAtEnd(Callback):
+    """Rank 0's logits on ``X`` when fit ends (before ``SaveHFWeights`` writes the weights)."""
+
+    def __init__(self, out_dir) -> None:
+        self.out_dir = out_dir
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        pl_module.eval()
+        with torch.no_grad():
+            logits = pl_module(X)
+        if trainer.global_rank == 0:
+            torch.save(logits, os.path.join(self.out_dir, "end.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mixtral", "gemma"])
+def test_trainer_pretrained_weights_families(tmp_path, name):
+    """``Trainer(strategy=VeScaleFSDPStrategy(pretrained_weights=...))`` at 2 ranks, 20 steps,
+    model built on meta in ``configure_model``: it starts at ``from_pretrained``'s logits (was:
+    Mixtral refused, Gemma NaN on transformers >= 5.5), trains to finite losses, and
+    ``SaveHFWeights`` writes what ``from_pretrained`` reads back with the in-training logits.
+    (Equality with one process / DDP: tests/distributed/test_hf_families.py.)"""
+    from transformers import AutoModelForCausalLM
+
+    src = str(tmp_path / "src")
+    _write_family(name, src)
+    steps, seq = 20, 12
+    base = torch.randint(3, 256, (4 * steps, seq), generator=torch.Generator().manual_seed(1))
+    trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_model_summary=False,
+                         enable_progress_bar=False,
+                         strategy=VeScaleFSDPStrategy(pretrained_weights=src,
+                                                      start_method="fork"),
+                         callbacks=[_RecordAtStart(str(tmp_path)), _RecordAtEnd(str(tmp_path)),
+                                    SaveHFWeights(str(tmp_path / "out"))])
+    trainer.fit(HFFinetune(src, lr=1e-2), torch.utils.data.DataLoader(base, batch_size=2))
+    with torch.no_grad():
+        start = AutoModelForCausalLM.from_pretrained(src)(X).logits
+    for r in range(2):
+        torch.testing.assert_close(torch.load(tmp_path / f"logits{r}.pt"), start, rtol=0, atol=0)
+    end = torch.load(tmp_path / "end.pt")
+    assert torch.isfinite(end).all() and not torch.equal(end, start)
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(trained(X).logits, end, rtol=0, atol=0)

@@ -93,3 +93,46 @@ def test_other_errors_are_not_called_a_full_disk():
     assert _files.find_no_space(RuntimeError("unexpected pos 8 vs 6")) is None
     assert _files.find_no_space(OSError(errno.EACCES, "Permission denied")) is None
     _files.raise_if_no_space(RuntimeError("x"), Path("/x/y"), "saving", "nothing changed")
+
+
+def _hf_model(n: int):
+    from torch import nn
+
+    model = nn.Linear(n, 1, bias=False)
+    torch.nn.init.ones_(model.weight)
+    return model
+
+
+def test_safetensors_full_disk_is_named_and_the_previous_save_kept(tiny_fs):
+    """Issue 34: ``save_safetensors`` raised a bare ``OSError: [Errno 28]`` with no path and
+    left its full-size temporaries. Now: the directory, the free space and what is left; the
+    previous save in the directory still loads, no temporary is left."""
+    pytest.importorskip("safetensors")
+    from lightning_vescale.checkpoint import load_safetensors, save_safetensors
+
+    directory = tiny_fs / "hf"
+    save_safetensors(_hf_model(1024), directory)  # 4 KiB: fits
+    before = sorted(p.name for p in directory.iterdir())
+    err = _save_error(lambda: save_safetensors(_hf_model(1024 * 1024), directory))  # 4 MiB
+    assert err.errno == errno.ENOSPC
+    assert str(err).startswith(f"[Errno 28] No space left on {str(directory)!r}"), str(err)
+    assert "MiB free now" in str(err) and "previous save in that directory" in str(err)
+    assert sorted(p.name for p in directory.iterdir()) == before  # no temporaries left
+    model = _hf_model(1024)
+    torch.nn.init.zeros_(model.weight)
+    load_safetensors(model, directory, verify=True)
+    assert bool((model.weight == 1).all())
+
+
+def test_safetensors_simulated_full_disk_is_named(tmp_path, monkeypatch):
+    pytest.importorskip("safetensors")
+    from lightning_vescale.checkpoint import _hf_save, save_safetensors
+
+    def pwrite(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_hf_save.os, "pwrite", pwrite)
+    err = _save_error(lambda: save_safetensors(_hf_model(8), tmp_path / "hf"))
+    assert str(err).startswith(f"[Errno 28] No space left on {str(tmp_path / 'hf')!r}")
+    assert "nothing was published" in str(err)
+    assert list((tmp_path / "hf").iterdir()) == []

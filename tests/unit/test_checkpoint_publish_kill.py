@@ -31,8 +31,10 @@ def _state(value: float) -> dict:
             "optimizer_0": {"param_groups": [{"lr": value}]}}
 
 
-def _save_killed_at(path: Path, k: int) -> None:
-    """In a forked child: save ``_state(2.0)`` to ``path``; SIGKILL after the k-th change."""
+def kill_after_changes(under: Path, k: int) -> None:
+    """Install an audit hook that SIGKILLs this process right after its k-th file-system change
+    under ``under`` (file opened for writing there, or any of ``_MUTATING``). For forked
+    children only (audit hooks cannot be removed); also used by the safetensors publish tests."""
     count = [0]
 
     def hook(event: str, args: tuple) -> None:
@@ -40,7 +42,7 @@ def _save_killed_at(path: Path, k: int) -> None:
             mode, flags = args[1], args[2]
             writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
                 isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
-            if not writing or not str(args[0]).startswith(str(path.parent)):
+            if not writing or not str(args[0]).startswith(str(under)):
                 return
         elif event not in _MUTATING:
             return
@@ -49,6 +51,11 @@ def _save_killed_at(path: Path, k: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     sys.addaudithook(hook)
+
+
+def _save_killed_at(path: Path, k: int) -> None:
+    """In a forked child: save ``_state(2.0)`` to ``path``; SIGKILL after the k-th change."""
+    kill_after_changes(path.parent, k)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ckpt.save_sharded(path, _state(2.0), {"global_step": 2})

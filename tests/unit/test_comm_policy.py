@@ -42,6 +42,11 @@ def test_frozen_keyword_only_and_normalised():
     (dict(reduce_scatter_dtype="bf17"), ValueError, ["reduce_scatter_dtype='bf17'", "bf16"]),
     (dict(reduce_scatter_dtype=torch.int8), ValueError, ["torch.int8", "floating-point"]),
     (dict(reduce_scatter_dtype=3), TypeError, ["reduce_scatter_dtype", "torch.dtype"]),
+    # issue 34: accepted, then failing at world >= 2 (and unscaled e4m3 flushes gradients)
+    (dict(reduce_scatter_dtype=torch.float8_e4m3fn), ValueError,
+     ["reduce_scatter_dtype=torch.float8_e4m3fn", "torch.bfloat16", "torch.float16",
+      "torch.float32"]),
+    (dict(reduce_scatter_dtype=torch.float8_e5m2), ValueError, ["torch.float8_e5m2"]),
     (dict(block_size=0), ValueError, ["block_size=0"]),
     (dict(block_size=True), ValueError, ["block_size=True"]),
     (dict(quantize=3), TypeError, ["quantize"]),
@@ -140,3 +145,40 @@ def test_codec_one_rank_half_step_and_non_finite_blocks(fmt):
     step = true.abs().amax(dim=1, keepdim=True) / (127 if fmt == "int8" else 448)
     bound = 0.5 * step if fmt == "int8" else true.abs() * 2**-4 + step * 2**-9
     assert bool(((rest - true).abs() <= bound * (1 + 1e-6)).all())
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_degenerate_block_criterion(fmt):
+    """Design note [quantized-degenerate-blocks]: a block is refused when its scale is finite
+    and more than half of its nonzero elements get code 0."""
+    from lightning_vescale._dbuffer_quant import QuantizedGather
+
+    plan = plan_layout([("w", (4, 256), 256)], 1)
+    tiny = 1e-9  # codes 0 next to 1.0 in int8 and fp8 alike
+
+    def run(x: torch.Tensor) -> str | None:
+        q = QuantizedGather(plan, rank=0, fmt=fmt, block_size=256, device=torch.device("cpu"),
+                            name="g[torch.float32, quantized]")
+        full = torch.empty(plan.shard_size)
+        _, finish = q.all_gather(x, full, group=None, async_op=False)
+        try:
+            finish()
+        except RuntimeError as e:
+            return str(e)
+        return None
+
+    torch.manual_seed(0)
+    x = torch.randn(plan.shard_size)
+    assert run(x) is None  # gaussian blocks
+    y = torch.zeros(plan.shard_size)
+    y[512], y[513] = 1.0, tiny  # 1 of 2 nonzero elements coded 0: not more than half
+    assert run(y) is None
+    y[514] = tiny  # 2 of 3: refused
+    msg = run(y)
+    assert msg is not None and "'w'" in msg and "[512, 768)" in msg and "g[torch.float32" in msg
+    z = x.clone()
+    z[3] = float("nan")  # non-finite: NaN, as before, not refused
+    assert run(z) is None
+    z = x.clone()
+    z[700] = 3e38
+    assert "[512, 768)" in run(z) and "absmax 3e+38" in run(z)

@@ -228,3 +228,61 @@ def test_verify_checks_every_crc(tmp_path):
     (tmp_path / ".integrity.json").unlink()
     with pytest.raises(CheckpointLoadError, match="has no checksum"):
         load_safetensors(Tiny(), tmp_path, verify=True)
+
+
+def _rewrite_raw_header(path, raw: bytes) -> None:
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+
+
+def test_overlapping_offsets_duplicate_keys_and_uncovered_bytes(tmp_path):
+    """Issue 34: each loaded wrong weights without a word (two tensors over the same bytes; the
+    last of two entries of one key; the safetensors library refuses both, and uncovered bytes);
+    also through ``pretrained_weights=`` (``load_pretrained``)."""
+    from lightning_vescale._lightning.pretrained import load_pretrained
+
+    path = tmp_path / "w.safetensors"
+    _write(path)
+    _, good = _header(path)
+    header = json.loads(json.dumps(good))
+    weight = header["lin.weight"]["data_offsets"]
+    header["lin.bias"]["data_offsets"] = [weight[0], weight[0] + 12]  # inside lin.weight
+    _rewrite_header(path, header)
+    for load in (lambda: load_safetensors(Tiny(), path),
+                 lambda: load_pretrained(Tiny(), path, strict=True)):
+        with pytest.raises(CheckpointLoadError,
+                           match=r"w\.safetensors.*'lin\.weight'.*overlap.*'lin\.bias'"):
+            load()
+    # one key twice: JSON keeps the last entry, which points at another tensor's bytes
+    raw = json.dumps(good)[:-1] + ', "lin.weight": ' + json.dumps(
+        {"dtype": "F32", "shape": [3, 4], "data_offsets": good["emb.weight"]["data_offsets"][:1]
+         + [good["emb.weight"]["data_offsets"][0] + 48]}) + "}"
+    _rewrite_raw_header(path, raw.encode())
+    with pytest.raises(CheckpointLoadError, match=r"w\.safetensors.*'lin\.weight'.*appears twice"):
+        load_safetensors(Tiny(), path)
+    # bytes no tensor covers: a gap between two tensors, and bytes after the last one
+    _rewrite_header(path, good)
+    data = path.read_bytes()
+    path.write_bytes(data + b"\0" * 8)
+    with pytest.raises(CheckpointLoadError, match=r"w\.safetensors.*last 8 bytes.*belong to no"):
+        load_safetensors(Tiny(), path)
+    header = json.loads(json.dumps(good))
+    last = max((k for k in header if k != "__metadata__"),
+               key=lambda k: header[k]["data_offsets"][1])
+    header[last]["data_offsets"] = [o + 8 for o in header[last]["data_offsets"]]
+    _rewrite_header(path, header)
+    with pytest.raises(CheckpointLoadError, match=rf"bytes \[\d+, \d+\) before tensor '{last}' "
+                                                  "belong to no tensor"):
+        load_safetensors(Tiny(), path)
+    # the untouched entries still describe a valid file
+    _rewrite_header(path, good)
+    path.write_bytes(path.read_bytes()[:-8])
+    load_safetensors(Tiny(), path)
+
+
+def test_save_layout_argument_is_checked(tmp_path):
+    from lightning_vescale.checkpoint import save_safetensors
+
+    with pytest.raises(ValueError, match=r"layout='hf'.*'save_pretrained'.*'state_dict'"):
+        save_safetensors(torch.nn.Linear(2, 2), tmp_path, layout="hf")
