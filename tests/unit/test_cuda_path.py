@@ -345,3 +345,33 @@ def test_lightning_module_device_is_recorded():
     model = _Blocks(n=1)
     _update_device_properties(model, torch.device("cuda", 0))  # nothing moves
     assert model.device == torch.device("cuda", 0) and model.norm.running_mean.device.type == "cpu"
+
+
+# -- pinned host memory: the gradient flags' source, and what pinning costs (issue 35) -----------
+def test_should_pin_only_toward_an_accelerator(monkeypatch):
+    from lightning_vescale._pinned import should_pin
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    assert should_pin(torch.device("cuda", 0))
+    assert not should_pin(torch.device("cpu")) and not should_pin(torch.device("meta"))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)  # pin would raise
+    assert not should_pin(torch.device("cuda", 0))
+
+
+def test_gradient_flags_source_is_pinned_toward_an_accelerator(monkeypatch):
+    from lightning_vescale import _pinned
+
+    asked = []
+    empty = torch.empty
+
+    def recording_empty(*args, pin_memory=False, **kwargs):
+        asked.append(pin_memory)
+        return empty(*args, **kwargs)  # a CPU build cannot pin: the request is what counts
+
+    monkeypatch.setattr(_pinned.torch, "empty", recording_empty)
+    src = _pinned.host_source(b"\x01\x00\x01", torch.device("cpu"))  # the CPU: a plain view
+    assert asked == [] and src.tolist() == [1, 0, 1]
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    src = _pinned.host_source(b"\x01\x00\x01", torch.device("cuda", 0))
+    assert asked == [True] and src.tolist() == [1, 0, 1] and src.dtype == torch.uint8
+
