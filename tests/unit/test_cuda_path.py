@@ -375,3 +375,26 @@ def test_gradient_flags_source_is_pinned_toward_an_accelerator(monkeypatch):
     src = _pinned.host_source(b"\x01\x00\x01", torch.device("cuda", 0))
     assert asked == [True] and src.tolist() == [1, 0, 1] and src.dtype == torch.uint8
 
+
+
+@pytest.mark.parametrize(("nbytes", "held"), [(0, 0), (1, 1), (4096, 4096), (4097, 8192),
+                                              (3 << 20, 4 << 20), ((1 << 30) + 1, 2 << 30)])
+def test_pinned_host_bytes_round_up_to_a_power_of_two(nbytes, held):
+    from lightning_vescale._pinned import pinned_host_bytes
+
+    assert pinned_host_bytes(nbytes) == held
+    assert nbytes <= held < 2 * nbytes or nbytes == held == 0
+
+
+def test_memory_accounting_counts_pinned_storages_rounded(monkeypatch):
+    """An offloaded shard of 3 MiB pinned holds 4 MiB of host memory: ``off_device`` says 3,
+    ``off_device_pinned_host`` 4 (a CPU build cannot pin: the check is what is replaced)."""
+    from lightning_vescale.callbacks import _memory_accounting as acc
+
+    shard = torch.zeros(3 << 18)  # 3 MiB of fp32, as a pinned offloaded shard
+    grad = torch.zeros(100)  # a pageable one
+    monkeypatch.setattr(acc, "_is_pinned", lambda t: t.untyped_storage().data_ptr()
+                        == shard.untyped_storage().data_ptr())
+    out = acc.account(device="meta", params_sharded=[shard, shard[:10]], grads=[grad])
+    assert out.off_device == shard.nbytes + grad.nbytes
+    assert out.off_device_pinned_host == 4 << 20  # the storage once, rounded; not the pageable
