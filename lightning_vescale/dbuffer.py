@@ -90,9 +90,7 @@ made even when ``device`` is the CPU, so the offload path is the same code every
 pinned memory from an accelerator the gradient copy is asynchronous (``non_blocking``, one event
 per buffer that the root's final callback synchronises: FSDP2's ``grad_offload_event``); when
 gradients accumulate the reduced shard is copied to the host first and added there, never added
-across devices. The host shard is not zeroed before a copy that overwrites it. Pinned shards
-come from torch's caching host allocator, which rounds each to a power of two: up to 2x their
-bytes of host memory (design note [pinned-host]; ``MemoryProfiler`` reports both figures).
+across devices. The host shard is not zeroed before a copy that overwrites it.
 
 Design note [dbuffer-published-grads]
 -------------------------------------

@@ -211,10 +211,8 @@ def account(
 ) -> MemoryBreakdown:
     """Count the bytes of each category on ``device``, each storage byte once (priority order).
 
-    Every tensor argument is an iterable of tensors (``None`` and non-tensors are ignored). See the
-    module docstring for the priority rule that decides which category owns shared bytes.
-    ``extra_comm_bytes`` adds communication bytes an engine reports but does not expose as tensors
-    (e.g. the temporaries of in-flight collectives).
+    Tensor arguments are iterables (``None``, non-tensors ignored). ``extra_comm_bytes``: bytes
+    an engine reports but does not expose as tensors (temporaries of in-flight collectives).
     """
     device = torch.device(device)
     plain = (torch.Tensor, torch.nn.Parameter)
@@ -255,7 +253,7 @@ def account(
                 ivs = target.get(key)
                 if ivs is None:
                     target[key] = [(s, e)]
-                    if not w and key not in pinned and _is_pinned(t):  # once per storage
+                    if not w and _is_pinned(t):  # pinned host memory: its allocation's bytes
                         pinned[key] = pinned_host_bytes(t.untyped_storage().nbytes())
                 else:
                     ivs.append((s, e))
