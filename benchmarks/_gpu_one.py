@@ -267,27 +267,44 @@ def shared_entry(rank: int, world: int, port: int, out_dir: str, device_type: st
 # 3. the fake process group at world 8
 # ------------------------------------------------------------------------------------------------
 class SyncCounter(TorchDispatchMode):
-    """Counts the ops that copy a ``device`` value to the host (``.item()``, ``.tolist()``,
-    ``bool(t)``: ``aten::_local_scalar_dense`` underneath) and, on CUDA, explicit
-    ``torch.cuda.synchronize`` / event / stream synchronizations, by phase (``self.phase``)."""
+    """Counts, by phase (``self.phase``), what makes the host wait for ``device``: ops that read
+    a value on the host (``.item()``, ``bool(t)``: ``aten::_local_scalar_dense``), blocking
+    device -> host copies (``.cpu()``, ``.tolist()`` of a CUDA tensor) and, on CUDA, explicit
+    ``torch.cuda.synchronize`` / event / stream synchronizations. On the CPU only the first
+    kind is counted (there a copy is no sync; ``.tolist()`` of a CPU tensor dispatches nothing)."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device = device
-        self.phase = "step"
+        self.phase: str | None = "step"
         self.counts: dict[str, int] = {}
         self._patched: list[tuple[Any, str, Any]] = []
+        self._warnings: Any = None
 
     def _count(self, what: str = "") -> None:
+        if self.phase is None:  # the harness's own syncs (backward_blocks)
+            return
         key = self.phase + (f" {what}" if what else "")
         self.counts[key] = self.counts.get(key, 0) + 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if func._schema.name in SYNC_OPS:
-            devs = {a.device for a in args if isinstance(a, torch.Tensor)}
-            if any(d.type == self.device.type for d in devs):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        if name in SYNC_OPS:
+            if any(isinstance(a, torch.Tensor) and a.device.type == self.device.type
+                   for a in args):
                 self._count()
-        return func(*args, **(kwargs or {}))
+        elif name in ("aten::_to_copy", "aten::copy_") and self.device.type != "cpu":
+            # a blocking device -> host copy (``.cpu()``, ``.tolist()`` on CUDA, ``.to("cpu")``)
+            src = args[1] if name == "aten::copy_" else args[0]
+            dst_cpu = (args[0].device.type == "cpu" if name == "aten::copy_" else
+                       torch.device(kwargs.get("device") or src.device).type == "cpu")
+            blocking = not (kwargs.get("non_blocking") or
+                            (name == "aten::copy_" and len(args) > 2 and args[2]))
+            if isinstance(src, torch.Tensor) and src.device.type == self.device.type \
+                    and dst_cpu and blocking:
+                self._count()
+        return func(*args, **kwargs)
 
     def __enter__(self):  # noqa: ANN204
         if self.device.type == "cuda":
@@ -300,12 +317,26 @@ class SyncCounter(TorchDispatchMode):
                     self._count()
                     return _orig(*a, **k)
                 setattr(owner, attr, wrapped)
+            if hasattr(torch.cuda, "set_sync_debug_mode"):  # CUDA's own count, a cross-check
+                self._warnings = warnings.catch_warnings()
+                self._warnings.__enter__()
+                warnings.simplefilter("always")
+
+                def show(message, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+                    if "synchroniz" in str(message):
+                        self._count("(sync debug mode)")
+                warnings.showwarning = show
+                torch.cuda.set_sync_debug_mode("warn")
         return super().__enter__()
 
     def __exit__(self, *exc):  # noqa: ANN002, ANN204
         for owner, attr, orig in self._patched:
             setattr(owner, attr, orig)
         self._patched.clear()
+        if self._warnings is not None:
+            torch.cuda.set_sync_debug_mode("default")
+            self._warnings.__exit__(None, None, None)
+            self._warnings = None
         return super().__exit__(*exc)
 
 
@@ -322,20 +353,33 @@ def _memory(device: torch.device) -> tuple[int, int]:
     return vals.get("VmRSS", 0), vals.get("VmHWM", 0)
 
 
-def backward_blocks(loss: torch.Tensor, device: torch.device) -> dict[str, Any]:
-    """Queue ~``sleep`` of device work, then call ``backward()``: on CUDA it must return before
-    the device is done (``returned_ms`` well under ``done_ms``); on the CPU every op runs on the
-    host, so the answer there is "n/a"."""
+def backward_blocks(loss: torch.Tensor, device: torch.device,
+                    counter: SyncCounter | None = None) -> dict[str, Any]:
+    """Queue ~1 s of device work, then call ``backward()``: on CUDA it must return before the
+    device is done (``returned_ms`` well under ``done_ms``); on the CPU every op runs on the
+    host, so the answer there is "n/a". ``counter`` counts ``backward()`` alone, not the
+    synchronizations this measurement makes."""
+    phase = None if counter is None else counter.phase
+    if counter is not None:
+        counter.phase = None
     if device.type != "cuda":
+        if counter is not None:
+            counter.phase = phase
         loss.backward()
         return {"blocks": None}
     torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     torch.cuda._sleep(int(2e9))  # ~1 s of GPU clock cycles on current parts
+    if counter is not None:
+        counter.phase = phase
     loss.backward()
+    if counter is not None:
+        counter.phase = None
     t1 = time.perf_counter()
     torch.cuda.synchronize(device)
     t2 = time.perf_counter()
+    if counter is not None:
+        counter.phase = phase
     returned, done = (t1 - t0) * 1e3, (t2 - t0) * 1e3
     return {"blocks": returned > 0.9 * done, "returned_ms": returned, "done_ms": done}
 
@@ -385,7 +429,7 @@ def fake_run(engine: str, cfg: FakeConfig, device: torch.device) -> dict[str, An
             counter.phase = "forward"
             loss = model(x, torch.roll(x, -1, dims=1))
             counter.phase = "backward"
-            blocking.append(backward_blocks(loss, device))
+            blocking.append(backward_blocks(loss, device, counter))
             counter.phase = "optimizer"
             opt.step()
             opt.zero_grad()
