@@ -181,11 +181,12 @@ def check_gloo_collectives(device: torch.device) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001 - what gloo refuses is the result
             bad.append(f"{op} ({type(e).__name__}: {' '.join(str(e).split())[:80]})")
     return _g()._row(f"gloo collectives on {device.type} tensors", PASS,
-                     f"take: {', '.join(ok) or 'none'}; refuse or wrong: {'; '.join(bad) or 'none'}",
+                     f"take: {', '.join(ok) or 'none'}; "
+                     f"refuse or wrong: {'; '.join(bad) or 'none'}",
                      taken=ok, refused=bad)
 
 
-def _owner_losses(model, make_opt, device, steps: int, *, sharded: bool) -> tuple[list, Any]:
+def _owner_losses(model, make_opt, device, steps: int) -> tuple[list, Any]:
     """Every rank trains on the full batch (TESTING.md: the average of equal gradients is bitwise
     the gradient, so only the optimizer's exchange can make the sharded run differ)."""
     g = _g()
@@ -212,9 +213,9 @@ def check_owner_exchange(device: torch.device, steps: int = 3,
               "SOAP": lambda m: SOAP(m.parameters(), lr=3e-3, precondition_frequency=2)}
     parts, bad = [], []
     for name, make in makers.items():
-        ref, _ = _owner_losses(g._small(device), make, device, steps, sharded=False)
+        ref, _ = _owner_losses(g._small(device), make, device, steps)
         got, opt = _owner_losses(g._shard(g._small(device), "vescale", device), make, device,
-                                 steps, sharded=True)
+                                 steps)
         d = g._rel(got, ref)
         moved = getattr(opt, "comm_bytes", None)
         parts.append(f"{name} {d:.1e}" + ("" if moved is None else f" ({moved} bytes moved)"))
@@ -508,7 +509,7 @@ def run_phases(device: torch.device, tmp: str, seconds: float,
     g = _g()
     end = time.monotonic() + seconds
     out: dict[str, dict[str, Any]] = {}
-    nccl = check_nccl_duplicate(tmp, device, seconds=min(60.0, seconds / 5))
+    nccl = check_nccl_duplicate(tmp, device, seconds=min(30.0, seconds / 6))
     print(f"gpu_check: [1 GPU] {nccl['status']} {nccl['check']}: "
           f"{' '.join(str(nccl['detail']).split())[:200]}", flush=True)
     out["2 on 1 GPU (NCCL)"] = {"rows": [nccl], "perf": []}
@@ -517,7 +518,7 @@ def run_phases(device: torch.device, tmp: str, seconds: float,
     print(f"gpu_check: {SHARED_LABEL} on {device.type} ...", flush=True)
     try:
         spawn_within(2, shared_entry, (2, g._free_port(), str(shared), device.type),
-                     (end - time.monotonic()) * 0.55)
+                     (end - time.monotonic()) * 0.45)
         out[SHARED_LABEL] = read_rows(shared)
     except Exception:  # noqa: BLE001 - one phase failing must not hide the others
         out[SHARED_LABEL] = read_rows(shared)
@@ -539,6 +540,6 @@ def run_phases(device: torch.device, tmp: str, seconds: float,
     return out
 
 
-__all__ = ["FAKE_LABEL", "SHARED_LABEL", "run_phases", "FAKE_TOY", "FakeConfig", "SyncCounter", "backward_blocks",
+__all__ = ["FAKE_LABEL", "FAKE_TOY", "SHARED_LABEL", "FakeConfig", "SyncCounter", "backward_blocks",
            "check_gloo_collectives", "check_nccl_duplicate", "check_owner_exchange", "fake_entry",
-           "fake_row", "free_device_memory", "shared_entry"]
+           "fake_row", "free_device_memory", "run_phases", "shared_entry"]
