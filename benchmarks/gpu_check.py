@@ -365,23 +365,28 @@ def throughput(engine: str, cfg: ThroughputConfig, device: torch.device) -> dict
             "peak_reserved": torch.cuda.max_memory_reserved(device) if cuda else None}
 
 
+def shortcut_skip(fn: Callable, device: torch.device, world: int) -> dict[str, Any] | None:
+    """The SKIP row for ``fn`` where it would pass without exercising anything, else ``None``:
+    one accelerator rank takes the local-copy shortcut for every all-gather/reduce-scatter
+    (issue 35); the shared-device world (``_gpu_one``) runs these rows with real collectives.
+    (On the CPU world 1 still runs them: gloo there is what the unit test checks.)"""
+    if world == 1 and device.type != "cpu" and fn in (check_parity, check_async,
+                                                      check_quantized_comm):
+        return _row(fn.__name__, SKIP, "world 1 takes the local-copy shortcut for every "
+                    f"collective: see the '{SHARED_LABEL}' rows")
+    return None
+
+
 def run_checks(device: torch.device, cfg: ThroughputConfig | None,
                report: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Every rank-side check in this world; a failing check is a row, never an abort.
     ``report`` gets each row as soon as it is done (``_gpu_launch.row_reporter``)."""
     rows = []
-    # one accelerator rank takes the local-copy shortcut for every all-gather/reduce-scatter:
-    # these rows would pass without exercising anything (issue 35); the shared-device world
-    # (``_gpu_one``) runs them with real collectives instead
-    shortcut = dist.get_world_size() == 1 and device.type != "cpu"
     for fn in (check_parity, check_bf16, check_async, check_offload, check_quantized_comm,
                *CUDA_PATH_CHECKS, *OFFLOAD_OPTIM_CHECKS):
         try:
-            if shortcut and fn in (check_parity, check_async, check_quantized_comm):
-                rows.append(_row(fn.__name__, SKIP, "world 1 takes the local-copy shortcut "
-                                 f"for every collective: see the '{SHARED_LABEL}' rows"))
-            else:
-                rows.append(fn(device))
+            skipped = shortcut_skip(fn, device, dist.get_world_size())
+            rows.append(skipped if skipped is not None else fn(device))
         except Exception:  # noqa: BLE001 - report it and go on with the other checks
             rows.append(_row(fn.__name__, FAIL, traceback.format_exc(limit=3)[-800:]))
         if report is not None:
