@@ -453,7 +453,8 @@ def fake_entry(_rank: int, engine: str, device_type: str, cfg: dict, out_dir: st
     """A fresh process: the fake group at world 8, one engine, its result in a JSON file."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    torch.set_num_threads(1) if device_type == "cpu" else None
+    if device_type == "cpu":
+        torch.set_num_threads(1)  # the CPU test's 2 shared cores
     device = torch.device(device_type, 0) if device_type != "cpu" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
