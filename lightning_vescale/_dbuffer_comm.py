@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     from lightning_vescale.mesh import MeshInfo
     from lightning_vescale.planner import LayoutPlan
 
-__all__ = ["CommHandle", "gloo_reduce_scatter_sum", "gradient_divide_factors",
+__all__ = ["CommHandle", "gloo_reduce_scatter_sum", "gloo_serves", "gradient_divide_factors",
            "group_rank_and_size", "offload_copy", "reduce_factors", "replica_all_reduce",
            "wire_all_reduce_sum", "wire_needs_scale", "wire_reduce_scatter_sum"]
 
@@ -246,6 +246,18 @@ def wire_reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, *, wire: torch
         finish()
         return None
     return _Finished(finish)
+
+
+def gloo_serves(group: Any, device: torch.device) -> bool:
+    """Whether ``group`` runs collectives on ``device``'s tensors with gloo: CPU tensors on
+    gloo or ``cpu:gloo,cuda:nccl``, and CUDA tensors on a plain gloo group (two processes
+    sharing one GPU), where gloo has no ``reduce_scatter_tensor`` of its own. Backends that do
+    not say fall back to the group's backend name (CPU tensors only)."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    try:
+        return pg._get_backend(torch.device(device.type)).name() == "gloo"
+    except (AttributeError, RuntimeError, ValueError):
+        return device.type == "cpu" and "gloo" in str(dist.get_backend(group))
 
 
 def group_rank_and_size(plan: "LayoutPlan", mesh_info: "MeshInfo | None", is_meta: bool,
