@@ -7,13 +7,12 @@ one step (``sys.setprofile``), the aten ops it dispatches (a ``TorchDispatchMode
 is a kernel) and, without the wrapper, the runs of the flat step (design note [flat-step]).
 
 Issue 36: the step measured 4.08x FSDP2's after the second round and ~3.2x later. The code
-path did not change (with ``granularity=1`` today's step has the second round's 25 flat
-tensors and 468 Python calls per step on its 24-block GPT); ``fully_shard``'s default
-granularity did (256-aligned for tensors of 4096+ elements, a29130b): the padding it puts
-before each aligned tensor breaks a run, so a rank's block can step as two flat tensors
-instead of one, and the step's Python work grows with the tensors (about 14 calls each).
-The pins below are today's counts; the strict ``xfail`` is the goal (one flat tensor per
-DBuffer shard): it passes, hence fails as XPASS, once runs may span padding.
+path had not changed (with ``granularity=1`` the step had the second round's 25 flat tensors
+and 468 Python calls per step on the 24-block GPT); ``fully_shard``'s default granularity had
+(256-aligned for tensors of 4096+ elements, a29130b): the padding it puts before each aligned
+tensor broke a run, so a rank's block stepped as two flat tensors instead of one (49 instead
+of 25, 804 Python calls), about 14 Python calls per extra tensor. Runs now span that padding
+(``padding_between``); the pins fail if it comes back (5 flat tensors, 181 calls here).
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from examples.gpt import GPT, GPTConfig, make_batches
@@ -109,9 +109,8 @@ def test_flat_params_step_work_is_pinned(worlds):
     _check(got, PINNED_FLAT_PARAMS)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 36: padding before 256-aligned tensors breaks "
-                   "runs; a run spanning padding would give one flat tensor per shard")
 def test_flat_params_one_flat_tensor_per_shard(worlds):
+    """The padded default layout steps one flat tensor per shard (runs span padding)."""
     for r in worlds(2).run(_work_body, True, None):
         assert r["flat_tensors"] == r["shards"], r
 
@@ -128,9 +127,98 @@ def test_flat_step_work_is_pinned(worlds):
     _check(got, PINNED_FLAT_STEP)
 
 
-#: The slowest rank's counts per step (torch 2.13, CPU, 2 ranks). Flat tensors: 2 blocks of 2
-#: (the padding) + the root's 1 on rank 0; the second round's layout gives 3 (see above).
-PINNED_FLAT_PARAMS = {"flat_tensors": 5, "shards": 3, "calls": 181, "ours": 23, "ops": 29,
+#: The slowest rank's counts per step (torch 2.13, CPU, 2 ranks): one flat tensor per shard.
+#: Before runs spanned padding: 5 flat tensors, 181 calls, 23 of ours, 29 ops.
+PINNED_FLAT_PARAMS = {"flat_tensors": 3, "shards": 3, "calls": 153, "ours": 17, "ops": 21,
                       "runs": 0}
 #: Without the wrapper: ~8 list ops per step, each over the runs of its lists.
 PINNED_FLAT_STEP = {"shards": 3, "calls": 788, "ours": 239, "ops": 68, "runs": 52}
+
+
+def _local(t):
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _padding_zero(model) -> bool:
+    ok = True
+    for buf in dbuffers(model):
+        covered = torch.zeros(buf.shard_size, dtype=torch.bool)
+        for a, b in buf._local.values():
+            covered[a:b] = True
+        ok &= bool((buf.shard[~covered] == 0).all())
+    return ok
+
+
+def _sd_equal(sa: dict, sb: dict) -> bool:
+    if sa["state"].keys() != sb["state"].keys():
+        return False
+    for k, st in sa["state"].items():
+        for name, v in st.items():
+            w = sb["state"][k][name]
+            if isinstance(v, torch.Tensor):
+                if not torch.equal(_local(v), _local(w)):
+                    return False
+            elif v != w:
+                return False
+    return True
+
+
+def _padding_parity_body(kind: str) -> dict:
+    """FlatParamOptimizer on fully_shard's default (padded) layout against the unwrapped
+    optimizer on the per-tensor path: bitwise after every step, through a step with a missing
+    gradient, a state_dict export and a load into a fresh wrapper."""
+    from lightning_vescale.placement import flat_step_enabled
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(**CFG)
+    make = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+            "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1,
+                                                        fused=True),
+            "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True)}[kind]
+
+    def build():
+        torch.manual_seed(0)
+        m = GPT(cfg)
+        for block in m.blocks:
+            fully_shard(block)
+        return fully_shard(m)
+
+    ma, mb = build(), build()
+    oa, ob = FlatParamOptimizer(make(list(ma.parameters()))), make(list(mb.parameters()))
+    batches = make_batches(8, 4 * world, cfg.block_size, seed=1)
+    equal, flat_tensors = [], oa.num_flat_tensors()
+    for step, (x, y) in enumerate(batches):
+        x, y = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
+        for m in (ma, mb):
+            m(x, y).backward()
+        if step == 3:  # a missing gradient: the run is stepped in pieces, states split
+            ma.blocks[0].mlp.fc.bias.grad = None
+            mb.blocks[0].mlp.fc.bias.grad = None
+        if step == 5:  # checkpoint round trip into a fresh wrapper
+            sd = oa.state_dict()
+            equal.append(_sd_equal(sd, ob.state_dict()))
+            oa = FlatParamOptimizer(make(list(ma.parameters())))
+            oa.load_state_dict(sd)
+        oa.step()
+        with flat_step_enabled(False):
+            ob.step()
+        for o in (oa, ob):
+            o.zero_grad()
+        equal.append(all(torch.equal(_local(p), _local(q))
+                         for p, q in zip(ma.parameters(), mb.parameters())))
+        if step == 3:  # padding left out of the step merges back into its neighbours
+            gap_segments = sum(all(run.is_gap[a:b]) for plan in oa._plans for run in plan.runs
+                               for a, b in zip(run.bounds, run.bounds[1:]))
+    equal.append(_sd_equal(oa.state_dict(), ob.state_dict()))
+    return {"equal": equal, "padding_zero": _padding_zero(ma), "flat_tensors": flat_tensors,
+            "gap_segments": gap_segments,
+            "shards": sum(1 for b in dbuffers(ma) if b.shard_size)}
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adamw_fused", "sgd"])
+def test_flat_params_spans_padding_bitwise(worlds, kind):
+    for r in worlds(2).run(_padding_parity_body, kind):
+        assert all(r["equal"]), r
+        assert r["padding_zero"], r
+        assert r["flat_tensors"] == r["shards"], r  # the padding did not break a run
+        assert r["gap_segments"] == 0, r
