@@ -1,7 +1,19 @@
 """One-command GPU check of ``fully_shard``: ``python -m benchmarks.gpu_check``.
 
-Without CUDA it prints why it is skipped and exits 0. With CUDA, for world size 1 (one GPU,
-NCCL) and, when there are several GPUs, all of them (one process per GPU, spawned):
+Without CUDA it prints why it is skipped and exits 0 (``--device cpu`` runs phase 0 on CPU
+tensors at toy size instead). With CUDA:
+
+0. **what one GPU can run** (issue 35, ``benchmarks/_gpu_one.py``): NCCL's refusal of two ranks
+   on one GPU, shown once; two processes sharing GPU 0 over gloo with CUDA tensors (which
+   collectives gloo takes on them, then parity, prefetch on/off bitwise, HSDP, int8 all-gather
+   bytes, Muon/SOAP owner exchange: the asynchronous engine path with real data); torch's fake
+   process group at world 8, one fresh process per engine (ours, FSDP2), a ~1.3B GPT with a
+   32k vocabulary: per-rank peak memory, growth over steps, host syncs per step, whether
+   ``backward()`` blocks the host. About 65% of ``--time-limit``; then
+
+for world size 1 (one GPU, NCCL) and, when there are several GPUs, all of them (one process
+per GPU, spawned), rows 1-7 (at world 1 the parity, async and quantized rows say SKIP: one rank
+takes the local-copy shortcut for every collective, phase 0 runs them for real):
 
 1. **fp32 parity**: ``fully_shard`` training (a small GPT, one group per block) against
    single-device training on the global batch, TF32 off: max relative loss difference.
@@ -27,7 +39,8 @@ NCCL) and, when there are several GPUs, all of them (one process per GPU, spawne
 6. **MemoryProfiler snapshot**: a Lightning ``Trainer`` with ``VeScaleFSDPStrategy`` and
    ``MemoryProfiler(snapshot_dir=..., snapshot_at_step=1)`` on one GPU must write a loadable
    allocator snapshot.
-7. **throughput**: a ~1.2B-parameter GPT (24 layers, width 2048, sequence 1024, bf16 compute,
+7. **throughput** (with 2+ GPUs, or ``--throughput``): a ~1.2B-parameter GPT (24 layers,
+   width 2048, sequence 1024, bf16 compute,
    fused AdamW) per engine (vescale, vescale with its AdamW wrapped in ``FlatParamOptimizer``
    as the Lightning strategies do by default, FSDP2): tokens/s, step time, the optimizer step
    alone, MFU (model FLOPs: 6 N + 12 L d T per token, over the GPU's dense bf16 peak) and peak
@@ -66,6 +79,7 @@ import torch.distributed as dist
 from benchmarks._gpu_cuda_path import CHECKS as CUDA_PATH_CHECKS
 from benchmarks._gpu_launch import COLLECTIVE_TIMEOUT, read_rows, row_reporter, spawn_within
 from benchmarks._gpu_offload_optim import CHECKS as OFFLOAD_OPTIM_CHECKS
+from benchmarks._gpu_one import FAKE_TOY, SHARED_LABEL, FakeConfig, run_phases
 from examples.gpt import GPT, GPTConfig
 
 RESULTS = Path(__file__).with_name("RESULTS_gpu.md")
@@ -351,6 +365,18 @@ def throughput(engine: str, cfg: ThroughputConfig, device: torch.device) -> dict
             "peak_reserved": torch.cuda.max_memory_reserved(device) if cuda else None}
 
 
+def shortcut_skip(fn: Callable, device: torch.device, world: int) -> dict[str, Any] | None:
+    """The SKIP row for ``fn`` where it would pass without exercising anything, else ``None``:
+    one accelerator rank takes the local-copy shortcut for every all-gather/reduce-scatter
+    (issue 35); the shared-device world (``_gpu_one``) runs these rows with real collectives.
+    (On the CPU world 1 still runs them: gloo there is what the unit test checks.)"""
+    if world == 1 and device.type != "cpu" and fn in (check_parity, check_async,
+                                                      check_quantized_comm):
+        return _row(fn.__name__, SKIP, "world 1 takes the local-copy shortcut for every "
+                    f"collective: see the '{SHARED_LABEL}' rows")
+    return None
+
+
 def run_checks(device: torch.device, cfg: ThroughputConfig | None,
                report: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Every rank-side check in this world; a failing check is a row, never an abort.
@@ -359,7 +385,8 @@ def run_checks(device: torch.device, cfg: ThroughputConfig | None,
     for fn in (check_parity, check_bf16, check_async, check_offload, check_quantized_comm,
                *CUDA_PATH_CHECKS, *OFFLOAD_OPTIM_CHECKS):
         try:
-            rows.append(fn(device))
+            skipped = shortcut_skip(fn, device, dist.get_world_size())
+            rows.append(skipped if skipped is not None else fn(device))
         except Exception:  # noqa: BLE001 - report it and go on with the other checks
             rows.append(_row(fn.__name__, FAIL, traceback.format_exc(limit=3)[-800:]))
         if report is not None:
@@ -469,7 +496,7 @@ def _gib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
 
 
-def render(results: dict[int, dict[str, Any]], snapshot_row: dict[str, Any],
+def render(results: dict[Any, dict[str, Any]], snapshot_row: dict[str, Any] | None,
            cfg: ThroughputConfig | None, command: str) -> str:
     """The RESULTS_gpu.md text."""
     import lightning_vescale
@@ -488,8 +515,9 @@ def render(results: dict[int, dict[str, Any]], snapshot_row: dict[str, Any],
         for row in res["rows"]:
             detail = str(row["detail"]).replace("\n", " ").replace("|", "/")
             lines.append(f"| {world} | {row['check']} | {row['status']} | {detail} |")
-    lines.append(f"| 1 | {snapshot_row['check']} | {snapshot_row['status']} | "
-                 f"{snapshot_row['detail']} |")
+    if snapshot_row is not None:
+        lines.append(f"| 1 | {snapshot_row['check']} | {snapshot_row['status']} | "
+                     f"{snapshot_row['detail']} |")
     if cfg is not None:
         lines += ["", f"Throughput: GPT {cfg.n_layer} layers, width {cfg.n_embd}, sequence "
                   f"{cfg.seq}, {cfg.batch} sequences per GPU, bf16 compute / fp32 reduce, "
@@ -526,24 +554,42 @@ def render(results: dict[int, dict[str, Any]], snapshot_row: dict[str, Any],
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: the one-device phases (gloo on CPU tensors, the fake group with "
+                        "a toy GPT) at toy size, to check the script without a GPU")
     p.add_argument("--quick", action="store_true", help="a small throughput model (smoke run)")
     p.add_argument("--no-throughput", action="store_true", help="checks only")
-    p.add_argument("--output", default=str(RESULTS), help="where to write the results")
+    p.add_argument("--throughput", action="store_true",
+                   help="the NCCL throughput rows on one GPU too (default: only with 2+ GPUs; "
+                        "on one GPU the fake world-8 rows measure the ~1B model instead)")
+    p.add_argument("--output", default=None,
+                   help=f"where to write the results (default: {RESULTS.name} on CUDA, "
+                        "nothing with --device cpu)")
     p.add_argument("--time-limit", type=float, default=280.0,
-                   help="seconds for the whole run; a world past its share is killed and "
-                        "reported with the rows it finished")
+                   help="seconds for the whole run; a phase or world past its share is killed "
+                        "and reported with the rows it finished")
     a = p.parse_args(argv)
+    command = "python -m benchmarks.gpu_check " + " ".join(argv if argv is not None
+                                                           else sys.argv[1:])
+    end = time.monotonic() + a.time_limit
+    if a.device == "cpu":
+        with tempfile.TemporaryDirectory() as tmp:
+            results = run_phases(torch.device("cpu"), tmp, a.time_limit, FAKE_TOY)
+        return _finish(results, None, None, command, a.output)
     if not torch.cuda.is_available():
         print("gpu_check: skipped: no CUDA device is available (torch "
               f"{torch.__version__}, torch.cuda.is_available() is False). Run it on a machine "
-              "with an NVIDIA GPU; nothing was written.")
+              "with an NVIDIA GPU (`--device cpu` checks the script itself); nothing was "
+              "written.")
         return 0
-    cfg = None if a.no_throughput else (QUICK if a.quick else ThroughputConfig())
     n = torch.cuda.device_count()
+    cfg = None if a.no_throughput or (n == 1 and not a.throughput) else (
+        QUICK if a.quick else ThroughputConfig())
     worlds = [1] + ([n] if n > 1 else [])
-    results: dict[int, dict[str, Any]] = {}
-    end = time.monotonic() + a.time_limit
     with tempfile.TemporaryDirectory() as tmp:
+        # what one GPU can run first (issue 35), then the NCCL worlds with the time left
+        results: dict[Any, dict[str, Any]] = run_phases(
+            torch.device("cuda", 0), tmp, 0.65 * a.time_limit, FakeConfig())
         for i, world in enumerate(worlds):
             out = Path(tmp, f"world{world}")
             out.mkdir()
@@ -559,13 +605,19 @@ def main(argv: list[str] | None = None) -> int:
                 results[world]["rows"].append(
                     _row("world run", FAIL, traceback.format_exc(limit=3)[-800:]))
         snapshot_row = check_snapshot(tmp, end - time.monotonic())
-    command = "python -m benchmarks.gpu_check " + " ".join(argv if argv is not None
-                                                           else sys.argv[1:])
+    return _finish(results, snapshot_row, cfg, command, a.output or str(RESULTS))
+
+
+def _finish(results: dict[Any, dict[str, Any]], snapshot_row: dict[str, Any] | None,
+            cfg: ThroughputConfig | None, command: str, output: str | None) -> int:
+    """Render, print, write ``output`` (if any); 1 when a row failed."""
     text = render(results, snapshot_row, cfg, command.strip())
-    Path(a.output).write_text(text)
+    if output:
+        Path(output).write_text(text)
     print(text)
-    failed = any(r["status"] == FAIL for res in results.values() for r in res["rows"])
-    return 1 if failed or snapshot_row["status"] == FAIL else 0
+    rows = [r for res in results.values() for r in res["rows"]]
+    rows += [snapshot_row] if snapshot_row is not None else []
+    return 1 if any(r["status"] == FAIL for r in rows) else 0
 
 
 if __name__ == "__main__":

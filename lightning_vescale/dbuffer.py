@@ -1,5 +1,8 @@
 """Layer 2: ``DBuffer``, one group's flat, sharded storage; collectives run in place on it.
 
+The collective forms and CPU offload (design notes [dbuffer-collectives], [dbuffer-offload]) are
+described in ``_dbuffer_comm``, beside the code that runs them.
+
 Design note [dbuffer-memory]
 ----------------------------
 A :class:`~lightning_vescale.planner.LayoutPlan` puts every tensor of a group at an offset of a
@@ -41,65 +44,6 @@ re-materialises the buffer in backward would then trip autograd's "modified by a
 operation" check on every saved parameter. ``set_`` views share the memory but have their own
 version counter. (FSDP2 instead wraps its copy-out in ``_unsafe_preserve_version_counter``.)
 
-Design note [dbuffer-collectives]
----------------------------------
-* ``all_gather``: ``all_gather_into_tensor(full, shard)`` (or, with a lower ``param_dtype``,
-  one whole-shard cast first). The output *is* every parameter: no copy-out.
-* ``reduce_scatter``: ``reduce_scatter_tensor(grad_shard, grad_full)``. The input *is* every
-  gradient (autograd accumulated into the views): no copy-in. One whole-buffer cast when the
-  reduce dtype differs, one whole-shard add when accumulating onto existing sharded gradients.
-* Group operations (zero, scale, cast) are one kernel per buffer, never per tensor.
-* fp16 reductions divide by about ``sqrt(ranks)`` before the SUM and by the rest after, as
-  FSDP2's ``_get_gradient_divide_factors`` (a SUM of fp16 gradients over many ranks overflows);
-  fp32/bf16 use the collective's AVG (or SUM and one scale).
-* HSDP: the replica all-reduce of the reduced shard is issued from a side stream ordered after
-  the reduce-scatter (FSDP2's ``all_reduce_stream``), so later backward kernels on the current
-  stream do not queue behind the reduce-scatter; the handle's ``wait`` orders the current stream
-  after the all-reduce.
-* gloo (CPU): a SUM reduce-scatter is an ``all_to_all_single`` of ``grad_full`` into an
-  input-sized temporary (each rank receives every rank's copy of its own slice) and one local
-  ``sum`` over ranks. gloo's ``reduce_scatter_tensor`` moves the same bytes but was 1.7-2.4x
-  slower than this whole path here (``python -m benchmarks.gloo_reduce_scatter``: 2.78 vs
-  1.41 ms for 640k fp32 elements at 2 ranks, 4.18 vs 2.43 ms at 3) and allocates an
-  input-sized temporary too. The local sum adds the ranks' parts in gloo's ring order, so
-  the result is bitwise gloo's (checked at 2, 3 and 4 ranks, fp32 and bf16:
-  ``tests/distributed/test_dbuffer_gloo_reduce_scatter.py``). NCCL keeps its native
-  reduce-scatter.
-* ``wire_dtype`` (``CommPolicy.reduce_scatter_dtype``): gradients are cast to it once (fp16:
-  scaled by a power of two per rank first, so nothing overflows: ``pack_scaled``) and always
-  take the all-to-all form (any backend), the local sum is taken in fp32, and AVG is a SUM then
-  a divide; so only the transport is narrow (NCCL's bf16 reduce-scatter would round every
-  partial sum to bf16). HSDP's replica all-reduce moves the wire dtype too, as an all-to-all,
-  an fp32 sum and an all-gather (``wire_all_reduce_sum``): one rounding, of the total.
-* HSDP gradient accumulation with ``set_requires_all_reduce(False)`` (FSDP2's): each such
-  micro-batch is reduce-scattered within the shard group and its output added to
-  ``grad_partial`` (one shard, ``reduce_dtype``; FSDP2's ``partial_reduce_output``), counted as
-  ``grad_shard`` memory; ``grad_shard`` and the published gradients are left alone. The next
-  reduce with the all-reduce adds ``grad_partial`` to its reduce-scatter output and all-reduces
-  the total across the replicas once, so only the last micro-batch pays the replica traffic.
-  The divisions (``pre`` on the input, ``post`` and ``scale`` on the output) are linear: the
-  total is divided once.
-* Gradient accumulation without sync (``set_requires_gradient_sync(False)``) in mixed
-  precision: each backward's ``grad_full`` holds one micro-batch's gradient in ``param_dtype``;
-  :meth:`accumulate_grad` adds it into ``grad_acc`` (``reduce_dtype``, e.g. fp32) and frees it,
-  so the sum over micro-batches is taken in ``reduce_dtype`` (as FSDP2's
-  ``unsharded_accumulated_grad``), not in bf16. The next reduce-scatter adds the last
-  micro-batch into ``grad_acc`` in place and reduces that (no extra cast buffer).
-
-Design note [dbuffer-offload]
------------------------------
-With ``offload=True`` (``CPUOffloadPolicy``) ``shard`` and ``grad_shard`` live in CPU memory
-(pinned when ``pin_memory`` and an accelerator exist), so the sharded parameters, their
-gradients and the optimizer states built from them are CPU tensors, as with FSDP2. ``full`` and
-``grad_full`` stay on ``device``: the all-gather input is one copy of the whole shard to
-``device`` per group (cast to ``param_dtype`` on the way), and the reduce-scatter writes a
-device tensor that its epilogue copies (or adds) into the host ``grad_shard``. Both copies are
-made even when ``device`` is the CPU, so the offload path is the same code everywhere. Into
-pinned memory from an accelerator the gradient copy is asynchronous (``non_blocking``, one event
-per buffer that the root's final callback synchronises: FSDP2's ``grad_offload_event``); when
-gradients accumulate the reduced shard is copied to the host first and added there, never added
-across devices. The host shard is not zeroed before a copy that overwrites it.
-
 Design note [dbuffer-published-grads]
 -------------------------------------
 Whoever hands the rank's gradients out as tensors (``fully_shard`` gives each parameter a
@@ -130,6 +74,7 @@ from lightning_vescale._dbuffer_comm import (
     _all_gather_flat,
     _reduce_scatter_flat,
     _resolve_op,
+    gloo_serves,
     group_rank_and_size,
     offload_copy,
     reduce_factors,
@@ -245,7 +190,23 @@ class DBuffer:
         #: not yet all-reduced across replicas (FSDP2's ``partial_reduce_output``); usually None
         self.grad_partial: torch.Tensor | None = None
         self._grad_fresh = True  # grad_full holds no gradient (zero it on materialise)
-        lo = self.rank * S
+        self._build_views()
+        self._grad_local_views: dict[str, torch.Tensor] = {}
+        # (grad_shard, {key: tensor}) of record_published_grads; see [dbuffer-published-grads]
+        self._published: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
+        self._comm_bytes = 0  # bytes of live temporaries (casts) owned by in-flight ops
+        self._gloo: bool | None = None  # the group's backend is gloo (see _on_gloo)
+        #: the pending asynchronous gradient copy to the host (offload; see wait_offload)
+        self._offload_event: torch.Event | None = None
+        self.free()
+        self.free_grad()
+        register(self)  # dbuffer_of, live_dbuffers
+
+    def _build_views(self) -> None:
+        """Every tensor's views, made once and valid forever ([dbuffer-memory]): unsharded
+        parameter and gradient views of ``full``/``grad_full``, and the owned range of
+        ``shard``."""
+        plan, S, lo = self.plan, self.shard_size, self.rank * self.shard_size
         self._local: dict[str, tuple[int, int]] = {}
         self._param_views: dict[str, torch.Tensor] = {}
         self._grad_views: dict[str, torch.Tensor] = {}
@@ -260,16 +221,6 @@ class DBuffer:
             self._param_views[name_] = _storage_view(self.full, off, shape)
             self._grad_views[name_] = _storage_view(self.grad_full, off, shape)
             self._local_views[name_] = self.shard[start:end]
-        self._grad_local_views: dict[str, torch.Tensor] = {}
-        # (grad_shard, {key: tensor}) of record_published_grads; see [dbuffer-published-grads]
-        self._published: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
-        self._comm_bytes = 0  # bytes of live temporaries (casts) owned by in-flight ops
-        self._gloo: bool | None = None  # the group's backend is gloo (see _on_gloo)
-        #: the pending asynchronous gradient copy to the host (offload; see wait_offload)
-        self._offload_event: torch.Event | None = None
-        self.free()
-        self.free_grad()
-        register(self)  # dbuffer_of, live_dbuffers
 
     # -- introspection ---------------------------------------------------------------------------
     def placement(self, name: str) -> RaggedShard:
@@ -520,12 +471,12 @@ class DBuffer:
             return self._reduce_scatter(async_op, rop, accumulate, scale, all_reduce)
 
     def _on_gloo(self) -> bool:
-        """Whether the shard group runs on gloo (CPU): AVG is a SUM and one division (gloo's
+        """Whether gloo runs this buffer's collectives (the backend serving ``device``: CPU
+        tensors, or CUDA tensors on a plain gloo group): AVG is a SUM and one division (gloo's
         own AVG does that, slower: 4.3 vs 3.1 ms for 3.2 MB at 2 ranks; same bits), a SUM
         reduce-scatter an all-to-all plus a local sum ([dbuffer-collectives])."""
         if self._gloo is None:
-            self._gloo = (self.device.type == "cpu" and dist.is_initialized()
-                          and "gloo" in str(dist.get_backend(self.group)))
+            self._gloo = dist.is_initialized() and gloo_serves(self.group, self.device)
         return self._gloo
 
     def _gloo_reduce_scatter_sum(self, out: torch.Tensor, inp: torch.Tensor,
@@ -609,11 +560,20 @@ class DBuffer:
                     self.grad_partial.add_(out)
                 self._comm_bytes -= extra
 
-            handle = CommHandle(work, keep_partial)
-            if not async_op:
-                handle.wait()
-            return handle
-        if self.replicate_group is not None and self.grad_partial is not None:
+            epilogue = keep_partial
+        elif self.replicate_group is not None:
+            work = self._replica_stage(work, out, rop, async_op)
+        handle = CommHandle(work, epilogue)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def _replica_stage(self, work: Any, out: torch.Tensor, rop: dist.ReduceOp,
+                       async_op: bool) -> Any:
+        """HSDP, after the shard group's reduce-scatter into ``out``: add the micro-batches
+        reduced without the all-reduce (``grad_partial``), then all-reduce ``out`` across the
+        replicas ([dbuffer-collectives])."""
+        if self.grad_partial is not None:
             # the micro-batches reduced without the all-reduce join this one before it (an
             # accelerator's current stream waits for this reduce-scatter: last micro-batch only)
             if work is not None:
@@ -622,16 +582,12 @@ class DBuffer:
                 work = None
             out.add_(self.grad_partial)
             self.grad_partial = None
-        if self.replicate_group is not None:
-            # HSDP: all-reduce the output across replicas, after the reduce-scatter (on a side
-            # stream on accelerators); with AVG each stage averages over its own group. A wire
-            # dtype: an all-to-all, an fp32 sum and an all-gather ([dbuffer-collectives]).
-            work = replica_all_reduce(work, out, op=rop, group=self.replicate_group,
-                                      async_op=async_op, wire=wire, size=self.replicate_size)
-        handle = CommHandle(work, epilogue)
-        if not async_op:
-            handle.wait()
-        return handle
+        # the all-reduce runs after the reduce-scatter (on a side stream on accelerators); with
+        # AVG each stage averages over its own group. A wire dtype: an all-to-all, an fp32 sum
+        # and an all-gather ([dbuffer-collectives]).
+        return replica_all_reduce(work, out, op=rop, group=self.replicate_group,
+                                  async_op=async_op, wire=self.wire_dtype,
+                                  size=self.replicate_size)
 
     def wait_offload(self) -> None:
         """Wait for the asynchronous copy of the reduced gradient shard to the host (offload,

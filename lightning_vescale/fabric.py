@@ -36,7 +36,6 @@ from lightning_vescale._lightning.sharding import (
     DEFAULT_OPTIMIZER_BLOCK_SIZE,
     NoGradSync,
     check_optimizer_params,
-    has_meta,
     is_sharded,
     remap_optimizer_params,
     reshard_all,
@@ -209,8 +208,7 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
 
     @override
     def module_to_device(self, module: Module) -> None:
-        if not has_meta(module) and not is_sharded(module):
-            module.to(self.root_device)
+        pass  # sharding places every group on the root device, from the CPU source per rank
 
     @override
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:

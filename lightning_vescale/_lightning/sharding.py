@@ -15,6 +15,12 @@ strings keep LightningCLI/YAML configs simple: ``sharding_units: [Block]``; a do
 called in ``configure_model`` or before ``setup_module``) is respected: nothing is wrapped twice,
 only a root is added when one is missing.
 
+A model built on the CPU is never moved to the device whole: ``fully_shard`` copies each rank's
+part of every group from the CPU source into the group's DBuffer on the mesh's device (design note
+[mesh-device]), and buffers follow, so a GPU holds one rank's share plus one group's unsharded
+buffers while sharding, not the whole model (FSDP2 does the same; Lightning's FSDP strategies
+skip ``module_to_device`` for it). ``LightningModule.device`` is set to the device afterwards.
+
 Granularity (shard bounds). Block-wise optimizers (``AdamW8bit``: blocks of 256 elements for
 tensors with at least 4096 elements) need every rank's range to start on a block boundary.
 The optimizer is created *after* sharding, so the strategy must make bounds block-aligned in
@@ -45,6 +51,7 @@ from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
 import torch
+from lightning.fabric.utilities.device_dtype_mixin import _DeviceDtypeModuleMixin
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -490,8 +497,8 @@ def shard_model(
             fully_shard(root, **root_kwargs, **granularity_at(root))
     else:
         chosen = resolve_sharding_units(root, units)
-        if not is_meta:
-            root.to(device)
+        # no ``root.to(device)`` first: each group copies its rank's part from where the model
+        # was built (design note [sharding-units])
         for unit in chosen:
             fully_shard(unit, **kwargs, **granularity_at(unit))
         fully_shard(root, **root_kwargs, **granularity_at(root))
@@ -501,14 +508,25 @@ def shard_model(
     if is_meta:
         materialize(root, device, init_params=init_params)
     _move_unsharded(root, device)
+    _update_device_properties(root, device)
 
 
 def _move_unsharded(module: Module, device: torch.device) -> None:
-    """Move buffers (and any parameter no group owns) to ``device``; sharded groups stay put."""
+    """Move buffers to ``device`` (the root's ``fully_shard`` owns every parameter left, so no
+    parameter stays unsharded); sharded groups stay put."""
     for m in module.modules():
         for name, b in list(m._buffers.items()):
             if b is not None and b.device != device and not b.is_meta:
                 m._buffers[name] = b.to(device)
+
+
+def _update_device_properties(root: Module, device: torch.device) -> None:
+    """Record in Lightning's modules (``LightningModule.device``) where they now compute: with
+    no ``root.to(device)`` nothing else does (Lightning's ``_update_properties``, which ``.to()``
+    calls, without moving anything)."""
+    for m in root.modules():
+        if isinstance(m, _DeviceDtypeModuleMixin):
+            m._device = device
 
 
 def remap_optimizer_params(optimizer: Optimizer, old_names: dict[int, str],

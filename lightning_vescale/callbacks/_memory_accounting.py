@@ -25,7 +25,10 @@ area) counts as a communication buffer. The per-category figures therefore add u
 bytes of the distinct storage ranges involved, never more.
 
 Only tensors on the measured device are counted; the bytes of the others (CPU offload, say) are
-reported separately as ``off_device``. Meta tensors and tensors without storage count as zero.
+reported separately as ``off_device``. Pinned host storages among them take more host memory than
+their bytes: the caching host allocator rounds each up to a power of two (design note
+[pinned-host]), up to 2x; ``off_device_pinned_host`` is what those storages really hold. Meta
+tensors and tensors without storage count as zero.
 Nothing here needs a process group or a Trainer.
 """
 
@@ -36,6 +39,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+
+from lightning_vescale._pinned import pinned_host_bytes
 
 __all__ = [
     "CATEGORIES",
@@ -68,6 +73,10 @@ class MemoryBreakdown:
     comm_buffers: int = 0
     #: bytes of the given tensors that live on another device (not part of :attr:`total`).
     off_device: int = 0
+    #: host bytes held by the pinned storages among them: each storage's size rounded up to a
+    #: power of two by the caching host allocator (up to 2x their bytes; design note
+    #: [pinned-host]). 0 without pinned tensors (and always on a CPU-only build).
+    off_device_pinned_host: int = 0
 
     @property
     def total(self) -> int:
@@ -202,10 +211,8 @@ def account(
 ) -> MemoryBreakdown:
     """Count the bytes of each category on ``device``, each storage byte once (priority order).
 
-    Every tensor argument is an iterable of tensors (``None`` and non-tensors are ignored). See the
-    module docstring for the priority rule that decides which category owns shared bytes.
-    ``extra_comm_bytes`` adds communication bytes an engine reports but does not expose as tensors
-    (e.g. the temporaries of in-flight collectives).
+    Tensor arguments are iterables (``None``, non-tensors ignored). ``extra_comm_bytes``: bytes
+    an engine reports but does not expose as tensors (temporaries of in-flight collectives).
     """
     device = torch.device(device)
     plain = (torch.Tensor, torch.nn.Parameter)
@@ -214,6 +221,7 @@ def account(
     claimed: dict[_Key, list[tuple[int, int]]] = {}
     counts: dict[str, int] = {}
     off_device: dict[_Key, list[tuple[int, int]]] = {}
+    pinned: dict[_Key, int] = {}  # off-device pinned storages: their allocation's bytes
     groups = (params_sharded, params_unsharded, grads, optimizer_states, comm_buffers)
     for name, tensors in zip(CATEGORIES, groups):
         mine: dict[_Key, list[tuple[int, int]]] = {}
@@ -245,6 +253,8 @@ def account(
                 ivs = target.get(key)
                 if ivs is None:
                     target[key] = [(s, e)]
+                    if not w and _is_pinned(t):  # pinned host memory: its allocation's bytes
+                        pinned[key] = pinned_host_bytes(t.untyped_storage().nbytes())
                 else:
                     ivs.append((s, e))
         total = 0
@@ -268,7 +278,12 @@ def account(
         counts[name] = total
     counts["comm_buffers"] += int(extra_comm_bytes)
     off = sum(sum(e - s for s, e in _merge(ivs)) for ivs in off_device.values())
-    return MemoryBreakdown(**counts, off_device=off)
+    return MemoryBreakdown(**counts, off_device=off, off_device_pinned_host=sum(pinned.values()))
+
+
+def _is_pinned(t: torch.Tensor) -> bool:
+    """``t`` is in page-locked host memory (``False`` on a CPU-only build, which cannot pin)."""
+    return t.device.type == "cpu" and t.is_pinned()
 
 
 # --------------------------------------------------------------------------------------------

@@ -43,8 +43,10 @@ Outputs
   once per profiled batch: ``memory_mib/{name}_{max|mean}`` for ``peak`` and ``peak_{phase}``
   (the phases that ended since the previous log; ``peak_other`` includes the unprofiled batches),
   and for ``current``, each breakdown category, ``activations_other`` and ``off_device`` (bytes
-  of the run's tensors on another device, e.g. CPU offload; not part of ``current``), each the
-  largest value at the batch's phase boundaries.
+  of the run's tensors on another device, e.g. CPU offload; not part of ``current``) and
+  ``off_device_pinned_host`` (the host memory the pinned ones among them really hold: the caching
+  host allocator rounds each pinned storage up to a power of two, up to 2x), each the largest
+  value at the batch's phase boundaries.
 * A summary table at the end of ``fit`` on rank zero (``rank_zero_info``, also with
   ``logger=False``), kept in :attr:`MemoryProfiler.table`. Where the module's ``fully_shard``
   groups have a :class:`~lightning_vescale.CommPolicy`, the table names it under the
@@ -90,7 +92,8 @@ PHASES: tuple[str, ...] = ("forward", "backward", "optimizer_step", "checkpoint_
 
 _MIB = float(1 << 20)
 #: breakdown figures, logged and tabulated as their largest value over the phase boundaries.
-_FIGURES: tuple[str, ...] = CATEGORIES + ("activations_other", "off_device")
+_FIGURES: tuple[str, ...] = CATEGORIES + ("activations_other", "off_device",
+                                         "off_device_pinned_host")
 
 
 def engine_tensors(module: torch.nn.Module | None = None
@@ -306,6 +309,7 @@ class MemoryProfiler(Callback):
             if sample.breakdown is not None:
                 figures.update(sample.breakdown.as_dict())
                 figures["off_device"] = sample.breakdown.off_device
+                figures["off_device_pinned_host"] = sample.breakdown.off_device_pinned_host
             for key, val in figures.items():
                 if val is not None:
                     for acc in (self._step_max, self._run_max):
@@ -517,6 +521,7 @@ _ROW_LABELS = (
         ("communication buffers", False),
         ("activations/other", False),
         ("off-device tensors", False),
+        ("  pinned (host, rounded)", False),
         ("current (total)", False),
     ]
 )

@@ -44,6 +44,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.profiler import record_function
 
+from lightning_vescale._pinned import host_source
 from lightning_vescale.fsdp._collective_check import check_collective
 from lightning_vescale.fsdp._collective_check import enabled as collective_check_on
 from lightning_vescale.fsdp._extensions import check_group_for_all_gather_extension
@@ -328,9 +329,10 @@ class RootContext:
         if mesh_info.data_parallel_size == 1:
             return local
         with record_function("vescale::grad_flags_all_reduce"):
-            # frombuffer: no ATen op (the zero-copy tests count copy operators)
-            t = torch.frombuffer(bytearray(local), dtype=torch.uint8)
             device = next(iter(group.buffers.values())).device
+            # pinned toward an accelerator: a pageable source may make the driver synchronise
+            # (design note [pinned-host])
+            t = host_source(local, device)
             if device.type != "cpu":  # non_blocking: a blocking copy would wait for the backward
                 t = t.to(device, non_blocking=True)
             dp_group = mesh_info.data_parallel_group

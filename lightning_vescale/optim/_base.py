@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -319,6 +320,36 @@ def state_in_param_layout(p: Tensor, value: Tensor, *, who: str, key: str, name:
 # -------------------------------------------------------------------------------------------------
 # The optimizer base
 # -------------------------------------------------------------------------------------------------
+_WARNED_CPU_MATRIX_MATH: set[str] = set()
+
+
+def offloaded_to_cpu(p: Tensor) -> bool:
+    """``p`` is a DTensor whose local tensor is on the CPU while its mesh is an accelerator's:
+    a CPU-offloaded ``fully_shard`` parameter (``CPUOffloadPolicy``)."""
+    return (isinstance(p, DTensor) and p.to_local().device.type == "cpu"
+            and p.device_mesh.device_type not in ("cpu", "meta"))
+
+
+def warn_matrix_math_on_cpu(optimizer: "ShardedOptimizer") -> bool:
+    """Warn once per optimizer class when its parameters are CPU-offloaded: the owner's whole
+    matrices, their states and the step's ``matrix_math`` stay on the CPU (the optimizer steps
+    where the parameters live, as torch's optimizers do with FSDP2's offload). Returns whether
+    this call warned."""
+    name = type(optimizer).__name__
+    if name in _WARNED_CPU_MATRIX_MATH:
+        return False
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not any(offloaded_to_cpu(p) for p in params):
+        return False
+    _WARNED_CPU_MATRIX_MATH.add(name)
+    warnings.warn(
+        f"{name} with CPU offload (CPUOffloadPolicy) runs its {optimizer.matrix_math} on the "
+        "CPU: the owner's whole matrices and their states live where the offloaded parameters "
+        "do, so every step's matrix maths is CPU time. Without offload it runs on the GPU; "
+        "offload trades that time for GPU memory.", UserWarning, stacklevel=4)
+    return True
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParamRef:
     """One parameter of an optimizer, as a state dict addresses it.
@@ -338,8 +369,13 @@ class ShardedOptimizer(Optimizer):
     """Base of this package's optimizers (see design note [sharded-optimizer]).
 
     Subclasses implement :meth:`_update` (one step on every group, under ``no_grad``) and use the
-    module's helpers for layouts and state export/import.
+    module's helpers for layouts and state export/import. A subclass whose step runs matrix
+    decompositions on the owner's whole matrices names them in :attr:`matrix_math`: with CPU
+    offload those run on the CPU, which its first step says once (:func:`warn_matrix_math_on_cpu`).
     """
+
+    #: the matrix maths of the step (``"Newton-Schulz"``, ...), ``None`` for element-wise steps
+    matrix_math: str | None = None
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -349,6 +385,9 @@ class ShardedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.matrix_math is not None and not getattr(self, "_offload_checked", False):
+            self._offload_checked = True  # the placement of the parameters does not change
+            warn_matrix_math_on_cpu(self)
         self._update()
         return loss
 

@@ -25,7 +25,8 @@ from lightning_vescale.placement._flat_probe import optimizer_alignment as exact
 from lightning_vescale.placement._flat_runs import run_bounds, runs_follow
 
 __all__ = ["GradSource", "GroupPlan", "Run", "check_param", "exact_alignment",
-           "is_elementwise_state", "local_of", "merge_states", "state_signature"]
+           "is_elementwise_state", "local_of", "merge_states", "padding_between",
+           "state_signature"]
 
 # ---------------------------------------------------------------------------------------------
 # Runs and segments
@@ -56,10 +57,13 @@ class Run:
     """Consecutive parameters of one group, back to back in one storage (see [flat-params])."""
 
     __slots__ = ("params", "numels", "offs", "flat", "bounds", "segs", "itemsize", "dtype",
-                 "source")
+                 "source", "is_gap")
 
-    def __init__(self, params: list[Tensor]) -> None:
+    def __init__(self, params: list[Tensor], is_gap: list[bool] | None = None) -> None:
         self.params = params
+        #: per item: a padding gap of the DBuffer shard (a plain view, not a parameter; see
+        #: :func:`padding_between`), stepped with the run, never exported
+        self.is_gap = is_gap or [False] * len(params)
         locs = [local_of(p) for p in params]
         self.numels = [t.numel() for t in locs]
         self.offs = [0]
@@ -76,7 +80,7 @@ class Run:
         #: ``None`` for a run outside fully_shard's DBuffers (gradients read by
         #: :func:`_grad_pieces` only).
         self.source: GradSource | None = None
-        full = [p for p, n in zip(params, self.numels) if n]
+        full = [p for p, n, g in zip(params, self.numels, self.is_gap) if n and not g]
         empty = [p for p, n in zip(params, self.numels) if not n]
         n = self.offs[-1]
         if not full:
@@ -106,6 +110,32 @@ class Run:
             if a <= i < b:
                 return a, b
         raise AssertionError(i)
+
+
+def padding_between(x: Tensor, y: Tensor) -> Tensor | None:
+    """The padding of one DBuffer shard between ``x`` and ``y`` (local parameter views), as a
+    plain 1-D view, when ``y`` starts after ``x`` ends in that shard and no parameter of the
+    buffer has an element in between; else ``None``.
+
+    A run may span it ([flat-params]): the planner's alignment padding is zeros in the
+    parameter and gradient shards, and Adam/AdamW/SGD map zero parameters, gradients and
+    states to zeros, so stepping it changes nothing; it is never exported.
+    """
+    if x.dtype != y.dtype or not (x.numel() and y.numel()):
+        return None
+    buf = dbuffer_of(x)
+    if buf is None or dbuffer_of(y) is not buf or buf.shard.dtype != x.dtype:
+        return None
+    size = x.element_size()
+    base = buf.shard.data_ptr()
+    lo, r1 = divmod(x.data_ptr() - base, size)
+    hi, r2 = divmod(y.data_ptr() - base, size)
+    lo += x.numel()
+    if r1 or r2 or not 0 <= lo < hi <= buf.shard_size:
+        return None
+    if any(a < hi and lo < b for a, b in buf._local.values() if a < b):
+        return None  # another parameter (another group's, a frozen one) lies in between
+    return buf.shard.detach()[lo:hi]
 
 
 _GRAD = operator.attrgetter("grad")
@@ -229,11 +259,13 @@ def state_signature(state: dict[str, Any], numel: int, *, values: bool = True) -
     return tuple(sig)
 
 
-def merge_states(states: list[dict[str, Any]], numels: list[int]) -> dict[str, Any]:
-    """One state for adjacent segments with equal signatures (element-wise states concatenated)."""
+def merge_states(states: list[dict[str, Any]], numels: list[int],
+                 scalars_from: int = 0) -> dict[str, Any]:
+    """One state for adjacent segments with equal signatures (element-wise states
+    concatenated, scalars from ``states[scalars_from]``)."""
     out = {}
-    for k, v in states[0].items():
-        if is_elementwise_state(v, numels[0]):
+    for k, v in states[scalars_from].items():
+        if is_elementwise_state(v, numels[scalars_from]):
             out[k] = torch.cat([s[k] for s in states])
         elif isinstance(v, Tensor):
             out[k] = v.clone()
@@ -262,19 +294,34 @@ class GroupPlan:
         # parts sort first and join any run (no memory to line up).
         order = sorted(range(len(params)), key=lambda j: (locs[j].numel() > 0,
                                                           locs[j].data_ptr()))
-        ordered = [locs[j] for j in order]
-        breaks = {k for k in range(len(order) - 1)
+        # Padding of a DBuffer shard between two parameters joins their run as a gap item
+        # (issue 36: fully_shard's 256-aligned default pads before large tensors).
+        seq: list[tuple[Tensor, int | None]] = []  # (local tensor, parameter index | None)
+        for k, j in enumerate(order):
+            gap = padding_between(seq[-1][0], locs[j]) if seq else None
+            if gap is not None:
+                seq.append((gap, None))
+            seq.append((locs[j], j))
+        ordered = [loc for loc, _ in seq]
+        breaks = {k for k in range(len(seq) - 1)
                   if not runs_follow(ordered[k], ordered[k + 1], empty_joins=True)}
         aligns = [align_of[(loc.dtype, loc.device)] for loc in ordered]
         for a, b in run_bounds([loc.numel() for loc in ordered], breaks, aligns):
-            self._add_run(params, order[a:b])
+            while a < b and seq[a][1] is None:  # a run neither starts nor ends with a gap
+                a += 1
+            while b > a and seq[b - 1][1] is None:
+                b -= 1
+            if a < b:
+                self._add_run(params, seq[a:b])
         self.items: list[Tensor] = []
 
-    def _add_run(self, params: list[Tensor], indices: list[int]) -> None:
-        run = Run([params[j] for j in indices])
+    def _add_run(self, params: list[Tensor], entries: list[tuple[Tensor, int | None]]) -> None:
+        run = Run([params[j] if j is not None else gap for gap, j in entries],
+                  [j is None for _, j in entries])
         self.runs.append(run)
-        for i, j in enumerate(indices):
-            self.where[j] = (run, i)
+        for i, (_, j) in enumerate(entries):
+            if j is not None:
+                self.where[j] = (run, i)
 
     def prepare(self, state: dict[Tensor, dict[str, Any]]) -> list[Tensor]:
         """This step's inner parameters, each with ``.grad`` set (see [flat-params])."""
@@ -346,10 +393,15 @@ class GroupPlan:
             sts.append(state.get(t, {}) if t is not None else {})
         shapes = [state_signature(st, offs[b] - offs[a], values=False)
                   for st, (a, b) in zip(sts, segs)]
+        # A segment of padding only (a gap item left out of a step in pieces) merges whatever
+        # its scalars: its zeros are zeros at any step count; scalars come from the others.
+        gaps = [all(run.is_gap[a:b]) for a, b in segs]
 
         def same(i: int, j: int) -> bool:
             if shapes[i] != shapes[j]:
                 return False
+            if gaps[i] or gaps[j]:
+                return True
             (a, b), (x, y) = segs[i], segs[j]
             return state_signature(sts[i], offs[b] - offs[a]) == state_signature(sts[j], offs[y] - offs[x])
 
@@ -360,12 +412,16 @@ class GroupPlan:
             while j + 1 < len(segs) and same(i, j + 1):
                 j += 1
             a, b = segs[i][0], segs[j][1]
+            if j > i and all(gaps[i:j + 1]):
+                j = i  # cannot happen (gaps are never adjacent): nothing to take scalars from
+                b = segs[i][1]
             if j > i:
                 olds = [run.segs.pop(s, None) for s in segs[i:j + 1]]
                 merged = [state.pop(t) for t in olds if t is not None and t in state]
                 if merged:
                     numels = [offs[y] - offs[x] for x, y in segs[i:j + 1]]
-                    state[run.seg(a, b)] = merge_states(merged, numels)
+                    first = next(k for k in range(j - i + 1) if not gaps[i + k])
+                    state[run.seg(a, b)] = merge_states(merged, numels, first)
             new_bounds.append(b)
             i = j + 1
         run.bounds = new_bounds

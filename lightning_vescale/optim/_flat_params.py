@@ -12,7 +12,11 @@ wraps sees *few* tensors.
 * **Runs.** After ``fully_shard`` a parameter's local tensor is a 1-D view into its group's
   DBuffer shard. Consecutive parameters *of one param group* whose local tensors lie back to
   back in one storage form a run; a run is one plain 1-D tensor (a view of the shard), so gaps
-  (planner padding, another group's parameters, frozen ones) are never read or written.
+  holding another group's parameters or frozen ones are never read or written. Planner
+  padding between two parameters of one shard (the 256-aligned default granularity pads before
+  large tensors) joins the run as a *gap item*: it is zeros in the parameter and gradient
+  shards, Adam/AdamW/SGD keep zeros zero, and it is never exported; otherwise one shard would
+  step as several tensors (issue 36: 49 instead of 25 on a 24-block GPT, ~25% slower).
   Everything is read from the parameters' local views, never from ``placements[0]``: 1-D
   meshes and HSDP's ``(Replicate(), RaggedShard)`` alike.
 * **Segments and states.** The inner optimizer's parameters are *segments* of runs (normally
@@ -308,6 +312,10 @@ class FlatParamOptimizer(Optimizer):
             for run in plan.runs:
                 locals_ = [self._local_state(p, per_param.get(p, {}), n)
                            for p, n in zip(run.params, run.numels)]
+                for i, gap in enumerate(run.is_gap):  # padding: zero states like its neighbour's
+                    if gap and locals_[i - 1]:
+                        locals_[i] = _gap_state(locals_[i - 1], run.numels[i - 1],
+                                                run.numels[i])
                 sigs = [state_signature(st, n) for st, n in zip(locals_, run.numels)]
                 bounds = [0]
                 for i in range(1, len(run.params)):
@@ -387,6 +395,20 @@ class _StateView(defaultdict):
         if key in self:
             return self[key]
         raise TypeError(self._REFUSAL.format(what="state.setdefault(p, ...)"))
+
+
+def _gap_state(like: dict[str, Any], like_numel: int, numel: int) -> dict[str, Any]:
+    """The state of a padding gap item: zeros where ``like`` is per element, its scalars (step)
+    otherwise, so that the gap joins its neighbours' segment."""
+    out: dict[str, Any] = {}
+    for k, v in like.items():
+        if is_elementwise_state(v, like_numel):
+            out[k] = v.new_zeros(numel)
+        elif isinstance(v, Tensor):
+            out[k] = v.clone()
+        else:
+            out[k] = v
+    return out
 
 
 def _state_dtensor(p: DTensor, flat_state: Tensor, lo: int, hi: int) -> DTensor:

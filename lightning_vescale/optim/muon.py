@@ -175,7 +175,13 @@ class Muon(ShardedOptimizer):
                    adamw_lr=3e-3, adamw_betas=(0.9, 0.95))
         # or explicitly: Muon([{"params": hidden, "use_muon": True},
         #                      {"params": others, "use_muon": False, "lr": 3e-3}])
+
+    CPU offload (``CPUOffloadPolicy``): the owner's whole matrices and their states live on
+    the CPU with the parameters, so the Newton-Schulz iterations run on the CPU; the first step
+    warns once.
     """
+
+    matrix_math = "Newton-Schulz iterations"  # on the CPU with offload: warned once
 
 
     def __init__(

@@ -82,7 +82,13 @@ class Shampoo(WholeMatrixOptimizer):
         inverse_root_exponent: ``r`` in ``L^(-1/r)`` (4: the usual one for matrices).
         grafting_beta2: Adam grafting's second-moment decay rate.
         grafting_epsilon: Adam grafting's epsilon.
+
+    CPU offload (``CPUOffloadPolicy``): the owner's whole matrices and their states live on
+    the CPU with the parameters, so the eigh inverse roots run on the CPU; the first step
+    warns once.
     """
+
+    matrix_math = "eigh inverse roots"  # on the CPU with offload: warned once
 
     who = "Shampoo"
 

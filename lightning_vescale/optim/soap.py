@@ -87,7 +87,13 @@ class SOAP(WholeMatrixOptimizer):
         precondition_1d: precondition vectors (one ``n x n`` factor) instead of Adam on them.
         normalize_grads: divide each update by its RMS.
         correct_bias: Adam's bias correction.
+
+    CPU offload (``CPUOffloadPolicy``): the owner's whole matrices and their states live on
+    the CPU with the parameters, so the eigh/QR eigenbasis refreshes run on the CPU; the first
+    step warns once.
     """
+
+    matrix_math = "eigh/QR eigenbasis refreshes"  # on the CPU with offload: warned once
 
     def __init__(self, params: Iterable[Tensor] | Iterable[dict[str, Any]], lr: float = 3e-3,
                  betas: tuple[float, float] = (0.95, 0.95), shampoo_beta: float | None = None,

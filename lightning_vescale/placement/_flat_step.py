@@ -18,9 +18,11 @@ of matching layouts it
 1. takes each list's local tensors and cuts the item sequence into *runs*: maximal sequences of
    consecutive items that are adjacent in memory (item ``i+1`` starts where item ``i`` ends, in
    one storage) in *every* list, with equal per-item scalars (``ScalarList`` values, per-item
-   0-d tensors such as fused ``state_steps``). Gaps never join a run, so padding between
-   parameters (planner alignment, parameters without gradients, another param group's
-   parameters) is never read or written. The run structure is cached by the lists' pointers;
+   0-d tensors such as fused ``state_steps``: read on the host only on CPU, elsewhere told
+   apart by identity, so a CUDA step never waits for a host read). Gaps never join a run, so
+   padding between parameters (planner alignment, parameters without gradients, another param
+   group's parameters) is never read or written. The run structure is cached by the lists'
+   pointers;
 2. calls the *same* op once, on plain 1-D views spanning each run (one list item per run), and
    for out-of-place ops returns per-item DTensor views of each run's result (same placement;
    the items of one run share that result's storage);
@@ -212,12 +214,33 @@ def _read_lists(info: _OpInfo, values: list, n: int) -> _Lists | None:
     return out
 
 
+#: Devices whose per-item scalars the flat step reads on the host. Reading a CPU tensor is a
+#: memory load; reading any other device's tensor (``.tolist()``, ``.item()``) waits for its
+#: queue: one host sync per call, several per optimizer step (issue 35).
+HOST_READ_DEVICES = frozenset({"cpu"})
+
+
 def _read_scalar_tensors(lst: Sequence[torch.Tensor], n: int,
                          per_item: list[Sequence[Any]]) -> bool:
     """A list of per-item scalar tensors (fused ``state_steps``): False if not scalars; their
-    (value, dtype) pairs go to ``per_item`` unless uniform."""
+    (value, dtype) pairs go to ``per_item`` unless uniform.
+
+    On a device outside :data:`HOST_READ_DEVICES` the values are never read (no host sync):
+    items are told apart by tensor identity instead, so items with distinct scalar tensors
+    (torch's per-parameter ``step``) each form their own run (the per-tensor kernel, exact
+    without knowing the values; a fused CUDA kernel takes its list in one launch anyway) and
+    one tensor shared by every item cuts nothing.
+    """
     if any(isinstance(t, DTensor) for t in lst):
         return False
+    device = lst[0].device
+    if device.type not in HOST_READ_DEVICES:
+        if any(t.numel() != 1 or t.device != device for t in lst):
+            return False  # not scalars, or mixed devices: the normal path names it
+        keys = list(map(id, lst))
+        if not _uniform(keys):
+            per_item.append(keys)
+        return True
     try:  # one stack (0-d state_steps), else 1-element tensors reshaped
         vals = torch.stack(lst).reshape(-1).tolist()
     except RuntimeError:

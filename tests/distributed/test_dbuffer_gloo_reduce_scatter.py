@@ -54,3 +54,23 @@ def test_bitwise_equal_to_gloo_reduce_scatter(worlds, world_size, reduce_dtype, 
     for r in worlds(world_size).run(_body, reduce_dtype, op, async_op, accumulate):
         assert r["same"], r
         assert r["comm"] == 0, r  # the all-to-all's temporary is released
+
+
+def _gloo_serves_body() -> dict:
+    from lightning_vescale._dbuffer_comm import gloo_serves
+
+    group = dist.new_group(backend="cpu:gloo,cuda:nccl") if dist.is_nccl_available() else None
+    return {"cpu": gloo_serves(None, torch.device("cpu")),
+            # two processes sharing one GPU over plain gloo: gloo runs the CUDA tensors too
+            "cuda on gloo": gloo_serves(None, torch.device("cuda")),
+            "cuda on cpu:gloo,cuda:nccl": (None if group is None
+                                           else gloo_serves(group, torch.device("cuda")))}
+
+
+def test_the_gloo_forms_follow_the_backend_serving_the_device(worlds):
+    """The all-to-all reduce-scatter (gloo has no ``reduce_scatter_tensor`` of its own for CUDA
+    tensors) is chosen by the backend that serves the buffer's device, not by ``device.type``
+    (it was ``cpu`` only: CUDA tensors on gloo took gloo's missing collective)."""
+    out = worlds(1).run(_gloo_serves_body)[0]
+    assert out["cpu"] and out["cuda on gloo"], out
+    assert out["cuda on cpu:gloo,cuda:nccl"] in (None, False), out

@@ -146,6 +146,30 @@ def test_flat_step_bitwise_equals_per_tensor_step(worlds, world_size, kind):
         assert stats.get("fallback", 0) == 0, stats
 
 
+def _device_scalars_body(kind: str, steps: int) -> dict:
+    """The parity body with the CPU's step tensors treated as an accelerator's: never read on
+    the host (issue 35), told apart by identity (one item per run where they differ)."""
+    from lightning_vescale.placement import _flat_step
+
+    saved = _flat_step.HOST_READ_DEVICES
+    _flat_step.HOST_READ_DEVICES = frozenset()
+    try:
+        return _parity_body(kind, steps)
+    finally:
+        _flat_step.HOST_READ_DEVICES = saved
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("kind", ["adamw_fused", "adam_fused", "sgd_fused"])
+def test_flat_step_device_scalars_bitwise(worlds, world_size, kind):
+    """Fused kernels with per-parameter step tensors that the flat step may not read (CUDA's):
+    still bitwise the per-tensor step, through the flat path (no fallback)."""
+    for r in worlds(world_size).run(_device_scalars_body, kind, 4):
+        assert all(r["params"]) and all(r["states"]), r
+        assert r["padding_zero"] and r["unused_untouched"], r
+        assert r["stats"].get("flat_calls", 0) > 0 and not r["stats"].get("fallback"), r
+
+
 def _runs_body() -> dict:
     """AdamW(foreach) on a model whose parameters tile their shards: one run per DBuffer."""
     torch.manual_seed(0)

@@ -8,12 +8,18 @@ exercised (it checks devices like the real kernels do). What only a GPU can show
 
 from __future__ import annotations
 
+import itertools
 import types
+import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import lightning_vescale.mesh as mesh_mod
 from lightning_vescale._dbuffer_comm import gradient_divide_factors, offload_copy, reduce_factors
@@ -241,3 +247,154 @@ def test_replica_all_reduce_waits_on_a_side_stream(monkeypatch):
     # before issue 28 the current stream waited for the reduce-scatter, then the all-reduce ran
     assert log == ["side waits for cur", "enter side", "reduce-scatter waited",
                    "all-reduce (async=True)", "exit side"]
+
+
+# -- the strategies shard from the CPU source: no whole-model copy on the device (issue 35) ------
+class _LiveBytes(TorchDispatchMode):
+    """The peak bytes of live storages on ``device_type``, sampled at every op (storages are
+    deduplicated, so views count once; a storage resized to 0 counts 0; wrapper subclasses such
+    as DTensor count through their local tensors)."""
+
+    def __init__(self, device_type: str, module: nn.Module) -> None:
+        super().__init__()
+        self.device_type, self.module, self.peak, self._live = device_type, module, 0, []
+
+    def now(self) -> int:
+        # what ops created, and the module's tensors (``module.to`` swaps ``param.data``)
+        held = itertools.chain(self.module.parameters(), self.module.buffers())
+        sizes = {}
+        for t in itertools.chain((ref() for ref in self._live), held):
+            if type(t) in (torch.Tensor, nn.Parameter) and t.device.type == self.device_type:
+                storage = t.untyped_storage()
+                sizes[storage._cdata] = storage.nbytes()
+        return sum(sizes.values())
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._live.append(weakref.ref(t))
+        self.peak = max(self.peak, self.now())
+        return out
+
+
+class _Blocks(LightningModule):
+    def __init__(self, n: int = 16, width: int = 32) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+        self.norm = nn.BatchNorm1d(width)
+
+
+@pytest.fixture
+def fake_world(monkeypatch):
+    """A fake 4-rank world on a mesh whose device is ``meta``, standing in for the GPU (a CPU
+    build cannot copy into fake CUDA tensors); the DBuffers free storage there as on a GPU."""
+    import lightning_vescale.fsdp.api as api
+    from lightning_vescale.dbuffer import DBuffer
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    meta = torch.device("meta")
+    monkeypatch.setattr(api, "mesh_device", lambda mesh: meta)
+
+    def resize(self, t, alloc):  # DBuffer's free/materialise, which skips meta storages
+        t.untyped_storage().resize_(t.numel() * t.element_size() if alloc else 0)
+
+    monkeypatch.setattr(DBuffer, "_resize", resize)
+    try:
+        yield init_device_mesh("cpu", (4,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_strategies_shard_from_the_cpu_source(fake_world):
+    from lightning_vescale._lightning.sharding import shard_model
+
+    model = _Blocks()
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    group = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.blocks)
+    live = _LiveBytes("meta", model)
+    with live:
+        shard_model(model, units=None, mesh=fake_world, device=torch.device("meta"),
+                    mp_policy=None, granularity=None, reshard_after_forward=True)
+    # one rank's share, plus one group's transient unsharded parameter and gradient buffers
+    # (and the norm's buffers); before issue 35 the whole model was copied first (peak > full)
+    assert live.peak <= full / 4 + 2 * group + 1024 < full
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert all(b.device.type == "meta" for b in model.buffers())
+    assert model.device.type == "meta"  # LightningModule.device: where it computes now
+
+
+def test_fabric_leaves_the_model_where_it_was_built():
+    """``fabric.setup`` calls ``module_to_device`` before ``setup_module``: a no-op, as in
+    Lightning's FSDP strategies (it moved the whole model to the GPU before issue 35)."""
+    from lightning_vescale.fabric import VeScaleFabricStrategy
+
+    model = nn.Linear(4, 4)
+    VeScaleFabricStrategy.module_to_device(
+        types.SimpleNamespace(root_device=torch.device("meta")), model)
+    assert model.weight.device.type == "cpu"
+
+
+def test_lightning_module_device_is_recorded():
+    from lightning_vescale._lightning.sharding import _update_device_properties
+
+    model = _Blocks(n=1)
+    _update_device_properties(model, torch.device("cuda", 0))  # nothing moves
+    assert model.device == torch.device("cuda", 0) and model.norm.running_mean.device.type == "cpu"
+
+
+# -- pinned host memory: the gradient flags' source, and what pinning costs (issue 35) -----------
+def test_should_pin_only_toward_an_accelerator(monkeypatch):
+    from lightning_vescale._pinned import should_pin
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    assert should_pin(torch.device("cuda", 0))
+    assert not should_pin(torch.device("cpu")) and not should_pin(torch.device("meta"))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)  # pin would raise
+    assert not should_pin(torch.device("cuda", 0))
+
+
+def test_gradient_flags_source_is_pinned_toward_an_accelerator(monkeypatch):
+    from lightning_vescale import _pinned
+
+    asked = []
+    empty = torch.empty
+
+    def recording_empty(*args, pin_memory=False, **kwargs):
+        asked.append(pin_memory)
+        return empty(*args, **kwargs)  # a CPU build cannot pin: the request is what counts
+
+    monkeypatch.setattr(_pinned.torch, "empty", recording_empty)
+    src = _pinned.host_source(b"\x01\x00\x01", torch.device("cpu"))  # the CPU: a plain view
+    assert asked == [] and src.tolist() == [1, 0, 1]
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    src = _pinned.host_source(b"\x01\x00\x01", torch.device("cuda", 0))
+    assert asked == [True] and src.tolist() == [1, 0, 1] and src.dtype == torch.uint8
+
+
+
+@pytest.mark.parametrize(("nbytes", "held"), [(0, 0), (1, 1), (4096, 4096), (4097, 8192),
+                                              (3 << 20, 4 << 20), ((1 << 30) + 1, 2 << 30)])
+def test_pinned_host_bytes_round_up_to_a_power_of_two(nbytes, held):
+    from lightning_vescale._pinned import pinned_host_bytes
+
+    assert pinned_host_bytes(nbytes) == held
+    assert nbytes <= held < 2 * nbytes or nbytes == held == 0
+
+
+def test_memory_accounting_counts_pinned_storages_rounded(monkeypatch):
+    """An offloaded shard of 3 MiB pinned holds 4 MiB of host memory: ``off_device`` says 3,
+    ``off_device_pinned_host`` 4 (a CPU build cannot pin: the check is what is replaced)."""
+    from lightning_vescale.callbacks import _memory_accounting as acc
+
+    shard = torch.zeros(3 << 18)  # 3 MiB of fp32, as a pinned offloaded shard
+    grad = torch.zeros(100)  # a pageable one
+    monkeypatch.setattr(acc, "_is_pinned", lambda t: t.untyped_storage().data_ptr()
+                        == shard.untyped_storage().data_ptr())
+    out = acc.account(device="meta", params_sharded=[shard, shard[:10]], grads=[grad])
+    assert out.off_device == shard.nbytes + grad.nbytes
+    assert out.off_device_pinned_host == 4 << 20  # the storage once, rounded; not the pageable

@@ -34,6 +34,17 @@ def test_mfu_arithmetic():
     assert gpu_check.mfu(1000.0, 1e9, None, 1) is None
 
 
+def test_world_1_rows_that_would_take_the_local_shortcut_say_skip():
+    gpu = torch.device("cuda", 0)
+    for fn in (gpu_check.check_parity, gpu_check.check_async, gpu_check.check_quantized_comm):
+        row = gpu_check.shortcut_skip(fn, gpu, 1)
+        assert row["status"] == "SKIP" and "local-copy shortcut" in row["detail"]
+        assert "2 on 1 device (gloo)" in row["detail"]
+        assert gpu_check.shortcut_skip(fn, gpu, 2) is None  # real collectives
+        assert gpu_check.shortcut_skip(fn, torch.device("cpu"), 1) is None  # gloo: runs
+    assert gpu_check.shortcut_skip(gpu_check.check_bf16, gpu, 1) is None  # numerics: runs
+
+
 def _checks_body(out_dir: str):
     import torch.distributed as dist
 

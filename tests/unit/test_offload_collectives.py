@@ -227,6 +227,42 @@ def test_soap_owner_all_to_all_with_offload(nccl):
     _states_on_cpu(opt)
 
 
+@pytest.mark.parametrize("cls", ["Muon", "SOAP", "Shampoo"])
+def test_matrix_optimizers_say_once_that_offload_runs_their_maths_on_the_cpu(nccl, cls,
+                                                                            monkeypatch):
+    """Issue 35: with CPU offload the owner's Newton-Schulz / eigh / QR run on the CPU (states
+    and matrices live with the offloaded parameters); the first step says so, naming the
+    optimizer, once per optimizer class."""
+    import warnings
+
+    import lightning_vescale.optim as optim
+    import lightning_vescale.optim._base as base
+
+    monkeypatch.setattr(base, "_WARNED_CPU_MATRIX_MATH", set())
+    make = getattr(optim, cls)
+    opt = make([_param(nccl.mesh)], lr=0.01)
+    with pytest.warns(UserWarning, match=f"{cls} with CPU offload .* runs its .* on the CPU"):
+        opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()  # once: not every step
+        make([_param(nccl.mesh)], lr=0.01).step()  # nor every optimizer of the class
+
+
+def test_matrix_optimizers_without_offload_do_not_warn(monkeypatch):
+    import warnings
+
+    import lightning_vescale.optim._base as base
+
+    monkeypatch.setattr(base, "_WARNED_CPU_MATRIX_MATH", set())
+    p = torch.nn.Parameter(torch.randn(8, 6))
+    p.grad = torch.randn(8, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Muon([p], lr=0.02).step()
+    assert not base.offloaded_to_cpu(p)
+
+
 # -- optimizer-state loads: a state in another layout is gathered ----------------------------------
 ONE_HOT = RaggedShard((0,), [0, 1])  # everything on rank 1 (scaled to the tensor below)
 

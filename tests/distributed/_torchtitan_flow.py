@@ -1,0 +1,148 @@
+"""torchtitan 0.3.0's own model-building and parallelize functions, with our ``fully_shard``.
+
+What runs is torchtitan's code: its debug model configs (``model_registry("debugmodel")``),
+``model_config.build()``, ``init_weights()`` and its ``parallelize_llama`` /
+``parallelize_deepseekv3`` (``torchtitan.distributed.fsdp.apply_fsdp_to_decoder`` inside: list
+groups, ``set_gradient_divide_factor(1.0)``, MoE ``shard_placement_fn``), as its trainer calls
+them (``torchtitan/trainer.py``: build on meta, parallelize, ``to_empty``, ``init_weights``), with
+``torchtitan.distributed.fsdp.fully_shard`` (the name it imported from torch) replaced by ours.
+Three CPU shims, each for something this CPU-only machine lacks, none touching FSDP:
+
+* ``torchtitan.distributed.parallel_dims.device_type = "cpu"`` (it builds its meshes on
+  ``"cuda"`` when no accelerator is found);
+* ``torchtitan.distributed.minimal_async_ep.kernels``: its Triton GPU kernels for expert
+  parallelism, imported unconditionally by every model, never called at ``ep=1``; without
+  ``triton`` installed, a module whose kernels raise if called stands in for it
+  (``_torchtitan_helpers.import_torchtitan_models``);
+* FlexAttention has no backward on CPU, so the configs' inner attention is torchtitan's own
+  ``ScaledDotProductAttention`` (causal; the maskless backend its trainer supports).
+
+Functions here run on ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+SEQ = 32
+VOCAB_USED = 64  # tokens drawn from the first 64 ids: a short, learnable stream
+
+
+def _cpu_shims() -> None:
+    from tests.distributed._torchtitan_helpers import import_torchtitan_models
+
+    import_torchtitan_models()  # a stand-in for its Triton kernels when triton is missing
+    import torchtitan.distributed.parallel_dims as parallel_dims
+
+    parallel_dims.device_type = "cpu"
+
+
+def _sdpa(config: Any, seen: set[int] | None = None) -> None:
+    """Replace every ``FlexAttention.Config`` in ``config``'s tree by torchtitan's SDPA one."""
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+
+    seen = set() if seen is None else seen
+    if id(config) in seen or not dataclasses.is_dataclass(config):
+        return
+    seen.add(id(config))
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, FlexAttention.Config):
+            setattr(config, f.name, ScaledDotProductAttention.Config())
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                _sdpa(v, seen)
+        else:
+            _sdpa(value, seen)
+
+
+def _spec(model: str) -> Any:
+    if model == "llama3":
+        from torchtitan.models.llama3 import model_registry
+    else:
+        from torchtitan.models.deepseek_v3 import model_registry
+    spec = model_registry("debugmodel")
+    _sdpa(spec.model)
+    return spec
+
+
+def use_vescale_fully_shard() -> None:
+    """The README's recipe: torchtitan's ``apply_fsdp_to_decoder`` (behind every
+    ``parallelize_*``) calls the ``fully_shard`` it imported from torch; give it ours."""
+    import torchtitan.distributed.fsdp
+
+    from lightning_vescale.fsdp import fully_shard
+
+    torchtitan.distributed.fsdp.fully_shard = fully_shard
+
+
+def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial_dtensor",
+          steps: int = 20) -> dict[str, Any]:
+    """``steps`` AdamW steps of torchtitan's ``model`` debug config at this world (every rank
+    its half of a global batch), sharded by ``impl``'s ``fully_shard`` through torchtitan's
+    ``parallelize_fn``; ``flow``: ``"cpu"`` (built and initialised on CPU, then sharded) or
+    ``"meta"`` (torchtitan's trainer: meta, parallelize, ``to_empty``, ``init_weights``).
+    Returns the global-mean losses and the final full parameters."""
+    _cpu_shims()
+    import torchtitan.distributed.fsdp
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+
+    theirs = torchtitan.distributed.fsdp.fully_shard
+    if impl == "ours":
+        use_vescale_fully_shard()
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        spec = _spec(model)
+        dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1,
+                            world_size=world, spmd_backend=spmd_backend)
+        torch.manual_seed(0)
+        with torch.device("meta" if flow == "meta" else "cpu"):
+            net = spec.model.build()
+        if flow == "cpu":  # the seed again: both flows initialise from the same RNG state
+            torch.manual_seed(0)
+            with torch.no_grad():
+                net.init_weights(buffer_device=None)
+        with tempfile.TemporaryDirectory() as dump:
+            net = spec.parallelize_fn(
+                net, parallel_dims=dims,
+                training=TrainingConfig(mixed_precision_param="float32", local_batch_size=2,
+                                        seq_len=SEQ),
+                parallelism=ParallelismConfig(spmd_backend=spmd_backend),
+                compile_config=CompileConfig(), ac_config=None, dump_folder=dump)
+        if impl == "torch":  # gloo has no PREMUL_SUM
+            for m in net.modules():
+                if isinstance(m, torch.distributed.fsdp.FSDPModule):
+                    m.set_force_sum_reduction_for_comms(True)
+        if flow == "meta":
+            net.to_empty(device="cpu")
+            torch.manual_seed(0)
+            with torch.no_grad():
+                net.init_weights(buffer_device=None)
+        net.train()
+        opt = torch.optim.AdamW(net.parameters(), lr=8e-4)
+        g = torch.Generator().manual_seed(1)
+        data = [torch.randint(0, VOCAB_USED, (2 * world, SEQ + 1), generator=g) for _ in range(2)]
+        positions = torch.arange(SEQ).expand(2, SEQ)
+        losses = []
+        for step in range(steps):
+            tokens = data[step % len(data)][2 * rank:2 * rank + 2]
+            logits = net(tokens[:, :-1], positions=positions)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                     tokens[:, 1:].flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / world)
+        params = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                  for n, p in net.named_parameters()}
+        return {"losses": losses, "params": params}
+    finally:
+        torchtitan.distributed.fsdp.fully_shard = theirs
