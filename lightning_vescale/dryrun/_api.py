@@ -33,6 +33,8 @@ class DryRunReport:
     optimizer: str
     settings: dict[str, str]
     engines: dict[str, EngineReport]
+    #: engine -> why it did not run (e.g. AdamW8bit refuses FSDP2's ``Shard(0)`` parameters)
+    skipped: dict[str, str]
     seconds: float
     host_max_rss_bytes: int
 
@@ -87,7 +89,8 @@ def dry_run(model: Any = "llama3-70b", *, world_size: int, rank: int = 0, replic
             engines: tuple[str, ...] = ENGINES, batch_size: int = 1, seq_len: int = 4096,
             optimizer: str = "adamw", granularity: Any = None,
             reshard_after_forward: Any = None, mixed_precision: str | None = "bf16",
-            comm_policy: Any = None, hf_config: Any = None,
+            comm_policy: Any = None, activation_checkpointing: bool = False,
+            hf_config: Any = None,
             init_args: dict[str, Any] | None = None,
             overrides: dict[str, Any] | None = None) -> DryRunReport:
     """Run one training step of each engine in ``engines`` as rank ``rank`` of ``world_size``.
@@ -103,6 +106,7 @@ def dry_run(model: Any = "llama3-70b", *, world_size: int, rank: int = 0, replic
         optimizer: ``"adamw"``, ``"adamw8bit"`` or ``"muon"`` (ours only for the last two:
             FSDP2 runs AdamW8bit/Muon as well when they accept its ``Shard(0)`` DTensors).
         granularity, reshard_after_forward, comm_policy: ``fully_shard``'s arguments.
+        activation_checkpointing: every block recomputes its forward in backward.
         mixed_precision: ``"bf16"`` (bf16 compute, fp32 reduce and master weights) or ``None``.
         hf_config: a transformers config (object, or path / cached model id): overrides
             ``model``; ``overrides`` set its attributes (or the preset's fields, e.g.
@@ -147,6 +151,7 @@ def dry_run(model: Any = "llama3-70b", *, world_size: int, rank: int = 0, replic
             options["mp_policy"] = MixedPrecisionPolicy(
                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         reports: dict[str, EngineReport] = {}
+        skipped: dict[str, str] = {}
         for engine in engines:
             opts = dict(options)
             if engine == "fsdp2" and "mp_policy" in opts:
@@ -158,8 +163,15 @@ def dry_run(model: Any = "llama3-70b", *, world_size: int, rank: int = 0, replic
                     ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
                     return ids, torch.zeros(batch_size, seq_len, dtype=torch.long)
 
-                reports[engine] = run_step(engine=engine, build=build, mesh=mesh,
-                                           inputs=inputs, optimizer=optimizer, options=opts)
+                try:
+                    reports[engine] = run_step(
+                        engine=engine, build=build, mesh=mesh, inputs=inputs,
+                        optimizer=optimizer, options=opts,
+                        activation_checkpointing=activation_checkpointing)
+                except TypeError as exc:  # an optimizer that refuses FSDP2's Shard(0) params
+                    if engine == "vescale":
+                        raise
+                    skipped[engine] = f"{type(exc).__name__}: {exc}"
     finally:
         dist.destroy_process_group()
         from lightning_vescale import mesh as _mesh
@@ -167,9 +179,11 @@ def dry_run(model: Any = "llama3-70b", *, world_size: int, rank: int = 0, replic
     settings = {k: str(v) for k, v in (("granularity", granularity),
                                         ("reshard_after_forward", reshard_after_forward),
                                         ("mixed_precision", mixed_precision),
-                                        ("comm_policy", comm_policy)) if v is not None}
+                                        ("comm_policy", comm_policy),
+                                        ("activation_checkpointing",
+                                         activation_checkpointing or None)) if v is not None}
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return DryRunReport(model=label, world_size=world_size, rank=rank, replicas=replicas,
                         batch_size=batch_size, seq_len=seq_len, optimizer=optimizer,
-                        settings=settings, engines=reports,
+                        settings=settings, engines=reports, skipped=skipped,
                         seconds=time.perf_counter() - t0, host_max_rss_bytes=rss)

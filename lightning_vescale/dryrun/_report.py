@@ -51,6 +51,8 @@ def format_report(report: Any) -> str:
             c, i, o = eng[n].collectives.get(f, [0, 0, 0])
             cells.append(f"{n}: {c:5d} {i / _MIB:11.1f} {o / _MIB:11.1f}")
         lines.append(f"  {f:16}" + "   ".join(cells))
+    for n, why in getattr(report, "skipped", {}).items():
+        lines.append(f"{n} did not run: {why[:300]}")
     lines.append("")
     lines.append(f"host: {report.seconds:.1f} s, max RSS {report.host_max_rss_bytes / _MIB / 1024:.2f}"
                  " GiB; " + ", ".join(f"{n} step {eng[n].seconds:.1f} s" for n in names))

@@ -22,6 +22,7 @@ checks the dry run against gloo runs it in a forked world and compares the figur
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import time
 from collections.abc import Callable
@@ -133,22 +134,45 @@ def _breakdown(model: nn.Module, optimizer: Any, engine: str) -> dict[str, int]:
 def run_step(*, engine: str, build: Callable[[], nn.Module], mesh: Any,
              inputs: Callable[[], tuple[torch.Tensor, torch.Tensor]], optimizer: str = "adamw",
              options: dict[str, Any] | None = None,
-             blocks: Callable[[nn.Module], list[nn.Module]] | None = None) -> EngineReport:
+             blocks: Callable[[nn.Module], list[nn.Module]] | None = None,
+             activation_checkpointing: bool = False) -> EngineReport:
     """Shard ``build()`` with ``engine`` on ``mesh``, run one step and measure it.
 
     ``inputs()`` returns ``(input_ids, labels)``; the loss is the cross-entropy of the model's
-    logits (or of its output's ``logits``). Works on real and on fake tensors alike; the caller
+    logits (or of its output's ``logits``). ``activation_checkpointing``: each block recomputes
+    its forward in backward, as the strategies' ``activation_checkpointing_policy`` does. Works on real and on fake tensors alike; the caller
     owns the process group and any ``FakeTensorMode``.
     """
+    t0 = time.perf_counter()
+    tracker = StepTracker()
+    tracker.__enter__()
+    try:
+        return _step(tracker, t0, engine=engine, build=build, mesh=mesh, inputs=inputs,
+                     optimizer=optimizer, options=options, blocks=blocks,
+                     checkpointing=activation_checkpointing)
+    finally:
+        tracker.__exit__(None, None, None)
+
+
+def _step(tracker: StepTracker, t0: float, *, engine: str, build: Callable[[], nn.Module],
+          mesh: Any, inputs: Callable[[], tuple[torch.Tensor, torch.Tensor]], optimizer: str,
+          options: dict[str, Any] | None,
+          blocks: Callable[[nn.Module], list[nn.Module]] | None,
+          checkpointing: bool) -> EngineReport:
     from lightning_vescale.dryrun._models import blocks_of
 
-    t0 = time.perf_counter()
+    tracker.phase("build and shard")
     model = build()
     block_list = (blocks or blocks_of)(model)
+    if checkpointing:  # checkpoint, then shard (the strategies' order)
+        from lightning_vescale._lightning.activation_checkpointing import _checkpointed_forward
+        for b in block_list:
+            b.forward = functools.partial(_checkpointed_forward, b.forward)
     _shard(engine, model, block_list, mesh, dict(options or {}))
     opt = make_optimizer(optimizer, list(model.parameters()))
     world = mesh.size()
-    tracker = StepTracker()
+    gc.collect()
+    tracker.reset_peak()
     maxima = {c: 0 for c in CATEGORIES}
 
     def sample() -> None:
@@ -178,23 +202,21 @@ def run_step(*, engine: str, build: Callable[[], nn.Module], mesh: Any,
         handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
 
     ids, labels = inputs()
-    with tracker:
-        tracker.adopt([*model.parameters(), *model.buffers(), ids, labels])
-        tracker.phase("forward")
-        out = model(ids)
-        logits = out if isinstance(out, torch.Tensor) else out.logits
-        loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
-        del out, logits
-        tracker.phase("backward loss")
-        loss.backward()
-        sample()
-        tracker.phase("optimizer step")
-        opt.step()
-        sample()
-        tracker.phase("after step")
-        after = _breakdown(model, opt, engine)
-        del loss
-        gc.collect()
+    tracker.phase("forward")
+    out = model(ids)
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+    del out, logits
+    tracker.phase("backward loss")
+    loss.backward()
+    sample()
+    tracker.phase("optimizer step")
+    opt.step()
+    sample()
+    tracker.phase("after step")
+    after = _breakdown(model, opt, engine)
+    del loss
+    gc.collect()
     for h in handles:
         h.remove()
     fams: dict[str, list[int]] = {}

@@ -18,6 +18,14 @@ collective with its bytes. :class:`StepTracker` is a ``TorchDispatchMode`` that
 * after every op compares the live total with the peak and remembers where it happened (the
   label of the phase the step is in: set by :meth:`phase` or the hooks the dry run installs).
 
+Freed stays freed: on FakeTensors a view op on a tensor whose (meta) storage was resized to 0
+grows that storage to fit the view (meta storages hold no data, so torch lets them grow), which
+on a device allocates nothing. Both engines take views of freed gathered buffers (ours when it
+swaps parameter objects, FSDP2 likewise), so without care the dry run would see every buffer
+allocated. The tracker remembers the storages ``resize_`` freed and shrinks them back when an
+op returns a view of one; only ``resize_`` allocates them again. It must therefore be active
+from the model's construction on (:meth:`reset_peak` then drops the construction's peak).
+
 It works the same on FakeTensors (the storages are meta storages with a size but no data) and on
 real tensors, which is what lets a test compare a dry run with a real gloo run. Ops that run
 below a tensor subclass's own dispatch with the mode popped (``DTensor``'s local ops) are seen
@@ -90,6 +98,7 @@ class StepTracker(TorchDispatchMode):
         self.collectives: list[Collective] = []
         self.ops: Counter[str] = Counter()
         self._orig_resize: Any = None
+        self._freed: set[int] = set()  # storages resized to 0 bytes (freed buffers)
 
     # -- storages ------------------------------------------------------------------------------
     def _register(self, t: torch.Tensor) -> None:
@@ -98,6 +107,8 @@ class StepTracker(TorchDispatchMode):
         st = t.untyped_storage()
         key = id(st)
         if key in self._sizes:
+            if key in self._freed and st.nbytes():
+                self._orig_resize(st, 0)  # see "freed stays freed" in the module doc
             return
         n = st.nbytes()
         self._sizes[key] = n
@@ -106,6 +117,7 @@ class StepTracker(TorchDispatchMode):
 
     def _release(self, key: int) -> None:
         self.live -= self._sizes.pop(key, 0)
+        self._freed.discard(key)
 
     def _resized(self, st: torch.UntypedStorage) -> None:
         key = id(st)
@@ -115,6 +127,10 @@ class StepTracker(TorchDispatchMode):
         n = st.nbytes()
         self.live += n - self._sizes[key]
         self._sizes[key] = n
+        if n:
+            self._freed.discard(key)
+        else:
+            self._freed.add(key)
         self._check_peak()
 
     def adopt(self, tensors: Iterable[Any]) -> None:
@@ -127,6 +143,11 @@ class StepTracker(TorchDispatchMode):
         if self.live > self.peak:
             self.peak = self.live
             self.peak_where = self.where
+
+    def reset_peak(self) -> None:
+        """Start a new high-water mark from the bytes live now (e.g. after the model is built
+        and sharded, so that the full-size construction does not count)."""
+        self.peak, self.peak_where = self.live, self.where
 
     def phase(self, label: str) -> None:
         """Name what runs from now on (reported as where the peak happened)."""
