@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import resource
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -115,12 +116,6 @@ def dry_run(model: Any = "llama3-70b", *, world_size: int, rank: int = 0, replic
     The process must not have a default process group: the dry run creates the fake one and
     destroys it at the end.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from lightning_vescale.fsdp import MixedPrecisionPolicy
-    from lightning_vescale.mesh import init_mesh
-
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -139,6 +134,40 @@ def dry_run(model: Any = "llama3-70b", *, world_size: int, rank: int = 0, replic
                            "without one (torch.distributed is already initialised here)")
     label, build = _model_builder(model, hf_config, init_args, overrides)
     t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        # the engine's view checks compare data pointers, which FakeTensors lack (both 0)
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        reports, skipped = _run_engines(
+            build, world_size=world_size, rank=rank, replicas=replicas, engines=engines,
+            batch_size=batch_size, seq_len=seq_len, optimizer=optimizer,
+            granularity=granularity, reshard_after_forward=reshard_after_forward,
+            mixed_precision=mixed_precision, comm_policy=comm_policy,
+            activation_checkpointing=activation_checkpointing)
+    settings = {k: str(v) for k, v in (("granularity", granularity),
+                                        ("reshard_after_forward", reshard_after_forward),
+                                        ("mixed_precision", mixed_precision),
+                                        ("comm_policy", comm_policy),
+                                        ("activation_checkpointing",
+                                         activation_checkpointing or None)) if v is not None}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return DryRunReport(model=label, world_size=world_size, rank=rank, replicas=replicas,
+                        batch_size=batch_size, seq_len=seq_len, optimizer=optimizer,
+                        settings=settings, engines=reports, skipped=skipped,
+                        seconds=time.perf_counter() - t0, host_max_rss_bytes=rss)
+
+
+def _run_engines(build: Callable[[], nn.Module], *, world_size: int, rank: int, replicas: int,
+                 engines: tuple[str, ...], batch_size: int, seq_len: int, optimizer: str,
+                 granularity: Any, reshard_after_forward: Any, mixed_precision: str | None,
+                 comm_policy: Any, activation_checkpointing: bool
+                 ) -> tuple[dict[str, EngineReport], dict[str, str]]:
+    """Each engine's step under the fake group (created here, destroyed at the end)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_vescale.fsdp import MixedPrecisionPolicy
+    from lightning_vescale.mesh import init_mesh
+
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         mesh = init_mesh("cpu", replicas=replicas)
@@ -172,18 +201,8 @@ def dry_run(model: Any = "llama3-70b", *, world_size: int, rank: int = 0, replic
                     if engine == "vescale":
                         raise
                     skipped[engine] = f"{type(exc).__name__}: {exc}"
+        return reports, skipped
     finally:
         dist.destroy_process_group()
         from lightning_vescale import mesh as _mesh
         _mesh._MESHES.clear()
-    settings = {k: str(v) for k, v in (("granularity", granularity),
-                                        ("reshard_after_forward", reshard_after_forward),
-                                        ("mixed_precision", mixed_precision),
-                                        ("comm_policy", comm_policy),
-                                        ("activation_checkpointing",
-                                         activation_checkpointing or None)) if v is not None}
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return DryRunReport(model=label, world_size=world_size, rank=rank, replicas=replicas,
-                        batch_size=batch_size, seq_len=seq_len, optimizer=optimizer,
-                        settings=settings, engines=reports, skipped=skipped,
-                        seconds=time.perf_counter() - t0, host_max_rss_bytes=rss)
