@@ -171,6 +171,10 @@ def _run_engines(build: Callable[[], nn.Module], *, world_size: int, rank: int, 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         mesh = init_mesh("cpu", replicas=replicas)
+        if replicas > 1 and mesh.size(1) > 1:
+            # HSDP's flattened group: a DeviceMesh computes coordinates with tensor ops, which
+            # must be real ones; made here (outside the fake mode), cached by torch
+            mesh._flatten()
         options: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
         if granularity is not None:
             options["granularity"] = granularity
