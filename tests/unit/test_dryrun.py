@@ -168,3 +168,10 @@ def test_cli_json_hsdp_and_hf_config(tmp_path, capsys):
     ours = rep["engines"]["vescale"]
     assert ours["collectives"]["all_reduce"][0] >= 3  # gradient shards across the replicas
     assert main(["--preset", "llama3-70b", "--model", "x:y", "--world-size", "2"]) == 2
+
+
+def test_dry_run_is_exported_from_the_package():
+    import lightning_vescale
+    from lightning_vescale.dryrun import dry_run
+
+    assert lightning_vescale.dry_run is dry_run and "dry_run" in lightning_vescale.__all__
