@@ -41,7 +41,9 @@ def format_report(report: Any) -> str:
     row("padding", [eng[n].padding_bytes for n in names])
     row("peak live bytes (all)", [eng[n].peak_bytes for n in names])
     for n in names:
-        lines.append(f"  peak of {n}: during {eng[n].peak_where}")
+        lines.append(f"  peak of {n}: during {eng[n].peak_where}; live bytes by what made them:")
+        for label, b in eng[n].peak_top[:6]:
+            lines.append(f"    {b / _MIB:11.1f} MiB  {label}")
     lines.append("")
     lines.append("collectives per step (count, MiB in, MiB out)")
     fams = sorted({f for n in names for f in eng[n].collectives})

@@ -58,6 +58,8 @@ class EngineReport:
     #: the high-water mark of all live storage (model, activations, temporaries, buffers)
     peak_bytes: int
     peak_where: str
+    #: live bytes near the peak (within 0.2%) by the op (and phase) that created them
+    peak_top: list[tuple[str, int]]
     #: bytes this rank holds beyond its even share of the parameters (layout padding)
     padding_bytes: int
     #: family -> [count, input bytes, output bytes]
@@ -227,5 +229,5 @@ def _step(tracker: StepTracker, t0: float, *, engine: str, build: Callable[[], n
         row[2] += c.output_bytes
     return EngineReport(
         engine=engine, after_step=after, max_at_boundaries=maxima, peak_bytes=tracker.peak,
-        peak_where=tracker.peak_where, padding_bytes=_padding(model, engine, world),
+        peak_where=tracker.peak_where, peak_top=list(tracker.peak_top), padding_bytes=_padding(model, engine, world),
         collectives=fams, seconds=time.perf_counter() - t0)

@@ -99,9 +99,13 @@ class StepTracker(TorchDispatchMode):
         self.ops: Counter[str] = Counter()
         self._orig_resize: Any = None
         self._freed: set[int] = set()  # storages resized to 0 bytes (freed buffers)
+        self._labels: dict[int, str] = {}  # storage -> the op that created it
+        self._snap_at = 0
+        #: the live bytes near the peak by the op that created them (largest first)
+        self.peak_top: list[tuple[str, int]] = []
 
     # -- storages ------------------------------------------------------------------------------
-    def _register(self, t: torch.Tensor) -> None:
+    def _register(self, t: torch.Tensor, label: str = "state before the step") -> None:
         if t.device.type == "meta":  # plain meta tensors hold nothing (FakeTensors do count)
             return
         st = t.untyped_storage()
@@ -112,11 +116,13 @@ class StepTracker(TorchDispatchMode):
             return
         n = st.nbytes()
         self._sizes[key] = n
+        self._labels[key] = label
         self.live += n
         weakref.finalize(st, self._release, key)
 
     def _release(self, key: int) -> None:
         self.live -= self._sizes.pop(key, 0)
+        self._labels.pop(key, None)
         self._freed.discard(key)
 
     def _resized(self, st: torch.UntypedStorage) -> None:
@@ -125,6 +131,8 @@ class StepTracker(TorchDispatchMode):
             self._sizes[key] = 0
             weakref.finalize(st, self._release, key)
         n = st.nbytes()
+        if n:
+            self._labels[key] = "buffers allocated by resize_ (gathered/gradient)"
         self.live += n - self._sizes[key]
         self._sizes[key] = n
         if n:
@@ -143,11 +151,21 @@ class StepTracker(TorchDispatchMode):
         if self.live > self.peak:
             self.peak = self.live
             self.peak_where = self.where
+            if self.live > self._snap_at * 1.002:  # within 0.2% of the peak: O(live) each time
+                self._snap_at = self.live
+                top: dict[str, int] = {}
+                for key, n in self._sizes.items():
+                    if n:
+                        label = self._labels.get(key, "?")
+                        top[label] = top.get(label, 0) + n
+                self.peak_top = sorted(top.items(), key=lambda kv: -kv[1])[:8]
 
     def reset_peak(self) -> None:
         """Start a new high-water mark from the bytes live now (e.g. after the model is built
         and sharded, so that the full-size construction does not count)."""
-        self.peak, self.peak_where = self.live, self.where
+        self.peak, self.peak_where, self._snap_at = self.live, self.where, 0
+        for key in self._labels:
+            self._labels[key] = "state before the step"
 
     def phase(self, label: str) -> None:
         """Name what runs from now on (reported as where the peak happened)."""
@@ -191,8 +209,9 @@ class StepTracker(TorchDispatchMode):
         else:
             out = func(*args, **kwargs)
         self.ops[ns] += 1
+        label = f"{func._schema.name.split('::')[-1]} in {self.where.split(' ')[0]}"
         for t in _tensors(out):
-            self._register(t)
+            self._register(t, label)
         self._check_peak()
         return out
 
