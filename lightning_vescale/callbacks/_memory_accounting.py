@@ -25,8 +25,8 @@ area) counts as a communication buffer. The per-category figures therefore add u
 bytes of the distinct storage ranges involved, never more.
 
 Only tensors on the measured device are counted; the bytes of the others (CPU offload, say) are
-reported separately as ``off_device``. Meta tensors and tensors without storage count as zero; FakeTensors (the dry run's,
-``lightning_vescale.dryrun``) count by their storages' sizes.
+reported separately as ``off_device``. Meta tensors and tensors without storage count as zero;
+FakeTensors (the dry run's, ``lightning_vescale.dryrun``) count by their storages' sizes.
 Nothing here needs a process group or a Trainer.
 """
 

@@ -56,6 +56,7 @@ def format_report(report: Any) -> str:
     for n, why in getattr(report, "skipped", {}).items():
         lines.append(f"{n} did not run: {why[:300]}")
     lines.append("")
-    lines.append(f"host: {report.seconds:.1f} s, max RSS {report.host_max_rss_bytes / _MIB / 1024:.2f}"
+    rss_gib = report.host_max_rss_bytes / _MIB / 1024
+    lines.append(f"host: {report.seconds:.1f} s, max RSS {rss_gib:.2f}"
                  " GiB; " + ", ".join(f"{n} step {eng[n].seconds:.1f} s" for n in names))
     return "\n".join(lines)

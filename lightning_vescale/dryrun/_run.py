@@ -29,7 +29,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -142,7 +141,8 @@ def run_step(*, engine: str, build: Callable[[], nn.Module], mesh: Any,
 
     ``inputs()`` returns ``(input_ids, labels)``; the loss is the cross-entropy of the model's
     logits (or of its output's ``logits``). ``activation_checkpointing``: each block recomputes
-    its forward in backward, as the strategies' ``activation_checkpointing_policy`` does. Works on real and on fake tensors alike; the caller
+    its forward in backward, as the strategies' ``activation_checkpointing_policy`` does.
+    Works on real and on fake tensors alike; the caller
     owns the process group and any ``FakeTensorMode``.
     """
     t0 = time.perf_counter()
@@ -229,5 +229,6 @@ def _step(tracker: StepTracker, t0: float, *, engine: str, build: Callable[[], n
         row[2] += c.output_bytes
     return EngineReport(
         engine=engine, after_step=after, max_at_boundaries=maxima, peak_bytes=tracker.peak,
-        peak_where=tracker.peak_where, peak_top=list(tracker.peak_top), padding_bytes=_padding(model, engine, world),
+        peak_where=tracker.peak_where, peak_top=list(tracker.peak_top),
+        padding_bytes=_padding(model, engine, world),
         collectives=fams, seconds=time.perf_counter() - t0)
