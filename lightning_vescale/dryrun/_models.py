@@ -264,10 +264,27 @@ def build_hf_model(config: Any) -> nn.Module:
 
 def build_user_model(path: str, init_args: dict[str, Any] | None = None) -> nn.Module:
     """``package.module:Class`` called with ``init_args`` (``configure_model()`` run when
-    present), as the planner's ``--model`` does."""
+    present), as the planner's ``--model`` does. A LightningModule without a forward of its
+    own is run through its ``model`` submodule."""
     from lightning_vescale.planner.cli import _instantiate
 
     if ":" not in path:
         raise ValueError(f"model must look like 'package.module:ClassName', got {path!r}")
     importlib.import_module(path.split(":", 1)[0])
-    return _instantiate(path, dict(init_args or {}))
+    module = _instantiate(path, dict(init_args or {}))
+    if type(module).forward is nn.Module.forward or _is_lightning_forward(module):
+        inner = getattr(module, "model", None)  # the usual configure_model() layout
+        if not isinstance(inner, nn.Module):
+            raise ValueError(f"model {path!r}: {type(module).__name__} defines no forward and "
+                             "has no .model submodule to run; give a module whose forward "
+                             "takes token ids")
+        return inner
+    return module
+
+
+def _is_lightning_forward(module: nn.Module) -> bool:
+    """A LightningModule that does not override ``forward`` (Lightning's raises)."""
+    for cls in type(module).__mro__:
+        if "forward" in vars(cls):
+            return cls.__module__.startswith(("lightning.", "pytorch_lightning."))
+    return False

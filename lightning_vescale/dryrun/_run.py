@@ -100,6 +100,23 @@ def _shard(engine: str, model: nn.Module, blocks: list[nn.Module], mesh: Any,
         raise ValueError(f"engine={engine!r}: choose 'vescale' or 'fsdp2'")
 
 
+def _allocate(model: nn.Module, device: str) -> None:
+    """Replace meta parameters and buffers by uninitialised ones on ``device`` (tied ones stay
+    tied). ``to_empty`` cannot: it swaps tensors, and a meta tensor cannot be swapped with a
+    FakeTensor."""
+    new: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if p.device.type == "meta":
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(torch.empty_like(p, device=device),
+                                              requires_grad=p.requires_grad)
+                setattr(mod, name, new[id(p)])
+        for name, b in list(mod.named_buffers(recurse=False)):
+            if b is not None and b.device.type == "meta":
+                mod._buffers[name] = torch.zeros_like(b, device=device)
+
+
 def _padding(model: nn.Module, engine: str, world: int) -> int:
     """Bytes this rank holds beyond ``param_bytes / world`` (rounded up per parameter for
     FSDP2, whose dim-0 chunks are padded to equal size; DBuffer padding for ours)."""
@@ -170,6 +187,10 @@ def _step(tracker: StepTracker, t0: float, *, engine: str, build: Callable[[], n
         from lightning_vescale._lightning.activation_checkpointing import _checkpointed_forward
         for b in block_list:
             b.forward = functools.partial(_checkpointed_forward, b.forward)
+    if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
+        # built on the meta device (the planner's --model loader, a configure_model): allocate
+        # it whole first; under the dry run's FakeTensorMode that costs nothing
+        _allocate(model, mesh.device_type)
     _shard(engine, model, block_list, mesh, dict(options or {}))
     opt = make_optimizer(optimizer, list(model.parameters()))
     world = mesh.size()

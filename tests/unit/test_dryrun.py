@@ -175,3 +175,17 @@ def test_dry_run_is_exported_from_the_package():
     from lightning_vescale.dryrun import dry_run
 
     assert lightning_vescale.dry_run is dry_run and "dry_run" in lightning_vescale.__all__
+
+
+def test_dry_run_of_a_lightning_module_built_on_meta():
+    """``--model pkg.module:Class``: the planner's loader builds it on the meta device (its
+    ``configure_model`` too); the dry run allocates it as FakeTensors and runs its ``.model``
+    (the LightningModule has no forward of its own)."""
+    from lightning_vescale.dryrun import dry_run
+
+    rep = dry_run("examples.llama:LlamaModule", world_size=4, rank=1, seq_len=8,
+                  engines=("vescale",),
+                  init_args={"n_layers": 2, "dim": 64, "vocab_size": 100, "n_heads": 4,
+                             "n_kv_heads": 2, "ffn_dim": 96})
+    ours = rep.engines["vescale"]
+    assert ours.collectives["all_gather"][0] == 5 and ours.after_step["params_sharded"] > 0
