@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from lightning_vescale.fabric import VeScaleFabricStrategy
     from lightning_vescale.precision import VeScaleFabricPrecision, VeScalePrecision
     from lightning_vescale.strategy import VeScaleFSDPStrategy
+    from lightning_vescale.dryrun import dry_run
 
 #: layer-5 name -> the module that defines it
 _LAZY = {
@@ -51,6 +52,8 @@ _LAZY = {
     "VeScaleFabricPrecision": "lightning_vescale.precision",
     "VeScalePrecision": "lightning_vescale.precision",
     "VeScaleFSDPStrategy": "lightning_vescale.strategy",
+    # the dry run (fake process group, FakeTensors): a tool, imported when asked for
+    "dry_run": "lightning_vescale.dryrun",
 }
 
 # Trainer: "vescale_fsdp", "vescale_fsdp_spawn", "vescale_fsdp_fork"; Fabric: "vescale_fsdp".
@@ -84,6 +87,7 @@ __all__ = [
     "VeScaleFabricPrecision",
     "VeScaleFabricStrategy",
     "VeScalePrecision",
+    "dry_run",
     "fully_shard",
     "plan_layout",
     "ragged_from_local",

@@ -28,7 +28,8 @@ Only tensors on the measured device are counted; the bytes of the others (CPU of
 reported separately as ``off_device``. Pinned host storages among them take more host memory than
 their bytes: the caching host allocator rounds each up to a power of two (design note
 [pinned-host]), up to 2x; ``off_device_pinned_host`` is what those storages really hold. Meta
-tensors and tensors without storage count as zero.
+tensors and tensors without storage count as zero; FakeTensors (the dry run's,
+``lightning_vescale.dryrun``) count by their storages' sizes.
 Nothing here needs a process group or a Trainer.
 """
 
@@ -153,8 +154,14 @@ def _span(t: torch.Tensor) -> tuple[int, int, int] | None:
     try:
         esize = t.element_size()
         off = t.storage_offset()
-        base = t.data_ptr() - off * esize
-    except (RuntimeError, NotImplementedError):  # meta/fake/functional tensors: no storage
+        if _is_fake(t):
+            # a FakeTensor (the dry run) has a storage with a size but no address: the storage
+            # object stands for it (it is one object per storage while any view lives)
+            storage = t.untyped_storage()
+            base = id(storage) if storage.nbytes() else 0
+        else:
+            base = t.data_ptr() - off * esize
+    except (RuntimeError, NotImplementedError):  # meta/functional tensors: no storage
         return None
     if base <= 0:
         return None
@@ -164,6 +171,14 @@ def _span(t: torch.Tensor) -> tuple[int, int, int] | None:
         extent = 1 + sum((k - 1) * abs(st) for k, st in zip(t.shape, t.stride()))
     start = off * esize
     return base, start, start + extent * esize
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    """A FakeTensor (``torch._subclasses``; imported lazily: only the dry run makes them)."""
+    if type(t).__name__ != "FakeTensor":
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+    return is_fake(t)
 
 
 _Key = tuple[int, torch.device]  # (storage base address, device)

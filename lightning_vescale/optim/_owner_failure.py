@@ -111,7 +111,7 @@ class StepFailures:
     def raise_if_failed(self) -> None:
         """Raise the step's failure on every rank that heard of it (see the design note);
         return if none did. One host read of the markers per group that exchanged any."""
-        failed = [g for g, m in self._markers.items() if bool(m.ne(0).any().item())]
+        failed = [g for g, m in self._markers.items() if _marked(m)]
         if not failed:
             if self.error is not None:  # no exchange carried it: this rank's alone, unchanged
                 raise self.error
@@ -136,3 +136,14 @@ class StepFailures:
             return None
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         return rank, f"{self.where} ({type(self.error).__name__}: {self.error})"
+
+
+def _marked(markers: Tensor) -> bool:
+    """Whether any received marker is set. FakeTensor markers (the dry run,
+    ``lightning_vescale.dryrun``: the fake process group carries no data) are never set; a
+    failure on this rank still raises through ``error``."""
+    if type(markers).__name__ == "FakeTensor":
+        from torch._subclasses.fake_tensor import is_fake
+        if is_fake(markers):
+            return False
+    return bool(markers.ne(0).any().item())

@@ -69,8 +69,21 @@ __all__ = [
 DEFAULT_BLOCK_SIZE = 256
 
 
+def _constants() -> Any:
+    """A context in which the quantizer's constants (code maps, code books) are computed with
+    real tensors even under a ``FakeTensorMode`` (the dry run, ``lightning_vescale.dryrun``):
+    they are read back as Python numbers and cached, so they must never be fake."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    return unset_fake_temporarily()
+
+
 @functools.lru_cache(maxsize=None)
 def _dynamic_map_values(signed: bool, max_exponent_bits: int = 7, total_bits: int = 8) -> tuple:
+    with _constants():
+        return _dynamic_map_values_impl(signed, max_exponent_bits, total_bits)
+
+
+def _dynamic_map_values_impl(signed: bool, max_exponent_bits: int, total_bits: int) -> tuple:
     # Dettmers' dynamic tree map, as bitsandbytes builds it (functional.create_dynamic_map).
     data: list[float] = []
     non_sign_bits = total_bits - 1
@@ -184,7 +197,8 @@ class CodeBook:
 def codebook(signed: bool, device: torch.device | str = "cpu") -> CodeBook:
     """The (cached) :class:`CodeBook` of ``dynamic_code_map(signed)`` on ``device``."""
     device = torch.device(device)
-    return CodeBook.from_code(dynamic_code_map(signed, device=device))
+    with _constants():
+        return CodeBook.from_code(dynamic_code_map(signed, device=device))
 
 
 def _as_book(code: torch.Tensor | CodeBook) -> CodeBook:
@@ -303,7 +317,8 @@ def dequantize_blockwise(
 def zero_code(signed: bool) -> int:
     """The code of ``0.0`` in ``dynamic_code_map(signed)`` (127 signed, 0 unsigned): the fill
     value of a fresh (all-zero) moment's codes."""
-    return int(codebook(signed).nearest(torch.zeros(1)))
+    with _constants():
+        return int(codebook(signed).nearest(torch.zeros(1)))
 
 
 # -------------------------------------------------------------------------------------------------

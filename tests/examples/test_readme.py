@@ -249,6 +249,10 @@ COMMANDS: dict[str, object] = {
         Runs(check=lambda out, _: "2.778%" in out),
     "python -m lightning_vescale.planner --model examples.llama:LlamaModule --world-size 32":
         Runs(check=lambda out, _: "33 group(s)" in out),
+    "python -m lightning_vescale.dryrun --preset llama3-70b --world-size 1024 "
+    "--activation-checkpointing": Runs(  # two layers at 64 ranks: seconds, not minutes
+        extra=("--config", '{"layers": 2}', "--seq-len", "128", "--world-size", "64"),
+        check=lambda out, _: "ours/FSDP2" in out and "peak live bytes" in out),
 }
 
 
