@@ -100,13 +100,17 @@ def dry_run(model: Any = "llama3-70b", *, world_size: int, rank: int = 0, replic
         model: a preset name (``"llama3-70b"``, ``"gpt-oss-120b"``, ``"deepseek-v3"``, ...), a
             :class:`TransformerConfig`, ``"package.module:Class"`` (``init_args`` passed) or a
             callable returning an ``nn.Module`` whose forward takes token ids.
-        world_size, rank: the fake world and this process's rank in it.
+        world_size: the fake world's size.
+        rank: this process's rank in it.
         replicas: HSDP replica count (a ``(replicas, world_size // replicas)`` mesh).
         engines: ``"vescale"`` (ours) and/or ``"fsdp2"`` (torch's).
-        batch_size, seq_len: the micro-batch of token ids.
+        batch_size: the micro-batch's sequences of token ids.
+        seq_len: their length.
         optimizer: ``"adamw"``, ``"adamw8bit"`` or ``"muon"`` (ours only for the last two:
             FSDP2 runs AdamW8bit/Muon as well when they accept its ``Shard(0)`` DTensors).
-        granularity, reshard_after_forward, comm_policy: ``fully_shard``'s arguments.
+        granularity: ``fully_shard``'s argument.
+        reshard_after_forward: ``fully_shard``'s argument.
+        comm_policy: ``fully_shard``'s argument (a ``CommPolicy``).
         activation_checkpointing: every block recomputes its forward in backward.
         mixed_precision: ``"bf16"`` (bf16 compute, fp32 reduce and master weights) or ``None``.
         hf_config: a transformers config (object, or path / cached model id): overrides
