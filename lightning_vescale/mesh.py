@@ -59,6 +59,7 @@ of this module's helpers, which ask :func:`collective_device` where it must run:
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -198,10 +199,11 @@ class MeshInfo:
                 f"replicate_mesh_dim={self.replicate_mesh_dim})")
 
 
-# Keyed on the world size too: a child forked from a process that built a mesh, or a new
-# init_process_group() after destroy_process_group(), may have another world size. (A 1-D world
-# mesh looks its group up by name, so it follows a re-initialised default group by itself.)
-_MESHES: dict[tuple[str, int, int], DeviceMesh] = {}
+# Keyed on the process, the rank and the default group too: a child forked from a process that
+# built a mesh inherits this dict, and a DeviceMesh keeps the coordinate of the rank that built it
+# (a forked rank 1 got rank 0's, and full state dicts then gathered to the wrong rank); a new
+# init_process_group() after destroy_process_group() may have another size or rank.
+_MESHES: dict[tuple[Any, ...], DeviceMesh] = {}
 
 
 def init_mesh(device_type: str, world_size: int | None = None, *,
@@ -234,7 +236,8 @@ def init_mesh(device_type: str, world_size: int | None = None, *,
         raise ValueError(
             f"init_mesh(replicas={replicas!r}): the number of replicas must be a positive int "
             f"that divides the world size {size}.")
-    key = (device_type, size, replicas)
+    key = (device_type, size, replicas, os.getpid(), dist.get_rank(),
+           id(dist.distributed_c10d._get_default_group()))
     if key not in _MESHES:
         if replicas == 1:
             _MESHES[key] = init_device_mesh(device_type, (size,),

@@ -51,3 +51,27 @@ def test_hang_becomes_timeout():
 
 def test_run_distributed_one_shot():
     assert run_distributed(_rank_and_sum, 3, 1)[2] == (2, 3, 6.0)
+
+
+def _mesh_coordinate() -> tuple:
+    from lightning_vescale.mesh import init_mesh
+
+    return tuple(init_mesh("cpu").get_coordinate())
+
+
+def test_a_mesh_built_before_the_fork_is_not_reused_by_a_forked_rank(worlds):
+    """A DeviceMesh keeps the coordinate of the rank that built it. ``init_mesh`` caches meshes;
+    a forked child inherited the parent's cache and a rank 1 got rank 0's mesh (coordinate
+    ``(0,)``), so full state dicts gathered to the wrong rank (an internal assertion in
+    ``_gather_to_rank0``), depending on which test had built a mesh in the parent before."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_vescale.mesh import init_mesh
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        assert tuple(init_mesh("cpu").get_coordinate()) == (0,)  # cached in this process
+    finally:
+        dist.destroy_process_group()
+    assert worlds(2).run(_mesh_coordinate) == [(0,), (1,)]
