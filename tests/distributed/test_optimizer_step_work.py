@@ -95,11 +95,16 @@ def _maxima(results: list[dict]) -> dict:
 
 
 def _check(got: dict, pinned: dict) -> None:
-    """The package's own counts exactly (a change either way is a decision: update the pin
-    with the benchmark's numbers); torch's calls and ops at most the pin (torch may improve)."""
-    exact = {k: got[k] for k in ("flat_tensors", "shards", "ours", "runs") if k in got}
+    """The layout's counts exactly (flat tensors, shards, runs: a change either way is a
+    decision, update the pin with the benchmark's numbers); Python calls (the package's and
+    torch's) and aten ops at most the pin: a fall-back adds tens of them, while a cache warmed
+    by an earlier test in the same forked rank can save or cost a couple (241 against 239 of
+    ours in one CI run), which is not a change of the step."""
+    exact = {k: got[k] for k in ("flat_tensors", "shards", "runs") if k in got}
     assert exact == {k: pinned[k] for k in exact}, (got, pinned)
-    assert got["calls"] <= pinned["calls"] and got["ops"] <= pinned["ops"], (got, pinned)
+    slack = 8  # calls of ours; far below one extra flat tensor's ~14
+    assert got["ours"] <= pinned["ours"] + slack, (got, pinned)
+    assert got["calls"] <= pinned["calls"] + slack and got["ops"] <= pinned["ops"], (got, pinned)
 
 
 def test_flat_params_step_work_is_pinned(worlds):
