@@ -425,6 +425,11 @@ def wrap_redistribute(original: Callable) -> Callable:
         if has_ragged_placement(current_spec.placements) or has_ragged_placement(
             target_spec.placements
         ):
+            from lightning_vescale.placement._ragged_tp import is_tp_layout, redistribute_tp
+
+            if is_tp_layout(current_spec.placements, target_spec.placements):  # [ragged-tp]
+                return redistribute_tp(local_tensor, current_spec, target_spec, original,
+                                       **kwargs)
             return redistribute_ragged_local(local_tensor, current_spec, target_spec)
         return original(local_tensor, current_spec, target_spec, *args, **kwargs)
 
