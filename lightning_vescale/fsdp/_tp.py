@@ -116,10 +116,11 @@ def tp_param_spec(name: str, param: nn.Parameter, dp: DeviceMesh | None) -> TPSp
                   shape=tuple(param.shape), stride=tuple(param.stride()))
 
 
-def refuse_unsupported(names: list[str], *, offload: Any, comm_active: bool,
-                       shard_placement_fn: Any, dp_mesh_dims: Any,
-                       reshard_after_forward: Any) -> None:
-    """Refuse the ``fully_shard`` options not supported with TP parameters yet ([fsdp-tp])."""
+def refuse_unsupported(names: list[str], offload: Any, comm: Any, shard_placement_fn: Any,
+                       dp_mesh_dims: Any, reshard_after_forward: Any) -> None:
+    """Refuse the ``fully_shard`` options not supported with TP parameters ``names`` yet
+    ([fsdp-tp]); ``comm``: the resolved comm policy (``None``: inactive)."""
+    comm_active = comm is not None
     if not names:
         return
     what = None

@@ -293,14 +293,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     _move_buffers(modules, mesh_device(mesh_info.mesh))  # never to meta: buffers keep values
     group = None
     if collected:
-        # a TP parameter is planned by its TP-local tensor (design note [fsdp-tp])
-        named = [(c.name, sources[c.name] if c.name in tp else c.param) for c in collected]
-        units = placement_units(shard_placement_fn, named, mesh_info.mesh)
-        comm, quantized, grans = _comm_layout(comm_policy, granularity, named, units)
-        refuse_tp_unsupported(  # design note [fsdp-tp]
-            sorted(tp), offload=offload, comm_active=comm is not None,
-            shard_placement_fn=shard_placement_fn, dp_mesh_dims=dp_mesh_dims,
-            reshard_after_forward=reshard_after_forward)
+        comm, quantized, grans = _group_layout(
+            collected, sources, tp, mesh_info, shard_placement_fn, comm_policy, granularity,
+            refuse=(offload, dp_mesh_dims, reshard_after_forward))
         group = ParamGroup(
             params=[_managed(c, tp.get(c.name), sources[c.name]) for c in collected], mesh_info=mesh_info, mp_policy=policy,
             granularity=grans, reshard_policy=reshard, fqn=label, offload=offload,
@@ -349,6 +344,23 @@ def _build_group(group: ParamGroup, modules: list[nn.Module], collected: list[Co
         register_state_dict_hooks(m, group, k)
     remember_taken(collected, label)
     install_optimizer_check()
+
+
+def _group_layout(collected: list[CollectedParam], sources: dict[str, torch.Tensor],
+                  tp: dict[str, TPSpec], mesh_info: MeshInfo, shard_placement_fn: Any,
+                  comm_policy: Any, granularity: GranularityArg, *, refuse: tuple
+                  ) -> tuple[CommPolicy | None, dict[str, bool], dict[str, int]]:
+    """:func:`_comm_layout` of the call's parameters, a tensor-parallel one by its TP-local
+    tensor (design note [fsdp-tp]), ``shard_placement_fn``'s units folded in; the options not
+    supported with TP parameters yet are refused (``refuse``: ``(offload, dp_mesh_dims,
+    reshard_after_forward)``)."""
+    named = [(c.name, sources[c.name] if c.name in tp else c.param) for c in collected]
+    units = placement_units(shard_placement_fn, named, mesh_info.mesh)
+    comm, quantized, grans = _comm_layout(comm_policy, granularity, named, units)
+    offload, dp_mesh_dims, reshard_after_forward = refuse
+    refuse_tp_unsupported(sorted(tp), offload, comm, shard_placement_fn, dp_mesh_dims,
+                          reshard_after_forward)
+    return comm, quantized, grans
 
 
 def _comm_layout(comm_policy: Any, granularity: GranularityArg,

@@ -53,6 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_vescale.placement._common import has_ragged, has_ragged_placement
+from lightning_vescale.placement._ragged_tp import is_tp_layout, tp_local_box
 from lightning_vescale.placement._ragged_shard import (
     RaggedShard,
     local_slice,
@@ -91,8 +92,6 @@ def distribute_ragged(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequen
     (torch replicates along a dim with a broadcast from ``group_src=src_data_rank`` and shards
     with a scatter from it, which reads the same data).
     """
-    from lightning_vescale.placement._ragged_tp import is_tp_layout, tp_local_box
-
     placements = tuple(placements)
     tp = len(placements) == mesh.ndim and is_tp_layout(placements, placements)
     if tp:  # (RaggedShard, Shard(k)): ranges of the TP-local region (design note [ragged-tp])

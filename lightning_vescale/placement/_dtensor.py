@@ -93,6 +93,7 @@ from lightning_vescale.mesh import (
     reduce_scatter_anywhere,
 )
 from lightning_vescale.placement._common import all_gather_flat, has_ragged_placement
+from lightning_vescale.placement._ragged_tp import is_tp_layout, redistribute_tp
 from lightning_vescale.placement._ragged_shard import (
     Box,
     FlatRange,
@@ -425,11 +426,9 @@ def wrap_redistribute(original: Callable) -> Callable:
         if has_ragged_placement(current_spec.placements) or has_ragged_placement(
             target_spec.placements
         ):
-            from lightning_vescale.placement._ragged_tp import is_tp_layout, redistribute_tp
-
             if is_tp_layout(current_spec.placements, target_spec.placements):  # [ragged-tp]
                 return redistribute_tp(local_tensor, current_spec, target_spec, original,
-                                       **kwargs)
+                                       _redistribute, **kwargs)
             return redistribute_ragged_local(local_tensor, current_spec, target_spec)
         return original(local_tensor, current_spec, target_spec, *args, **kwargs)
 

@@ -78,12 +78,12 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def redistribute_tp(local: torch.Tensor, current: DTensorSpec, target: DTensorSpec,
-                    torch_redistribute: Callable[..., torch.Tensor], **kwargs: Any
-                    ) -> torch.Tensor:
+                    torch_redistribute: Callable[..., torch.Tensor],
+                    ragged_1d: Callable[..., torch.Tensor], **kwargs: Any) -> torch.Tensor:
     """This rank's local tensor of ``target`` from its local of ``current`` (design note
-    [ragged-tp]); ``torch_redistribute`` is torch's ``redistribute_local_tensor``."""
-    from lightning_vescale.placement._dtensor import _redistribute  # the 1-D paths
-
+    [ragged-tp]); ``torch_redistribute`` is torch's ``redistribute_local_tensor``,
+    ``ragged_1d`` the 1-D paths of ``_dtensor`` (``_redistribute``)."""
+    _redistribute = ragged_1d
     src, dst = tuple(current.placements), tuple(target.placements)
     dims = sorted(set(_ragged_dims(src)) | set(_ragged_dims(dst)))
     if current.mesh != target.mesh or len(dims) != 1:
