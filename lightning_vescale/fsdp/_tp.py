@@ -20,11 +20,14 @@ objects of design note [fsdp-param-objects] become:
   ``AccumulateGrad`` adds in place into the buffer (zero-copy, as for plain tensors).
 
 Supported: a 1-D data-parallel mesh (a sub-mesh of the same root mesh as the tp mesh), 1-D tp
-meshes, ``Shard(k)``/``Replicate()`` TP placements, AdamW/SGD-style optimizers (element-wise
-on the local shards), mixed precision, ``clip_grad_norm_`` and full state dicts. Refused with a
-message (:func:`refuse_unsupported`): HSDP (3-D meshes), CPU offload, quantized all-gather,
-``shard_placement_fn``/``dp_mesh_dims``, ``reshard_after_forward=<int>``, meta-device TP
-parameters, and a TP plan applied after ``fully_shard`` (``check_not_ragged``).
+meshes, ``Shard(k)``/``Replicate()`` TP placements (sequence-parallel norms included),
+AdamW/SGD-style optimizers (element-wise on the local shards), mixed precision,
+``lightning_vescale.precision.clip_grad_norm_``, full state dicts and DCP checkpoints.
+Refused with a message (:func:`refuse_unsupported` and the optimizers'/writers' own checks):
+HSDP (3-D meshes), CPU offload, ``comm_policy``, ``shard_placement_fn``/``dp_mesh_dims``,
+``reshard_after_forward=<int>``, meta-device TP parameters, AdamW8bit/Muon/SOAP/Shampoo/
+FlatParamOptimizer, ``save_safetensors``, and a TP plan applied after ``fully_shard``
+(:func:`check_not_ragged`; ``distribute_tensor`` of a RaggedShard DTensor).
 """
 
 from __future__ import annotations
