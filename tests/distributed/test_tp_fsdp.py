@@ -174,10 +174,25 @@ def _parity_case(clip: float | None, foreach: bool = False) -> dict:
     assert placements["blocks.0.attn.wo.weight"][1] == Shard(1)
     assert placements["blocks.0.mlp.w2.bias"][1] == Replicate()
     assert placements["emb.weight"] == (placements["emb.weight"][0],)  # plain: dp only
+    # in forward the module sees TP's DTensor, its local tensor a view into the DBuffer
+    from lightning_vescale.fsdp import fully_shard
+
+    group = fully_shard.state(ours.blocks[0]).group
+    mp = next(m for m in group.params if m.name == "attn.wq.weight")
+    seen = []
+
+    def pre_hook(module, args) -> None:
+        w = module.weight
+        seen.append(isinstance(w, DTensor) and w.placements == (Shard(0),)
+                    and w._local_tensor.data_ptr() == mp.buffer.param_view(mp.name).data_ptr())
+
+    handle = ours.blocks[0].attn.wq.register_forward_pre_hook(pre_hook)
     start = _full_params(ours)
     init = _full_params(_build())
     init_err = max((start[n] - init[n]).abs().max().item() for n in init)
     losses, norms = _train(ours, clip, clip_grad_norm_, foreach)
+    handle.remove()
+    assert seen and all(seen), seen
     fsdp2 = _torch_fsdp2(_build(), mesh)
     t_losses, t_norms = _train(fsdp2, clip, clip_grad_norm_, foreach)
     got, want, theirs = _full_params(ours), _full_params(ref), _full_params(fsdp2)
