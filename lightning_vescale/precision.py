@@ -102,19 +102,19 @@ _ALIASES = {"32": "32-true", 32: "32-true", "bf16": "bf16-mixed", "16": "16-mixe
 # Sharding-aware gradient utilities
 # ------------------------------------------------------------------------------------------------
 def _local_and_kind(grad: Tensor) -> tuple[Tensor, bool, Any]:
-    """``(local tensor, is_sharded, process group or None)`` of a (possibly DTensor) gradient.
+    """``(local tensor, is_sharded, process groups)`` of a (possibly DTensor) gradient.
 
-    The group is the one the local pieces partition the tensor over: the mesh dim that shards
-    it. On an HSDP mesh ``(Replicate(), RaggedShard)`` that is the shard dim only; summing over
-    the whole world would count every element once per replica (design note [hsdp]). With more
-    than one sharded dim, ``None`` (the default group, the whole world).
+    The groups are those the local pieces partition the tensor over: one per mesh dim that
+    shards it. On an HSDP mesh ``(Replicate(), RaggedShard)`` that is the shard dim only;
+    summing over the whole world would count every element once per replica (design note
+    [hsdp]). With tensor parallelism ``(RaggedShard, Shard(k))`` both dims' groups, in mesh
+    order (design note [fsdp-tp]); a plain tensor: ``()``.
     """
     if isinstance(grad, DTensor):
         mesh = grad.device_mesh
         dims = [d for d, p in enumerate(grad.placements) if not isinstance(p, Replicate)]
-        group = mesh.get_group(dims[0]) if len(dims) == 1 else None
-        return grad.to_local(), bool(dims), group
-    return grad, False, None
+        return grad.to_local(), bool(dims), tuple(mesh.get_group(d) for d in dims)
+    return grad, False, ()
 
 
 def _grads(parameters: Union[Tensor, Iterable[Tensor]]) -> list[Tensor]:
@@ -140,37 +140,46 @@ def clip_grad_norm_(
     max_norm, norm_type = float(max_norm), float(norm_type)
     grads = _grads(parameters)
     locals_: list[Tensor] = []
-    group = None
     device = None
-    sharded_acc = replicated_acc = None
+    # one accumulator per tuple of groups the elements are spread over (FSDP: the shard
+    # group; FSDP + TP: (dp, tp) for TP-sharded, dp for the others: design note [fsdp-tp])
+    sharded: dict[tuple[int, ...], tuple[tuple[Any, ...], Tensor]] = {}
+    replicated_acc = None
     inf = math.isinf(norm_type)
+
+    def add(acc: Tensor | None, part: Tensor) -> Tensor:
+        return part if acc is None else (torch.maximum(acc, part) if inf else acc + part)
+
     for g in grads:
-        local, sharded, g_group = _local_and_kind(g)
+        local, is_sharded, g_groups = _local_and_kind(g)
         locals_.append(local)
         device = device or local.device
-        if sharded and g_group is not None:
-            group = g_group
         if local.numel() == 0:
             part = torch.zeros((), dtype=torch.float32, device=local.device)
         elif inf:
             part = local.detach().abs().max().float()
         else:
             part = local.detach().float().abs().pow(norm_type).sum()
-        if sharded:
-            sharded_acc = part if sharded_acc is None else (
-                torch.maximum(sharded_acc, part) if inf else sharded_acc + part)
+        if is_sharded:
+            key = tuple(id(x) for x in g_groups)
+            prev = sharded.get(key)
+            sharded[key] = (g_groups, add(None if prev is None else prev[1], part))
         else:
-            replicated_acc = part if replicated_acc is None else (
-                torch.maximum(replicated_acc, part) if inf else replicated_acc + part)
+            replicated_acc = add(replicated_acc, part)
     if device is None:
         return torch.zeros(())
     zero = torch.zeros((), dtype=torch.float32, device=device)
-    sharded_acc = zero if sharded_acc is None else sharded_acc
+    sharded_acc = zero
+    if not sharded:  # every rank runs the collective of the usual (sharded) path
+        sharded[()] = ((None,), zero)
+    for g_groups, acc in sharded.values():
+        if dist.is_available() and dist.is_initialized():
+            for group in g_groups:
+                # offloaded (CPU) gradients on an NCCL group: through the device and back
+                all_reduce_anywhere(acc, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
+                                    group=group)
+        sharded_acc = add(sharded_acc, acc)
     replicated_acc = zero if replicated_acc is None else replicated_acc
-    if dist.is_available() and dist.is_initialized():
-        # offloaded (CPU) gradients on an NCCL group: through the device and back
-        all_reduce_anywhere(sharded_acc, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
-                            group=group)
     if inf:
         total = torch.maximum(sharded_acc, replicated_acc)
     else:

@@ -53,7 +53,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_vescale.checkpoint import _files
 from lightning_vescale.checkpoint._hf_files import INDEX_NAME
@@ -431,6 +431,15 @@ def save_safetensors(module: nn.Module, directory: Union[str, os.PathLike], *,
     Raises:
         OSError: ``ENOSPC`` (or a quota), "No space left on <dir>" first, with the free space
             and what was left behind.
+        NotImplementedError: tensor-parallel parameters (design note [fsdp-tp]), not yet.
     """
+    for name, p in module.named_parameters():
+        if isinstance(p, DTensor) and _is_ragged(p) and any(type(pl) is Shard
+                                                            for pl in p.placements):
+            raise NotImplementedError(
+                f"save_safetensors: parameter {name!r} is tensor-parallel (placements "
+                f"{tuple(p.placements)}); saving tensor-parallel models is not supported yet. "
+                "Use torch.distributed.checkpoint.state_dict.get_model_state_dict(module, "
+                "options=StateDictOptions(full_state_dict=True)) and save that on rank 0.")
     return write_safetensors(module, directory, max_shard_size=max_shard_size, dtype=dtype,
                              key_map=key_map, layout=layout)

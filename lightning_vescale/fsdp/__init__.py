@@ -22,6 +22,7 @@ Design notes of layer 3 (the package's convention and the other layers' notes:
 * ``_shard_placement.py``: [fsdp-shard-placement] (FSDP2's ``shard_placement_fn``,
   ``dp_mesh_dims``)
 * ``_managed_param.py``: [fsdp-param-objects] (the two parameter objects, swapping)
+* ``_tp.py``: [fsdp-tp] (tensor-parallel parameters: FSDP2 + TP's contract)
 * ``_param_group.py``: [fsdp-buffer-order] (matrices first; frozen parameters apart)
 * ``_param_group_grads.py``: [fsdp-grads] (grad buffer, reduce-scatter, publication)
   [fsdp-post-acc-grad-hooks] (optimizer in backward: the sharded parameters' hooks)

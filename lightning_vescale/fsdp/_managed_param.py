@@ -72,3 +72,13 @@ class ManagedParam:
     #: mesh, ``(Replicate(), RaggedShard)`` on an HSDP mesh. Set with the buffer at each build;
     #: one tuple per parameter, so ``ragged_from_local``'s per-step spec cache hits.
     placements: Any = None
+    #: a tensor-parallel parameter's :class:`~lightning_vescale.fsdp._tp.TPSpec` (``shape`` is
+    #: then its TP-local shape, what the group plans: design note [fsdp-tp]); ``None`` otherwise
+    tp: Any = None
+
+    def dtensor_meta(self, mesh: Any) -> tuple[Any, tuple[int, ...], Any]:
+        """``(mesh, global shape, global stride or None)`` of the sharded DTensor and its
+        gradient: the group's mesh, or a TP parameter's 2-D ``(dp, tp)`` mesh."""
+        if self.tp is None:
+            return mesh, self.shape, None
+        return self.tp.mesh, self.tp.shape, self.tp.stride

@@ -52,6 +52,7 @@ from lightning_vescale.fsdp._policy import CPUOffloadPolicy, MixedPrecisionPolic
 from lightning_vescale.fsdp._replaced import mark_replaced
 from lightning_vescale.fsdp._reshard import ReshardPolicy
 from lightning_vescale.fsdp._subgroups import partial_group
+from lightning_vescale.fsdp._tp import tp_unsharded
 from lightning_vescale.mesh import MeshInfo
 from lightning_vescale.placement import ragged_from_local
 from lightning_vescale.planner import LayoutPlan, plan_buckets
@@ -211,10 +212,16 @@ class ParamGroup(GroupGradients):
                           original=False)
         local = buf.local_view(mp.name)
         mp.placements = self.mesh_info.placements(buf.placement(mp.name))
-        dt = ragged_from_local(local, self.mesh_info.mesh, mp.placements, mp.shape,
+        if mp.tp is not None:  # (RaggedShard, <tp placement>): design note [fsdp-tp]
+            mp.placements = (*mp.placements, *mp.tp.placements)
+        mesh, shape, stride = mp.dtensor_meta(self.mesh_info.mesh)
+        dt = ragged_from_local(local, mesh, mp.placements, shape, stride,
                                autograd=False, check=False)
         mp.sharded = nn.Parameter(dt, requires_grad=mp.requires_grad)
-        mp.unsharded = nn.Parameter(buf.param_view(mp.name), requires_grad=mp.requires_grad)
+        if mp.tp is not None:
+            mp.unsharded = tp_unsharded(buf.param_view(mp.name), mp.tp, mp.requires_grad)
+        else:
+            mp.unsharded = nn.Parameter(buf.param_view(mp.name), requires_grad=mp.requires_grad)
         mp.got_grad = False
         if not buf.is_meta and mp.requires_grad:
             self._register_grad_hooks(mp)

@@ -60,6 +60,7 @@ from torch.profiler import record_function
 
 from lightning_vescale.dbuffer import CommHandle, DBuffer
 from lightning_vescale.fsdp._managed_param import ManagedParam
+from lightning_vescale.fsdp._tp import tp_grad
 from lightning_vescale.mesh import MeshInfo
 from lightning_vescale.placement import ragged_from_local
 
@@ -213,11 +214,13 @@ class GroupGradients:
                 assert mp.unsharded is not None and mp.buffer is not None
                 view = mp.buffer.grad_view(mp.name)
                 g = mp.unsharded.grad
+                if isinstance(g, DTensor):  # a TP parameter (design note [fsdp-tp])
+                    g = g._local_tensor
                 if g is None or g.data_ptr() != view.data_ptr():
                     if g is not None:  # a gradient outside the buffer: fold it in
                         with torch.no_grad():
                             view.add_(g)
-                    mp.unsharded.grad = view
+                    mp.unsharded.grad = view if mp.tp is None else tp_grad(view, mp.tp)
 
     def run_post_reduce_hooks(self) -> None:
         """The group's reduce-scatter finished: call the sharded parameters' post-accumulate-grad
@@ -251,8 +254,9 @@ class GroupGradients:
         g = mp.sharded.grad
         if g is None or not self._is_our_grad(mp, g):
             view = mp.buffer.grad_local_view(mp.name)
+            mesh, shape, stride = mp.dtensor_meta(self.mesh_info.mesh)
             g = mp.sharded.grad = ragged_from_local(
-                view, self.mesh_info.mesh, mp.placements, mp.shape, autograd=False, check=False)
+                view, mesh, mp.placements, shape, stride, autograd=False, check=False)
         return g
 
     def discard_gradients(self) -> None:

@@ -24,11 +24,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_vescale.fsdp._training_state import in_backward
 from lightning_vescale.fsdp._param_group import ParamGroup
 from lightning_vescale.placement import local_slice, ragged_from_local, ragged_shard_and_rank
+from lightning_vescale.placement._compat import distribute_ragged
 
 __all__ = ["register_state_dict_hooks", "to_param_layout"]
 
@@ -46,6 +47,10 @@ def to_param_layout(value: Any, sharded: DTensor) -> Any:
         return value.redistribute(sharded.device_mesh, sharded.placements)
     if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(sharded.shape):
         mesh, placements = sharded.device_mesh, tuple(sharded.placements)
+        if len(placements) > 1 and any(type(p) is Shard for p in placements):
+            # tensor parallelism (design note [fsdp-tp]): the TP-local region's ranges
+            local = distribute_ragged(value.detach(), mesh, placements, src_data_rank=None)
+            return local.to(device=sharded.device, dtype=sharded.dtype)
         ragged, r = ragged_shard_and_rank(mesh, placements,
                                           "loading a full state dict into a sharded module")
         local = local_slice(value.detach(), ragged, r)

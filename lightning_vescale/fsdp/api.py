@@ -91,6 +91,8 @@ from lightning_vescale.fsdp._shard_placement import (
 )
 from lightning_vescale.fsdp._state import FSDPState, get_state
 from lightning_vescale.fsdp._subgroups import make_partial_group
+from lightning_vescale.fsdp._tp import TPSpec, check_not_ragged, tp_param_spec
+from lightning_vescale.fsdp._tp import refuse_unsupported as refuse_tp_unsupported
 from lightning_vescale.fsdp._state_dict import register_state_dict_hooks
 from lightning_vescale.mesh import MeshInfo, default_device_type, init_mesh, mesh_device
 
@@ -281,7 +283,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         _check_not_wrapped(m)
     policy = as_policy(mp_policy)
     offload = as_offload_policy(offload_policy)
-    collected, sources, mesh = _collect(modules, ignored_params, mesh, dp_mesh_dims)
+    collected, sources, mesh, tp = _collect(modules, ignored_params, mesh, dp_mesh_dims)
     label = type(modules[0]).__name__ if len(modules) == 1 else \
         "[" + ", ".join(type(m).__name__ for m in modules) + "]"
     mesh_info = _mesh_info(mesh)
@@ -291,11 +293,11 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     _move_buffers(modules, mesh_device(mesh_info.mesh))  # never to meta: buffers keep values
     group = None
     if collected:
-        named = [(c.name, c.param) for c in collected]
-        units = placement_units(shard_placement_fn, named, mesh_info.mesh)
-        comm, quantized, grans = _comm_layout(comm_policy, granularity, named, units)
+        comm, quantized, grans = _group_layout(
+            collected, sources, tp, mesh_info, shard_placement_fn, comm_policy, granularity,
+            refuse=(offload, dp_mesh_dims, reshard_after_forward))
         group = ParamGroup(
-            params=[_managed(c) for c in collected], mesh_info=mesh_info, mp_policy=policy,
+            params=[_managed(c, tp.get(c.name), sources[c.name]) for c in collected], mesh_info=mesh_info, mp_policy=policy,
             granularity=grans, reshard_policy=reshard, fqn=label, offload=offload,
             comm_policy=comm, quantized=quantized)
         _build_group(group, modules, collected, sources, device, label)
@@ -307,17 +309,30 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
 
 def _collect(modules: list[nn.Module], ignored_params: set[nn.Parameter] | None,
              mesh: DeviceMesh | None, dp_mesh_dims: Any
-             ) -> tuple[list[CollectedParam], dict[str, torch.Tensor], DeviceMesh | None]:
-    """The call's parameters (checked), each one's full value, and the data-parallel mesh
-    (``dp_mesh_dims`` resolved: design note [fsdp-shard-placement])."""
+             ) -> tuple[list[CollectedParam], dict[str, torch.Tensor], DeviceMesh | None,
+                        dict[str, TPSpec]]:
+    """The call's parameters (checked), each one's full value (a tensor-parallel parameter's:
+    its TP-local tensor, with its :class:`TPSpec`: design note [fsdp-tp]), and the
+    data-parallel mesh (``dp_mesh_dims`` resolved: design note [fsdp-shard-placement])."""
     ignored = {id(p) for p in (ignored_params or ())}
     collected = [c for c in collect_params(modules) if id(c.param) not in ignored]
     spmd_mesh = mesh if dp_mesh_dims is not None else None
     dp = dp_mesh(mesh, dp_mesh_dims)
-    sources = {c.name: local_value(c.name, c.param, spmd_mesh) for c in collected}
+    tp: dict[str, TPSpec] = {}
+    if spmd_mesh is None:
+        for c in collected:
+            spec = tp_param_spec(c.name, c.param, dp)
+            if spec is not None:
+                tp[c.name] = spec
+    else:
+        for c in collected:
+            check_not_ragged(c.name, c.param)
+    sources = {c.name: c.param.detach().to_local() if c.name in tp
+               else local_value(c.name, c.param, spmd_mesh) for c in collected}
     for c in collected:
-        check_param(c.name, sources[c.name] if spmd_mesh is not None else c.param)
-    return collected, sources, dp
+        check_param(c.name, sources[c.name] if spmd_mesh is not None or c.name in tp
+                    else c.param)
+    return collected, sources, dp, tp
 
 
 def _build_group(group: ParamGroup, modules: list[nn.Module], collected: list[CollectedParam],
@@ -329,6 +344,23 @@ def _build_group(group: ParamGroup, modules: list[nn.Module], collected: list[Co
         register_state_dict_hooks(m, group, k)
     remember_taken(collected, label)
     install_optimizer_check()
+
+
+def _group_layout(collected: list[CollectedParam], sources: dict[str, torch.Tensor],
+                  tp: dict[str, TPSpec], mesh_info: MeshInfo, shard_placement_fn: Any,
+                  comm_policy: Any, granularity: GranularityArg, *, refuse: tuple
+                  ) -> tuple[CommPolicy | None, dict[str, bool], dict[str, int]]:
+    """:func:`_comm_layout` of the call's parameters, a tensor-parallel one by its TP-local
+    tensor (design note [fsdp-tp]), ``shard_placement_fn``'s units folded in; the options not
+    supported with TP parameters yet are refused (``refuse``: ``(offload, dp_mesh_dims,
+    reshard_after_forward)``)."""
+    named = [(c.name, sources[c.name] if c.name in tp else c.param) for c in collected]
+    units = placement_units(shard_placement_fn, named, mesh_info.mesh)
+    comm, quantized, grans = _comm_layout(comm_policy, granularity, named, units)
+    offload, dp_mesh_dims, reshard_after_forward = refuse
+    refuse_tp_unsupported(sorted(tp), offload, comm, shard_placement_fn, dp_mesh_dims,
+                          reshard_after_forward)
+    return comm, quantized, grans
 
 
 def _comm_layout(comm_policy: Any, granularity: GranularityArg,
@@ -353,9 +385,11 @@ def _comm_layout(comm_policy: Any, granularity: GranularityArg,
                                                     user_given=user_given)
 
 
-def _managed(c: CollectedParam) -> ManagedParam:
-    """The group's entry for a collected parameter."""
-    return ManagedParam(name=c.name, owners=list(c.owners), shape=tuple(c.param.shape),
+def _managed(c: CollectedParam, tp: TPSpec | None, source: torch.Tensor) -> ManagedParam:
+    """The group's entry for a collected parameter (a TP parameter is planned by its
+    TP-local shape: design note [fsdp-tp])."""
+    shape = tuple(c.param.shape) if tp is None else tuple(source.shape)
+    return ManagedParam(name=c.name, owners=list(c.owners), shape=shape, tp=tp,
                         requires_grad=c.param.requires_grad, aliases=list(c.aliases),
                         scoped_aliases=list(c.scoped_aliases),
                         original_weakref=weakref.ref(c.param))

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.optim import Optimizer
 
@@ -204,6 +204,20 @@ def _ranges(shape: tuple[int, ...], placement: RaggedShard) -> tuple[tuple[int, 
     return tuple(ragged_ranges(shape, placement))
 
 
+def refuse_tensor_parallel(p: Tensor, *, where: str) -> None:
+    """Raise ``NotImplementedError`` for a tensor-parallel parameter sharded by ``fully_shard``
+    (design note [fsdp-tp]): this package's optimizers do not support them yet."""
+    placements = tuple(p.placements) if isinstance(p, DTensor) else ()
+    if any(isinstance(pl, RaggedShard) for pl in placements) and (
+            any(type(pl) is Shard for pl in placements)
+            or not isinstance(placements[-1], RaggedShard)):
+        raise NotImplementedError(
+            f"{where} (shape {tuple(p.shape)}) is tensor-parallel and sharded by fully_shard "
+            f"(placements {placements}, design note [fsdp-tp]); this optimizer does not "
+            "support tensor-parallel parameters yet. Use torch.optim.AdamW / SGD (element-"
+            "wise) for them.")
+
+
 def param_layout(p: Tensor, *, where: str) -> ShardLayout:
     """The :class:`ShardLayout` of parameter ``p``, checking that it is supported.
 
@@ -224,6 +238,7 @@ def param_layout(p: Tensor, *, where: str) -> ShardLayout:
     if all(isinstance(pl, Replicate) for pl in placements):
         return ShardLayout(shape=shape, ranges=((0, math.prod(shape)),), mesh=p.device_mesh,
                            placements=placements)
+    refuse_tensor_parallel(p, where=where)
     if any(isinstance(pl, RaggedShard) for pl in placements):
         try:
             info = MeshInfo.from_mesh(p.device_mesh)
@@ -393,6 +408,16 @@ class ShardedOptimizer(Optimizer):
 
     def _update(self) -> None:
         raise NotImplementedError
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer.add_param_group``; tensor-parallel parameters are refused
+        (:func:`refuse_tensor_parallel`), at construction rather than at the first step."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        names = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            name = repr(names[i]) if names else f"#{i} of group #{len(self.param_groups) - 1}"
+            refuse_tensor_parallel(p, where=f"{type(self).__name__}: parameter {name}")
 
     def _param_refs(self) -> list[ParamRef]:
         """Every parameter of every group, in state-dict order."""

@@ -436,6 +436,11 @@ def check_param(p: Tensor, gi: int, j: int, names: list[str] | None) -> Tensor:
                 else f"a plain {type(p).__name__}")
         raise TypeError(f"FlatParamOptimizer: parameter {name} (shape {tuple(p.shape)}) is {kind};"
                         f" it needs fully_shard's RaggedShard DTensors. {fix}")
+    if len(p.placements) > 1 and not isinstance(p.placements[-1], RaggedShard):
+        raise NotImplementedError(
+            f"FlatParamOptimizer: parameter {name} (shape {tuple(p.shape)}) is tensor-parallel "
+            f"(placements {tuple(p.placements)}, design note [fsdp-tp]); FlatParamOptimizer does "
+            "not support tensor-parallel parameters yet. Use the optimizer unwrapped.")
     loc = p._local_tensor
     if not loc.is_contiguous():
         raise ValueError(f"FlatParamOptimizer: parameter {name} (shape {tuple(p.shape)}) has a "

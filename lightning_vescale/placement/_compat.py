@@ -53,6 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_vescale.placement._common import has_ragged, has_ragged_placement
+from lightning_vescale.placement._ragged_tp import is_tp_layout, tp_local_box
 from lightning_vescale.placement._ragged_shard import (
     RaggedShard,
     local_slice,
@@ -91,8 +92,13 @@ def distribute_ragged(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequen
     (torch replicates along a dim with a broadcast from ``group_src=src_data_rank`` and shards
     with a scatter from it, which reads the same data).
     """
-    dim, placement = _the_ragged(placements, mesh, "distribute_tensor")
     placements = tuple(placements)
+    tp = len(placements) == mesh.ndim and is_tp_layout(placements, placements)
+    if tp:  # (RaggedShard, Shard(k)): ranges of the TP-local region (design note [ragged-tp])
+        dim = next(d for d, p in enumerate(placements) if isinstance(p, RaggedShard))
+        placement = placements[dim]
+    else:
+        dim, placement = _the_ragged(placements, mesh, "distribute_tensor")
     if isinstance(tensor, DTensor):
         if tensor.device_mesh == mesh and tuple(tensor.placements) == placements:
             return tensor
@@ -105,7 +111,8 @@ def distribute_ragged(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequen
     if full.device.type != mesh.device_type and not full.is_meta:
         full = full.to(mesh.device_type)
     shape = tuple(full.shape)
-    placement.validate(shape, mesh.size(dim))
+    region_shape, offset = tp_local_box(shape, mesh, placements, dim) if tp else (shape, None)
+    placement.validate(region_shape, mesh.size(dim))
     if src_data_rank is not None and not full.is_meta:
         buf = full.contiguous()  # may alias the caller's tensor: only ever sent, never written
         for d in range(mesh.ndim):
@@ -116,6 +123,8 @@ def distribute_ragged(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequen
                 buf = torch.empty_like(full, memory_format=torch.contiguous_format)
             dist.broadcast(buf, src=dist.get_global_rank(group, src_data_rank), group=group)
         full = buf
+    if offset is not None:
+        full = full[tuple(slice(o, o + s) for o, s in zip(offset, region_shape))]
     local = local_slice(full, placement, mesh.get_local_rank(dim)).clone()
     out = ragged_from_local(local, mesh, placements, shape, autograd=False, check=False)
     return out.requires_grad_(tensor.requires_grad)
@@ -135,6 +144,14 @@ def wrap_distribute_tensor(original: Callable[..., DTensor]) -> Callable[..., DT
                                  "explicit device_mesh (e.g. param.device_mesh).")
             return distribute_ragged(tensor, device_mesh, placements,
                                      src_data_rank=src_data_rank)
+        if isinstance(tensor, DTensor) and has_ragged_placement(tensor.placements):
+            # e.g. parallelize_module on a module fully_shard already sharded ([fsdp-tp])
+            raise ValueError(
+                f"distribute_tensor: a tensor already sharded by lightning_vescale's fully_shard "
+                f"(placements {tuple(tensor.placements)}) cannot be distributed to "
+                f"{placements} on {device_mesh}. A tensor-parallel plan must be applied before "
+                "fully_shard (parallelize_module(model, mesh['tp'], plan), then fully_shard(..., "
+                "mesh=mesh['dp'])), as with FSDP2 + TP.")
         return original(tensor, device_mesh, placements, src_data_rank=src_data_rank)
 
     distribute_tensor.__wrapped__ = original  # type: ignore[attr-defined]

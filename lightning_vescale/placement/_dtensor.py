@@ -93,6 +93,7 @@ from lightning_vescale.mesh import (
     reduce_scatter_anywhere,
 )
 from lightning_vescale.placement._common import all_gather_flat, has_ragged_placement
+from lightning_vescale.placement._ragged_tp import is_tp_layout, redistribute_tp, tp_local_box
 from lightning_vescale.placement._ragged_shard import (
     Box,
     FlatRange,
@@ -425,6 +426,9 @@ def wrap_redistribute(original: Callable) -> Callable:
         if has_ragged_placement(current_spec.placements) or has_ragged_placement(
             target_spec.placements
         ):
+            if is_tp_layout(current_spec.placements, target_spec.placements):  # [ragged-tp]
+                return redistribute_tp(local_tensor, current_spec, target_spec, original,
+                                       _redistribute, **kwargs)
             return redistribute_ragged_local(local_tensor, current_spec, target_spec)
         return original(local_tensor, current_spec, target_spec, *args, **kwargs)
 
@@ -472,7 +476,19 @@ def make_to_torch_tensor(base: type) -> type:
 # Distributed checkpoint (E3)
 # ------------------------------------------------------------------------------------------------
 def _ragged_local_boxes(dt: DTensor) -> list[_BoxView]:
-    """A :class:`_BoxView` for each box of this rank's range of a RaggedShard DTensor."""
+    """A :class:`_BoxView` for each box of this rank's range of a RaggedShard DTensor.
+
+    Beside tensor-parallel ``Shard`` dims (design note [ragged-tp]) the range is one of the
+    TP-local region, whose boxes are shifted by the region's global offset."""
+    placements = tuple(dt.placements)
+    if is_tp_layout(placements, placements):
+        mesh = dt.device_mesh
+        dim = next(d for d, p in enumerate(placements) if isinstance(p, RaggedShard))
+        tp_shape, offset = tp_local_box(tuple(dt.shape), mesh, placements, dim)
+        start, end = placements[dim].local_range(tp_shape, mesh.get_local_rank(dim))
+        return [_BoxView(Box(tuple(o + a for o, a in zip(offset, box.offsets)), box.sizes), v)
+                for box, v in _range_box_views(dt._local_tensor.reshape(-1), tp_shape,
+                                               start, end)]
     placement, r = ragged_shard_and_rank(dt.device_mesh, dt.placements,
                                          "checkpointing RaggedShard DTensors")
     shape = tuple(dt.shape)

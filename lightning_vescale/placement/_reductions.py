@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.profiler import record_function
 
@@ -66,10 +66,13 @@ __all__ = ["REDUCTION_HANDLERS"]
 # Local partials and their combination across ranks.
 # ---------------------------------------------------------------------------------------------
 def _reduce_groups(op: object, x: DTensor) -> tuple[dist.ProcessGroup, ...]:
-    """Process groups of the mesh dims ``x`` is ragged over; all others must be Replicate."""
+    """Process groups of the mesh dims ``x`` is ragged (or, beside a RaggedShard, ``Shard``)
+    over; all others must be Replicate. A full reduction of ``(RaggedShard, Shard(k))``
+    (design note [ragged-tp]) combines over both dims: every element lives on one rank of
+    the two (the ``dim=`` form refuses such layouts earlier, in ``ragged_mesh_dim``)."""
     groups = []
     for d, p in enumerate(x._spec.placements):
-        if type(p) is RaggedShard:
+        if type(p) is RaggedShard or type(p) is Shard:
             groups.append(x.device_mesh.get_group(d))
         elif not p.is_replicate():
             raise unsupported(

@@ -1,0 +1,157 @@
+"""``fully_shard`` over tensor-parallel parameters (FSDP2 + TP's contract).
+
+Design note [fsdp-tp]
+---------------------
+Lightning's ``ModelParallelStrategy`` and torchtitan apply a TP plan first
+(``parallelize_module`` on ``mesh["tp"]``: parameters become DTensors ``Shard(0)`` /
+``Shard(1)`` / ``Replicate()`` on the tp mesh), then ``fully_shard(module, mesh=mesh["dp"])``.
+As FSDP2's ``FSDPParam._init_sharded_param`` does with its ``_tp_spec``, each rank's *TP-local*
+tensor is what the group plans and shards: the planner lays it out on the data-parallel dim
+(units and block alignment as for any tensor of that shape), the DBuffer holds it, and
+reduce-scatter runs over dp only (TP's own collectives run inside autograd). The two parameter
+objects of design note [fsdp-param-objects] become:
+
+* ``sharded``: a DTensor on the 2-D ``(dp, tp)`` mesh with placements
+  ``(RaggedShard, <tp placement>)``, the strided form of design note [ragged-tp]
+  (``full_tensor()`` and ``redistribute`` go through it); its local tensor is the DBuffer shard.
+* ``unsharded``: a DTensor on the tp mesh with the TP placements, whose local tensor is the
+  DBuffer's unsharded view: the module sees exactly what TP gave it, so TP's hooks work
+  unchanged. Its ``.grad`` is pre-set to a DTensor over the grad buffer's view, so
+  ``AccumulateGrad`` adds in place into the buffer (zero-copy, as for plain tensors).
+
+Supported: a 1-D data-parallel mesh (a sub-mesh of the same root mesh as the tp mesh), 1-D tp
+meshes, ``Shard(k)``/``Replicate()`` TP placements (sequence-parallel norms included),
+AdamW/SGD-style optimizers (element-wise on the local shards), mixed precision,
+``lightning_vescale.precision.clip_grad_norm_``, full state dicts and DCP checkpoints.
+Refused with a message (:func:`refuse_unsupported` and the optimizers'/writers' own checks):
+HSDP (3-D meshes), CPU offload, ``comm_policy``, ``shard_placement_fn``/``dp_mesh_dims``,
+``reshard_after_forward=<int>``, meta-device TP parameters, AdamW8bit/Muon/SOAP/Shampoo/
+FlatParamOptimizer, ``save_safetensors``, and a TP plan applied after ``fully_shard``
+(:func:`check_not_ragged`; ``distribute_tensor`` of a RaggedShard DTensor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from lightning_vescale.placement import RaggedShard
+
+__all__ = ["TPSpec", "refuse_unsupported", "tp_param_spec", "tp_unsharded"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPSpec:
+    """How a parameter was tensor-parallel before ``fully_shard`` (design note [fsdp-tp])."""
+
+    mesh: DeviceMesh  #: the 2-D ``(dp, tp)`` mesh of the sharded parameter
+    tp_mesh: DeviceMesh  #: the tp mesh of the unsharded parameter
+    placements: tuple[Placement, ...]  #: the TP placements (one per tp mesh dim)
+    shape: tuple[int, ...]  #: the global shape
+    stride: tuple[int, ...]  #: the global stride
+
+
+def _root(mesh: DeviceMesh) -> DeviceMesh:
+    root = mesh._get_root_mesh()
+    return mesh if root is None else root
+
+
+def check_not_ragged(name: str, param: torch.Tensor) -> None:
+    """Refuse a parameter that is already a RaggedShard DTensor (sharded by ``fully_shard``,
+    then handed to a TP plan or to ``fully_shard`` again)."""
+    if isinstance(param, DTensor) and any(isinstance(p, RaggedShard) for p in param.placements):
+        raise ValueError(
+            f"parameter {name!r} is already sharded by lightning_vescale's fully_shard "
+            f"(placements {param.placements}); a tensor-parallel plan must be applied before "
+            "fully_shard (parallelize_module(model, mesh['tp'], plan), then fully_shard(..., "
+            "mesh=mesh['dp'])), as with FSDP2 + TP.")
+
+
+def tp_param_spec(name: str, param: nn.Parameter, dp: DeviceMesh | None) -> TPSpec | None:
+    """The :class:`TPSpec` of a DTensor parameter (``None`` for a plain tensor).
+
+    Raises:
+        ValueError: a RaggedShard DTensor, no ``mesh=``, a tp mesh that is not a named 1-D
+            sub-mesh of the dp mesh's root, or a ``Partial``/other placement.
+        NotImplementedError: HSDP (a 2-D dp mesh) with TP, a meta-device TP parameter.
+    """
+    if not isinstance(param, DTensor):
+        return None
+    check_not_ragged(name, param)
+    tp_mesh = param.device_mesh
+    placements = tuple(param.placements)
+    if dp is None:
+        raise ValueError(
+            f"parameter {name!r} is a tensor-parallel DTensor on {tp_mesh}; pass fully_shard("
+            "..., mesh=device_mesh['dp']) the data-parallel sub-mesh of the same (dp, tp) mesh "
+            "(FSDP2 + TP's convention).")
+    if dp.ndim != 1:
+        raise NotImplementedError(
+            f"parameter {name!r}: tensor parallelism with HSDP (a {dp.ndim}-D data-parallel "
+            "mesh, i.e. a 3-D mesh) is not supported yet; use a 1-D data-parallel mesh "
+            "(dp, tp).")
+    if tp_mesh.ndim != 1 or any(not isinstance(p, (Shard, Replicate)) or
+                                isinstance(p, RaggedShard) for p in placements):
+        raise ValueError(
+            f"parameter {name!r}: fully_shard takes tensor-parallel DTensors on a 1-D tp mesh "
+            f"with Shard(k) or Replicate() placements, got {placements} on {tp_mesh}.")
+    if type(placements[0]) is not Shard and not isinstance(placements[0], Replicate):
+        raise ValueError(f"parameter {name!r}: unsupported TP placement {placements[0]!r} "
+                         "(strided or custom shards); use Shard(k) or Replicate().")
+    root = _root(tp_mesh)
+    names = (dp.mesh_dim_names or (None,))[0], (tp_mesh.mesh_dim_names or (None,))[0]
+    if None in names or _root(dp) != root or names[0] == names[1]:
+        raise ValueError(
+            f"parameter {name!r}: the tp mesh {tp_mesh} and the data-parallel mesh {dp} must be "
+            "named sub-meshes of one (dp, tp) DeviceMesh (init_device_mesh(..., "
+            "mesh_dim_names=('dp', 'tp'))).")
+    if param.device.type == "meta":
+        raise NotImplementedError(
+            f"parameter {name!r}: tensor-parallel parameters on the meta device are not "
+            "supported yet by fully_shard; materialise the model before fully_shard.")
+    mesh2d = root if tuple(root.mesh_dim_names or ()) == names else root[names]
+    return TPSpec(mesh=mesh2d, tp_mesh=tp_mesh, placements=placements,
+                  shape=tuple(param.shape), stride=tuple(param.stride()))
+
+
+def refuse_unsupported(names: list[str], offload: Any, comm: Any, shard_placement_fn: Any,
+                       dp_mesh_dims: Any, reshard_after_forward: Any) -> None:
+    """Refuse the ``fully_shard`` options not supported with TP parameters ``names`` yet
+    ([fsdp-tp]); ``comm``: the resolved comm policy (``None``: inactive)."""
+    comm_active = comm is not None
+    if not names:
+        return
+    what = None
+    if offload is not None:
+        what = "offload_policy=CPUOffloadPolicy (CPU offload)"
+    elif comm_active:
+        what = "comm_policy (quantized all-gather / gradient wire dtype)"
+    elif shard_placement_fn is not None:
+        what = "shard_placement_fn"
+    elif dp_mesh_dims is not None:
+        what = "dp_mesh_dims"
+    elif isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        what = f"reshard_after_forward={reshard_after_forward}"
+    if what is not None:
+        raise NotImplementedError(
+            f"fully_shard: {what} is not supported yet with tensor-parallel parameters "
+            f"({names[0]!r}{' and others' if len(names) > 1 else ''}); drop the option or the "
+            "TP plan.")
+
+
+def tp_unsharded(view: torch.Tensor, spec: TPSpec, requires_grad: bool) -> nn.Parameter:
+    """The unsharded parameter: a tp-mesh DTensor over the DBuffer's unsharded ``view``."""
+    dt = DTensor.from_local(view, spec.tp_mesh, spec.placements, run_check=False,
+                            shape=torch.Size(spec.shape), stride=spec.stride)
+    return nn.Parameter(dt.detach(), requires_grad=requires_grad)
+
+
+def tp_grad(view: torch.Tensor, spec: TPSpec) -> DTensor:
+    """A tp-mesh DTensor over a grad buffer view (the unsharded parameter's ``.grad``)."""
+    return DTensor.from_local(view, spec.tp_mesh, spec.placements, run_check=False,
+                              shape=torch.Size(spec.shape), stride=spec.stride).detach()

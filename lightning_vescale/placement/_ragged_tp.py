@@ -1,0 +1,124 @@
+"""``RaggedShard`` beside tensor-parallel placements: ``(RaggedShard, Shard(k))`` and the like.
+
+Design note [ragged-tp]
+-----------------------
+FSDP over tensor parallelism (design note [fsdp-tp] in ``fsdp/_tp.py``) lays each rank's
+*TP-local* tensor out on the data-parallel mesh dim: a DTensor on a ``(dp, tp)`` mesh with
+placements ``(RaggedShard, Shard(k))`` (or ``Replicate()`` on tp) whose RaggedShard ranges are
+those of the TP-local shape, i.e. of the local shape under the same placements with the ragged
+dim read as ``Replicate()``. This is the strided form of FSDP2's ``_StridedShard``: the TP
+shard is cut first, the data-parallel split applies inside it. All ranks of one data-parallel
+group share the tp coordinate, hence the TP-local shape (uneven TP shards included).
+
+Redistribution (E1 of [ragged-dtensor]) between two specs on such a mesh runs in at most two
+steps: the ragged dim to/from ``Replicate()`` over the TP-local shape in that dim's process
+group (the 1-D paths of ``_dtensor``), then torch's own redistribution for the other dims, which
+never sees a ``RaggedShard``. ``full_tensor()``, ``redistribute`` and their autograd backward
+(torch's ``Redistribute`` calls the same function both ways) take this path; a spec pair whose
+ragged dim moves, or with two ragged dims, raises ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.profiler import record_function
+
+from lightning_vescale.placement._ragged_shard import RaggedShard
+
+__all__ = ["is_tp_layout", "redistribute_tp", "tp_local_box"]
+
+
+def _ragged_dims(placements: Sequence[Placement]) -> list[int]:
+    return [d for d, p in enumerate(placements) if isinstance(p, RaggedShard)]
+
+
+def is_tp_layout(src: Sequence[Placement], dst: Sequence[Placement]) -> bool:
+    """Whether a redistribution ``src -> dst`` involves a RaggedShard beside a non-Replicate
+    placement (the TP form of [ragged-tp]) rather than HSDP's Replicate-only form."""
+    if any(p.is_partial() for pl in (src, dst) for p in pl):
+        return False  # Partial beside a ragged dim: the N-D path refuses it
+    return any(_is_tp(pl) for pl in (src, dst))
+
+
+def _is_tp(placements: Sequence[Placement]) -> bool:
+    """One RaggedShard, before (on a lower mesh dim than) one or more ``Shard``s: the
+    data-parallel dims come first, as in FSDP2 + TP's meshes (``(Shard(0), RaggedShard)``
+    stays refused by the N-D path)."""
+    dims = _ragged_dims(placements)
+    shards = [d for d, p in enumerate(placements) if type(p) is Shard]
+    return len(dims) == 1 and bool(shards) and min(shards) > dims[0]
+
+
+def tp_local_box(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement],
+                 dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(local shape, global offset)`` of this rank's TP-local tensor: ``placements`` with the
+    ragged mesh dim ``dim`` read as ``Replicate()`` (torch's own shard math)."""
+    inner = tuple(Replicate() if d == dim else p for d, p in enumerate(placements))
+    local, offset = compute_local_shape_and_global_offset(tuple(shape), mesh, inner)
+    return tuple(int(s) for s in local), tuple(int(o) for o in offset)
+
+
+def _spec_like(spec: DTensorSpec, placements: tuple[Placement, ...]) -> DTensorSpec:
+    return DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def redistribute_tp(local: torch.Tensor, current: DTensorSpec, target: DTensorSpec,
+                    torch_redistribute: Callable[..., torch.Tensor],
+                    ragged_1d: Callable[..., torch.Tensor], **kwargs: Any) -> torch.Tensor:
+    """This rank's local tensor of ``target`` from its local of ``current`` (design note
+    [ragged-tp]); ``torch_redistribute`` is torch's ``redistribute_local_tensor``,
+    ``ragged_1d`` the 1-D paths of ``_dtensor`` (``_redistribute``)."""
+    _redistribute = ragged_1d
+    src, dst = tuple(current.placements), tuple(target.placements)
+    dims = sorted(set(_ragged_dims(src)) | set(_ragged_dims(dst)))
+    if current.mesh != target.mesh or len(dims) != 1:
+        raise NotImplementedError(
+            f"RaggedShard redistribution {src} -> {dst} is not supported: beside tensor-"
+            "parallel placements exactly one mesh dim may hold a RaggedShard, on one mesh. "
+            "Redistribute in steps (the ragged dim to Replicate() first).")
+    dim = dims[0]
+    mesh = current.mesh
+    if not mesh._is_current_rank_part_of_mesh():
+        return local
+    shape = tuple(current.shape)
+    group, rank = mesh.get_group(dim), mesh.get_local_rank(dim)
+    meta = current.tensor_meta
+    assert meta is not None
+    with record_function("vescale::ragged_redistribute"):
+        if isinstance(src[dim], RaggedShard):
+            tp_shape, _ = tp_local_box(shape, mesh, src, dim)
+            if isinstance(dst[dim], RaggedShard):
+                if src[:dim] + src[dim + 1:] != dst[:dim] + dst[dim + 1:]:
+                    raise NotImplementedError(
+                        f"RaggedShard redistribution {src} -> {dst}: the tensor-parallel dims "
+                        "must stay the same while the ragged dim changes. Redistribute in steps: "
+                        "the ragged dim to Replicate() first.")
+                return _redistribute(local, src[dim], dst[dim], tp_shape, group, rank, mesh)
+            full = _redistribute(local, src[dim], Replicate(), tp_shape, group, rank, mesh)
+            mid = src[:dim] + (Replicate(),) + src[dim + 1:]
+            return torch_redistribute(full.reshape(tp_shape), _spec_like(current, mid),
+                                      target, **kwargs)
+        mid = dst[:dim] + (Replicate(),) + dst[dim + 1:]
+        mid_spec = _spec_like(target, mid)
+        if mid_spec.tensor_meta is None:
+            mid_spec = DTensorSpec(mesh, mid, tensor_meta=TensorMeta(
+                torch.Size(shape), _contiguous(shape), local.dtype))
+        tp_local = torch_redistribute(local, current, mid_spec, **kwargs)
+        tp_shape, _ = tp_local_box(shape, mesh, dst, dim)
+        return _redistribute(tp_local.contiguous().view(tp_shape), Replicate(), dst[dim],
+                             tp_shape, group, rank, mesh)
