@@ -73,6 +73,23 @@ def shard_mlp(impl: str, model: MLP, **kw) -> MLP:
     return model
 
 
+def train_pair(model: nn.Module, ref: nn.Module, steps: int, make_x: Callable, loss_fn: Callable,
+               lr: float = 0.1) -> tuple[dict, dict]:
+    """``steps`` SGD steps of the sharded ``model`` (this rank's micro-batch) and of the dense
+    ``ref`` (the global batch); returns both models' full parameters."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    for s in range(steps):
+        x = make_x(s)
+        loss_fn(model, micro(x)).backward()
+        opt.step()
+        opt.zero_grad()
+        loss_fn(ref, x).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return full_params(model), {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+
 def copy_model(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
 

@@ -21,6 +21,7 @@ from tests.distributed._fsdp2_compat import (
     fully_shard_of,
     micro,
     shard_mlp,
+    train_pair,
 )
 
 
@@ -32,22 +33,6 @@ def _close(got: dict, want: dict, what: str, rtol: float = 1e-5, atol: float = 1
     assert set(got) == set(want), (what, sorted(got), sorted(want))
     for n in want:
         torch.testing.assert_close(got[n], want[n], rtol=rtol, atol=atol, msg=f"{what} {n}")
-
-
-def _train_pair(model, ref, steps, make_x, loss_fn, lr=0.1):
-    """``steps`` SGD steps of the sharded ``model`` (this rank's micro-batch) and of the dense
-    ``ref`` (the global batch); returns both models' full parameters."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
-    for s in range(steps):
-        x = make_x(s)
-        loss_fn(model, micro(x)).backward()
-        opt.step()
-        opt.zero_grad()
-        loss_fn(ref, x).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    return full_params(model), {n: p.detach().clone() for n, p in ref.named_parameters()}
 
 
 def _randn(world: int, d: int, seed: int = 1):
@@ -176,7 +161,7 @@ def _list_group_body(impl: str):
     fs(model)
     g = torch.Generator().manual_seed(3)
     xs = [torch.randn(2 * world, 4, 6, generator=g) for _ in range(3)]
-    return _train_pair(model, ref, 3, lambda s: xs[s], _chunked_loss)
+    return train_pair(model, ref, 3, lambda s: xs[s], _chunked_loss)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -196,7 +181,7 @@ def _no_params_body(impl: str):
     fs(model[1])  # no parameters at all
     fs(model[2])
     fs(model)  # the root: nothing left to own, it keeps the root hooks
-    return _train_pair(model, ref, 3, _randn(world, 5), _sq)
+    return train_pair(model, ref, 3, _randn(world, 5), _sq)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -222,7 +207,7 @@ def _raf_int_body(impl: str, k: int):
         kept = (buf.partial.numel() * k == buf.buffer_size, not buf.is_materialized)
         out.sum().backward()
         model.zero_grad()
-    got, want = _train_pair(model, ref, 3, _randn(world, 16), _sq)
+    got, want = train_pair(model, ref, 3, _randn(world, 16), _sq)
     return got, want, kept
 
 
@@ -303,7 +288,7 @@ def _explicit_prefetch_body(impl: str):
                 calls.append((_name, async_op))
                 return _orig(async_op=async_op)
             group.unshard = spy
-    got, want = _train_pair(model, ref, 3, _randn(world, 16), _sq)
+    got, want = train_pair(model, ref, 3, _randn(world, 16), _sq)
     return got, want, calls
 
 
@@ -406,7 +391,7 @@ def _reset_body(impl: str):
         pass
     model.fail = False
     model.reset_iter_state()
-    return _train_pair(model, ref, 2, _randn(world, 16), _sq)
+    return train_pair(model, ref, 2, _randn(world, 16), _sq)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -559,7 +544,7 @@ def _no_unshard_in_backward_body(impl: str):
             buf.all_gather = spy
     g = torch.Generator().manual_seed(2)
     ids = [torch.randint(0, 11, (2 * world, 6), generator=g) for _ in range(3)]
-    return (*_train_pair(model, ref, 3, lambda s: ids[s], lm_loss), gathers)
+    return (*train_pair(model, ref, 3, lambda s: ids[s], lm_loss), gathers)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

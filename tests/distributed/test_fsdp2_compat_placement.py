@@ -16,24 +16,9 @@ from tests.distributed._fsdp2_compat import (
     IMPLS,
     MLP,
     expect_raises,
-    full_params,
     fully_shard_of,
-    micro,
+    train_pair,
 )
-
-
-def _train(model, ref, steps: int, make_x, loss_fn, lr: float = 0.1):
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
-    for s in range(steps):
-        x = make_x(s)
-        loss_fn(model, micro(x)).backward()
-        opt.step()
-        opt.zero_grad()
-        loss_fn(ref, x).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    return full_params(model), {n: p.detach().clone() for n, p in ref.named_parameters()}
 
 
 def _xs(d: int):
@@ -75,7 +60,7 @@ def _largest_dim_body(impl: str, how: str):
     for m in (model.l1, model.l2, model.l3):
         fs(m, shard_placement_fn=largest_dim)
     fs(model, shard_placement_fn=largest_dim)
-    got, want = _train(model, ref, 3, _xs(16), _sq)
+    got, want = train_pair(model, ref, 3, _xs(16), _sq)
     return got, want, _granularities(model) if impl == "ours" else None
 
 
@@ -120,7 +105,7 @@ def _experts_body(impl: str):
         return None
 
     fully_shard_of(impl)(model, shard_placement_fn=placement)
-    got, want = _train(model, ref, 3, _xs(6), _sq)
+    got, want = train_pair(model, ref, 3, _xs(6), _sq)
     return got, want, _granularities(model) if impl == "ours" else None
 
 
@@ -196,7 +181,7 @@ def _dp_mesh_dims_body(impl: str, dims: str):
         fs(m, mesh=mesh, dp_mesh_dims=dp)
     fs(model, mesh=mesh, dp_mesh_dims=dp)
     if impl == "ours":  # the unsharded parameters are plain tensors (the other dims have size 1)
-        return _train(model, ref, 3, _xs(16), _sq)
+        return train_pair(model, ref, 3, _xs(16), _sq)
     # FSDP2 computes on DTensors of the SPMD mesh: the batch is Shard(0) on the DP dims
     batch = [Shard(0) if n in ("dp_shard", "dp") else Replicate() for n in mesh.mesh_dim_names]
 
@@ -205,7 +190,7 @@ def _dp_mesh_dims_body(impl: str, dims: str):
             return _sq(m, x)
         return m(DTensor.from_local(x, mesh, batch)).to_local().square().mean()
 
-    return _train(model, ref, 3, _xs(16), dtensor_sq)
+    return train_pair(model, ref, 3, _xs(16), dtensor_sq)
 
 
 @pytest.mark.parametrize("dims", ["flatten", "hsdp"])
