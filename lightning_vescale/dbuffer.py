@@ -560,10 +560,9 @@ class DBuffer:
                     self.grad_partial.add_(out)
                 self._comm_bytes -= extra
 
-            epilogue = keep_partial
         elif self.replicate_group is not None:
             work = self._replica_stage(work, out, rop, async_op)
-        handle = CommHandle(work, epilogue)
+        handle = CommHandle(work, keep_partial if partial else epilogue)
         if not async_op:
             handle.wait()
         return handle

@@ -66,11 +66,7 @@ from lightning_vescale.checkpoint._hf_publish import (
     temp_name,
 )
 from lightning_vescale.checkpoint._hf_convert import SavedAs, save_layout
-from lightning_vescale.checkpoint._manifest import (
-    INTEGRITY_FILENAME,
-    MANIFEST_VERSION,
-    SAFETENSORS_FORMAT,
-)
+from lightning_vescale.checkpoint._manifest import MANIFEST_VERSION, SAFETENSORS_FORMAT
 from lightning_vescale.checkpoint._safetensors_format import build_header, dtype_code
 from lightning_vescale.checkpoint._state_dicts import _is_ragged
 from lightning_vescale.placement import ragged_mesh_dim

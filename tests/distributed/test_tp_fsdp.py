@@ -11,8 +11,6 @@ dims, ``get_model_state_dict(full_state_dict=True)``, and the refusals.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
