@@ -429,7 +429,8 @@ def save_safetensors(module: nn.Module, directory: Union[str, os.PathLike], *,
             and what was left behind.
         NotImplementedError: tensor-parallel parameters (design note [fsdp-tp]), not yet.
     """
-    for name, p in module.named_parameters():
+    named = module.named_parameters() if isinstance(module, nn.Module) else module.items()
+    for name, p in named:
         if isinstance(p, DTensor) and _is_ragged(p) and any(type(pl) is Shard
                                                             for pl in p.placements):
             raise NotImplementedError(
