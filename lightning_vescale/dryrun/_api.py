@@ -213,4 +213,6 @@ def _run_engines(build: Callable[[], nn.Module], *, world_size: int, rank: int, 
     finally:
         dist.destroy_process_group()
         from lightning_vescale import mesh as _mesh
+        from lightning_vescale.placement._ops import clear_sharding_caches
         _mesh._MESHES.clear()
+        clear_sharding_caches()  # cached specs hold the fake ranks' meshes

@@ -72,6 +72,7 @@ package's ``_common`` module. Tested with torch 2.13's C++ DTensor dispatch; ``i
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -98,7 +99,8 @@ from lightning_vescale.placement._random_ops import RANDOM_HANDLERS
 from lightning_vescale.placement._ragged_shard import local_slice, ragged_shard_and_rank
 from lightning_vescale.placement._reductions import REDUCTION_HANDLERS
 
-__all__ = ["GUARDED_CUSTOM_OPS", "guard_custom_handler", "is_elementwise_op", "wrap_slow_path"]
+__all__ = ["GUARDED_CUSTOM_OPS", "clear_sharding_caches", "guard_custom_handler", "is_elementwise_op",
+           "wrap_slow_path"]
 
 # Ops that are element-wise on a flat slice but carry no ``torch.Tag.pointwise``.
 _EXTRA_ELEMENTWISE = {
@@ -291,6 +293,30 @@ def _elementwise_sharding(op: torch._ops.OpOverload, schema: OpSchema) -> Output
 def _elementwise_sharding_cached(op: torch._ops.OpOverload, schema: OpSchema) -> OutputSharding:
     # Used only when C++ could not build its own cache key (it then asks for a cached answer).
     return _elementwise_sharding(op, schema)
+
+
+def clear_sharding_caches() -> None:
+    """Forget every cached sharding decision: ours and DTensor's (its C++ fast-path cache and
+    its Python one, this thread's).
+
+    A cached output spec holds the ``DeviceMesh`` object it was computed with, and meshes of the
+    same ranks compare equal whatever rank built them; a ``DeviceMesh`` keeps the coordinate of
+    the rank that built it. So a process that ran as another rank (the dry run's fake ranks) or a
+    child forked from a process that had computed shardings would get DTensors on a mesh that
+    says it is another rank: full state dicts then gathered to the wrong rank. Called after the
+    dry run and, through ``os.register_at_fork``, in every forked child.
+    """
+    _elementwise_sharding_cached.cache_clear()
+    clear_cpp = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_cpp is not None:
+        clear_cpp()
+    propagate = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding
+    if hasattr(propagate, "cache_clear"):
+        propagate.cache_clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=clear_sharding_caches)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -563,3 +563,28 @@ def test_dispatch_overhead_matches_replicate(worlds):
     # RaggedShard (the timings above are printed for reading; a duration is never asserted).
     # (foreach ops on RaggedShard lists take the flat step on purpose: placement/_flat_step.py.)
     assert out["ragged mul_ python calls into lightning_vescale"] == 0, out
+
+
+def _coordinates_after_ops() -> list:
+    mesh = _mesh()
+    full = torch.arange(12.0).reshape(4, 3)
+    x = _shard(full, mesh, (0,), (1,) * dist.get_world_size())
+    return [tuple(y.device_mesh.get_coordinate()) for y in (x * 2.0, x + x, torch.neg(x))]
+
+
+def test_cached_shardings_do_not_carry_another_ranks_mesh(worlds):
+    """A cached sharding holds the DeviceMesh it was computed with; meshes of the same ranks
+    compare equal whatever rank built them, and a mesh keeps its builder's coordinate. Ops run
+    in this process as rank 0 of a 2-rank (fake) world, then inherited by forked ranks, gave
+    rank 1 outputs on rank 0's mesh (coordinate (0,): full state dicts failed after the dry
+    run's test). ``clear_sharding_caches`` runs in every forked child."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        _coordinates_after_ops()  # fills the caches with rank 0's mesh
+    finally:
+        dist.destroy_process_group()
+    out = worlds(2).run(_coordinates_after_ops)
+    assert out == [[(0,)] * 3, [(1,)] * 3], out
