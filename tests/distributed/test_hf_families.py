@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.distributed._hf_helpers import load_counting_bytes
+
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
@@ -184,32 +186,19 @@ def _tensors(directory: str) -> dict[str, torch.Tensor]:
 
 
 def _read_bytes_body(name: str, src: str, dst: str):
-    """The tensor bytes this rank reads while loading (every read goes through _read_exactly)."""
-    from lightning_vescale.checkpoint import _safetensors_format as fmt
-    from lightning_vescale.checkpoint import load_safetensors
-
+    """The tensor bytes this rank reads while loading, the logits, and two saves."""
     cls, config = family(name)
     with torch.device("meta"):
         model = cls(config())
     shard(model)
-    counted, original = [0], fmt._read_exactly
-
-    def counting(stream, view, entry):
-        counted[0] += len(view)
-        return original(stream, view, entry)
-
-    fmt._read_exactly = counting
-    try:
-        load_safetensors(model, src)
-    finally:
-        fmt._read_exactly = original
+    counted = load_counting_bytes(model, src)
     with torch.no_grad():
         logits = model(input_ids=batch(-1)).logits
     from lightning_vescale.checkpoint import save_safetensors
 
     save_safetensors(model, dst, max_shard_size="30KB")
     save_safetensors(model, dst + "_state_dict", layout="state_dict")
-    return counted[0], logits
+    return counted, logits
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])

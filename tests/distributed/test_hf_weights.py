@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.distributed._hf_helpers import load_counting_bytes
+
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
@@ -150,24 +152,8 @@ def test_save_in_bf16(worlds, tmp_path):
 
 
 def _read_bytes_body(directory: str):
-    """The tensor bytes this rank reads while loading (every read goes through _read_exactly)."""
-    from lightning_vescale.checkpoint import _safetensors_format as fmt
-    from lightning_vescale.checkpoint import load_safetensors
-
-    counted = [0]
-    original = fmt._read_exactly
-
-    def counting(stream, view, entry):
-        counted[0] += len(view)
-        return original(stream, view, entry)
-
-    model = _shard_llama(_build(True, False))
-    fmt._read_exactly = counting
-    try:
-        load_safetensors(model, directory)
-    finally:
-        fmt._read_exactly = original
-    return counted[0]
+    """The tensor bytes this rank reads while loading."""
+    return load_counting_bytes(_shard_llama(_build(True, False)), directory)
 
 
 def test_each_rank_reads_about_its_share(worlds, tmp_path):
@@ -229,28 +215,15 @@ def _torch_fsdp2_body(directory: str):
     """torch's own FSDP2 (Shard(0) DTensors): each rank reads only its rows."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    from lightning_vescale.checkpoint import _safetensors_format as fmt
-    from lightning_vescale.checkpoint import load_safetensors
-
     model = _build(False, False)
     for layer in model.model.layers:
         torch_fully_shard(layer)
     torch_fully_shard(model)
-    counted, original = [0], fmt._read_exactly
-
-    def counting(stream, view, entry):
-        counted[0] += len(view)
-        return original(stream, view, entry)
-
-    fmt._read_exactly = counting
-    try:
-        load_safetensors(model, directory)
-    finally:
-        fmt._read_exactly = original
+    counted = load_counting_bytes(model, directory)
     x = torch.arange(2 * 10).reshape(2, 10) % VOCAB
     with torch.no_grad():
         logits = model(x).logits
-    return logits, reference_logits(directory, x), counted[0]
+    return logits, reference_logits(directory, x), counted
 
 
 def test_torch_fsdp2_model_reads_its_rows(worlds, tmp_path):
