@@ -86,10 +86,9 @@ def write_checkpoint(name: str, directory: str) -> None:
     cls(config()).save_pretrained(directory, max_shard_size="40KB")
 
 
-def reference(name: str, src: str) -> tuple[list[float], torch.Tensor, dict[str, torch.Tensor]]:
-    """One process from ``from_pretrained``: losses, final logits, final weights."""
-    cls, _ = family(name)
-    model = cls.from_pretrained(src)
+def _train(model) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """STEPS AdamW steps on the full batch of each step (on every rank: DDP's exact gradient),
+    then the final logits in eval mode."""
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
@@ -102,6 +101,14 @@ def reference(name: str, src: str) -> tuple[list[float], torch.Tensor, dict[str,
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=batch(-1), labels=batch(-1)).logits
+    return losses, logits
+
+
+def reference(name: str, src: str) -> tuple[list[float], torch.Tensor, dict[str, torch.Tensor]]:
+    """One process from ``from_pretrained``: losses, final logits, final weights."""
+    cls, _ = family(name)
+    model = cls.from_pretrained(src)
+    losses, logits = _train(model)
     return losses, logits, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -128,18 +135,7 @@ def _body(name: str, src: str, dst: str):
     shard(model)
     result = load_safetensors(model, src)
     assert result == ([], []), result
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(STEPS):
-        loss = loss_of(model, batch(step))  # every rank the full batch: DDP's exact gradient
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=batch(-1), labels=batch(-1)).logits
+    losses, logits = _train(model)
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
              for k, v in model.state_dict().items()}
     save_safetensors(model, dst, max_shard_size="40KB")
