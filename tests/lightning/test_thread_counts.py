@@ -33,18 +33,41 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run(cmd: list[str]) -> None:
+#: what a gloo rank prints when it aborts at interpreter exit while a peer's transport threads
+#: still hold the connection (design note [failures]; our strategies leave together at exit)
+_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _run(cmd: list[str], records: list[Path] | None = None) -> None:
+    """Run ``cmd``; it must exit 0. ``records``: for a run of Lightning's own DDP (the reference),
+    an abort at exit after every rank wrote its record is Lightning's, not ours, and tolerated.
+
+    Seen once in CI: ``ddp_fork``/``ddp_spawn`` (Lightning's launcher leaves the process group to
+    the interpreter's finalisation) aborted with ``_EXIT_ABORT`` after ``fit`` had returned; 0 of
+    16 runs reproduced it on a quiet machine. Our strategies' runs get no such allowance.
+    """
     out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = out.stdout[-3000:] + out.stderr[-3000:]
+    if out.returncode != 0 and records is not None and _EXIT_ABORT in out.stderr:
+        if all(path.is_file() for path in records):
+            return
+    assert out.returncode == 0, text
 
 
 def _launch(out: Path, api: str, *strategies: str) -> None:
-    _run([sys.executable, SCRIPT, api, str(out), *strategies])
+    """One invocation per strategy, so an exit-time abort names the strategy it belongs to."""
+    for strategy in strategies:
+        reference = strategy.startswith("ddp")
+        records = ([out / f"{api}_{strategy}_rank{r}.json" for r in range(2)]
+                   if reference else None)
+        _run([sys.executable, SCRIPT, api, str(out), strategy], records)
 
 
 def _torchrun(out: Path, api: str, strategy: str) -> None:
+    records = ([out / f"{a}_{strategy}_rank{r}.json" for a in ("trainer", "fabric") for r in range(2)]
+               if strategy.startswith("ddp") else None)
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-          SCRIPT, api, str(out), strategy])
+          SCRIPT, api, str(out), strategy], records)
 
 
 def _records(out: Path, api: str, strategy: str) -> list[dict]:
