@@ -64,7 +64,8 @@ def _launch(out: Path, api: str, *strategies: str) -> None:
 
 
 def _torchrun(out: Path, api: str, strategy: str) -> None:
-    records = ([out / f"{a}_{strategy}_rank{r}.json" for a in ("trainer", "fabric") for r in range(2)]
+    records = ([out / f"{a}_{strategy}_rank{r}.json"
+                for a in ("trainer", "fabric") for r in range(2)]
                if strategy.startswith("ddp") else None)
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
           SCRIPT, api, str(out), strategy], records)
