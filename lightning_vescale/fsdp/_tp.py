@@ -144,6 +144,22 @@ def refuse_unsupported(names: list[str], offload: Any, comm: Any, shard_placemen
             "TP plan.")
 
 
+def tp_default_granularity(granularity: Any, tp: dict[str, TPSpec]) -> Any:
+    """``granularity=None`` with TP parameters ``tp``: the default granularity decided on a TP
+    parameter's GLOBAL shape (as ``AdamW8bit``'s ``min_8bit_size`` is), applied to its TP-local
+    tensor, so a tensor AdamW8bit quantizes is block-aligned within its TP-local shard even
+    when that shard is below the size threshold. A callable, so it stays a computed default
+    (rounded up to a comm policy's blocks). Any other ``granularity``: unchanged."""
+    if granularity is not None or not tp:
+        return granularity
+    from lightning_vescale.planner._granularity import default_granularity
+
+    def by_global_shape(name: str, param: torch.Tensor) -> int:
+        return default_granularity(tp[name].shape if name in tp else tuple(param.shape))
+
+    return by_global_shape
+
+
 def tp_unsharded(view: torch.Tensor, spec: TPSpec, requires_grad: bool) -> nn.Parameter:
     """The unsharded parameter: a tp-mesh DTensor over the DBuffer's unsharded ``view``."""
     dt = DTensor.from_local(view, spec.tp_mesh, spec.placements, run_check=False,

@@ -180,6 +180,9 @@ class AdamW8bit(ShardedOptimizer):
     :meth:`load_state_dict` are checked the same way (``ValueError`` naming the setting).
     """
 
+    #: ``fully_shard`` parameters over tensor parallelism: blocks within the TP-local tensor
+    supports_tensor_parallel = True
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -279,7 +282,7 @@ class AdamW8bit(ShardedOptimizer):
     def _layout(p: torch.Tensor, group: dict[str, Any], name: str) -> tuple[ShardLayout, bool]:
         """``p``'s checked layout and whether its moments are quantized (GLOBAL numel >=
         ``min_8bit_size``; then its shard must be block-aligned)."""
-        layout = param_layout(p, where=f"AdamW8bit: parameter {name}")
+        layout = param_layout(p, where=f"AdamW8bit: parameter {name}", tensor_parallel=True)
         quantized = layout.numel >= int(group["min_8bit_size"])
         if quantized:
             check_block_aligned(layout, group_block_size(group), who="AdamW8bit", name=name)

@@ -267,7 +267,7 @@ def _refusals_case() -> list[str]:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from lightning_vescale.fsdp import CommPolicy, CPUOffloadPolicy, fully_shard
-    from lightning_vescale.optim import SOAP, AdamW8bit, FlatParamOptimizer, Muon, Shampoo
+    from lightning_vescale.optim import SOAP, FlatParamOptimizer, Muon, Shampoo
 
     mesh = _mesh()
     messages = []
@@ -301,7 +301,7 @@ def _refusals_case() -> list[str]:
     # optimizers that need whole blocks or matrices
     model = _ours(_build(), mesh)
     params = [p for n, p in model.named_parameters() if "attn.wq" in n]
-    for cls, kw in ((AdamW8bit, {}), (Muon, {}), (SOAP, {}), (Shampoo, {})):
+    for cls, kw in ((Muon, {}), (SOAP, {}), (Shampoo, {})):  # AdamW8bit: test_tp_fsdp_features
         refused(NotImplementedError, "tensor-parallel", cls, params, **kw)
     refused(NotImplementedError, "tensor-parallel", FlatParamOptimizer,
             torch.optim.AdamW(params, lr=1e-3))
@@ -314,7 +314,7 @@ def _refusals_case() -> list[str]:
 
 def test_tp_fsdp_refusals(worlds):
     messages = worlds(4).run(_refusals_case)[0]
-    assert len(messages) == 12, messages
+    assert len(messages) == 11, messages
     # each names the parameter (distribute_tensor: the tensor's placements) and what to do
     assert all("weight" in m or "parameter" in m or "placements" in m for m in messages)
     assert all(any(w in m for w in ("Use", "use", "drop", "pass", "must be applied"))
