@@ -123,14 +123,12 @@ def refuse_unsupported(names: list[str], offload: Any, comm: Any, shard_placemen
                        dp_mesh_dims: Any, reshard_after_forward: Any) -> None:
     """Refuse the ``fully_shard`` options not supported with TP parameters ``names`` yet
     ([fsdp-tp]); ``comm``: the resolved comm policy (``None``: inactive)."""
-    comm_active = comm is not None
+    del comm  # a comm policy works on the dp dim: the buffers hold the TP-local tensors
     if not names:
         return
     what = None
     if offload is not None:
         what = "offload_policy=CPUOffloadPolicy (CPU offload)"
-    elif comm_active:
-        what = "comm_policy (quantized all-gather / gradient wire dtype)"
     elif shard_placement_fn is not None:
         what = "shard_placement_fn"
     elif dp_mesh_dims is not None:

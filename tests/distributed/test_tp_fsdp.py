@@ -266,7 +266,7 @@ def _refusals_case() -> list[str]:
     parameter (or the option) and what to do."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from lightning_vescale.fsdp import CommPolicy, CPUOffloadPolicy, fully_shard
+    from lightning_vescale.fsdp import CPUOffloadPolicy, fully_shard
     from lightning_vescale.optim import SOAP, FlatParamOptimizer, Muon, Shampoo
 
     mesh = _mesh()
@@ -283,7 +283,6 @@ def _refusals_case() -> list[str]:
 
     # options of fully_shard not supported with TP parameters yet
     for kw, what in ((dict(offload_policy=CPUOffloadPolicy()), "CPU offload"),
-                     (dict(comm_policy=CommPolicy(all_gather="int8")), "comm_policy"),
                      (dict(reshard_after_forward=2), "reshard_after_forward=2")):
         refused(NotImplementedError, what, fully_shard, tp_block(), mesh=mesh["dp"], **kw)
     # no mesh: the default (whole-world) mesh is not the data-parallel sub-mesh
@@ -314,7 +313,7 @@ def _refusals_case() -> list[str]:
 
 def test_tp_fsdp_refusals(worlds):
     messages = worlds(4).run(_refusals_case)[0]
-    assert len(messages) == 11, messages
+    assert len(messages) == 10, messages
     # each names the parameter (distribute_tensor: the tensor's placements) and what to do
     assert all("weight" in m or "parameter" in m or "placements" in m for m in messages)
     assert all(any(w in m for w in ("Use", "use", "drop", "pass", "must be applied"))
