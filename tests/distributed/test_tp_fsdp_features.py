@@ -371,3 +371,72 @@ def test_save_and_load_safetensors_of_a_tp_model(worlds, tmp_path):
         assert max(r["per_rank"]) < r["total"] / 2, r
         assert r["load_err"] == 0.0 and r["plain_err"] == 0.0, r
     assert results[0]["files_err"] == 0.0, results[0]
+
+
+# -- 4. activation checkpointing and torch.compile per block -----------------------------------
+def _variant_case(kind: str, backend: str = "aot_eager") -> dict:
+    """The (dp 2, tp 2) model with each block recomputed in backward (``kind="ac"``, forwards
+    counted by patching ``forward``, TESTING.md) or compiled after ``fully_shard`` (``"compile"``,
+    FSDP2's pattern), against the plain TP run and one process."""
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_vescale.fsdp import fully_shard
+    from tests.distributed.test_tp_fsdp import _train
+
+    mesh = _mesh()
+    calls = [0]
+    model = _build()
+    if kind == "ac":
+        for blk in model.blocks:
+            inner = blk.forward
+
+            def counted(*args, _inner=inner, **kwargs):
+                calls[0] += 1
+                return _inner(*args, **kwargs)
+
+            blk.forward = functools.partial(checkpoint, counted, use_reentrant=False)
+
+    def shard(module, mesh):
+        fully_shard(module, mesh=mesh)
+        if kind == "compile" and module is not model:
+            module.compile(backend=backend)
+
+    torch._dynamo.reset()
+    counters.clear()
+    _parallelize(model, mesh, shard)
+    x, y = _data()[0]
+    _loss(model, x, y).backward()  # compiles (no step: the parameters stay the same)
+    model.zero_grad()
+    frames, calls[0] = counters["frames"]["ok"], 0
+    losses, _ = _train(model)
+    recompiled = counters["frames"]["ok"] - frames
+    plain, _ = _train(_ours(mesh))
+    ref, _ = _train(_build())
+    dist.barrier()
+    return {"losses": losses, "plain": losses == plain, "vs_plain": _rel(losses, plain),
+            "vs_ref": _rel(losses, ref), "calls": calls[0], "frames": frames,
+            "recompiled": recompiled}
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_with_tp_parameters(worlds):
+    from tests.distributed.test_tp_fsdp import STEPS
+
+    for r in worlds(4).run(_variant_case, "ac"):
+        assert r["calls"] == 2 * 2 * STEPS, r  # 2 blocks, forward + recompute, every step
+        assert r["plain"], r  # bitwise the run without recomputation
+        assert r["vs_ref"] <= 1e-5, r
+
+
+@pytest.mark.slow
+def test_compiled_blocks_with_tp_parameters(worlds):
+    for r in worlds(4).run(_variant_case, "compile"):
+        assert r["frames"] > 0 and r["recompiled"] == 0, r  # compiled once
+        assert r["plain"], r  # aot_eager: bitwise the eager TP run
+        assert r["vs_ref"] <= 1e-5, r
