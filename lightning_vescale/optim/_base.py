@@ -16,7 +16,9 @@ another optimizer is one file:
   plain tensors and all-``Replicate`` DTensors (every rank holds the whole tensor) and
   ``RaggedShard`` DTensors on the meshes ``MeshInfo.from_mesh`` accepts (the one place that knows
   the mesh restrictions): ``(RaggedShard,)`` on a 1-D mesh and ``(Replicate(), RaggedShard)`` on an
-  HSDP mesh. Ranges and the rank are the shard group's (``MeshInfo.shard_rank``), so the replicas
+  HSDP mesh; with ``param_layout(..., tensor_parallel=True)`` also ``fully_shard``'s TP form
+  (design note [fsdp-tp]), whose ranges index the rank's TP-local tensor (``region``). Ranges
+  and the rank are the shard group's (``MeshInfo.shard_rank``), so the replicas
   of a shard rank hold, and step, the same range. Other placements raise ``TypeError`` naming the
   parameter; a local tensor whose size disagrees with its placement raises ``ValueError``.
   :func:`check_block_aligned` is the check block-wise states need: every rank's range starts on
