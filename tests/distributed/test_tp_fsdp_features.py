@@ -54,7 +54,7 @@ def _dp_slice(tp_local: torch.Tensor, p) -> torch.Tensor:
 
 
 # -- 1. AdamW8bit ------------------------------------------------------------------------------
-def _adamw8bit_exact_case(steps: int) -> dict:
+def _adamw8bit_exact_case(steps: int, path: str) -> dict:
     """AdamW8bit on the (dp 2, tp 2) model against the exact reference: one process's AdamW8bit
     on this rank's TP-local tensors, fed the same gradients (each step's gradient of the TP
     model, gathered and cut to the TP-local box). Blocks are defined on the TP-local tensor, so
@@ -109,13 +109,26 @@ def _adamw8bit_exact_case(steps: int) -> dict:
         fp = dict(fresh_model.named_parameters())[n]
         for key, v in opt.state[p].items():
             sd_eq.append(torch.equal(fresh.state[fp][key], v))
+    # and through DCP (the scales' (RaggedShard, Shard(0)) boxes), into a stepped optimizer
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"opt": sd}, checkpoint_id=path)
+    other_model = _ours(mesh, granularity=B)
+    other = AdamW8bit(other_model.parameters(), block_size=B, min_8bit_size=0, **HP)
+    _loss(other_model, *_data()[-1]).backward()
+    other.step()
+    osd = {"opt": other.state_dict()}
+    dcp.load(osd, checkpoint_id=path)
+    other.load_state_dict(osd["opt"])
+    for p, q in zip(model.parameters(), other_model.parameters()):
+        sd_eq += [torch.equal(other.state[q][k], v) for k, v in opt.state[p].items()]
     dist.barrier()
     return {"equal": eq, "sd_equal": sd_eq, "quantized_tp": quantized_tp,
             "tp_params": len(tp_names)}
 
 
-def test_adamw8bit_tp_bit_equal_to_one_process_on_the_tp_local_blocks(worlds):
-    for r in worlds(4).run(_adamw8bit_exact_case, 3):
+def test_adamw8bit_tp_bit_equal_to_one_process_on_the_tp_local_blocks(worlds, tmp_path):
+    for r in worlds(4).run(_adamw8bit_exact_case, 3, str(tmp_path / "opt")):
         assert r["quantized_tp"] == r["tp_params"] > 0, r
         assert r["equal"] and all(r["equal"]), r["equal"]
         assert r["sd_equal"] and all(r["sd_equal"]), r["sd_equal"]
