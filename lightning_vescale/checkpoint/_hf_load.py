@@ -8,7 +8,9 @@ which in a safetensors file is one contiguous byte range (design note [safetenso
 reads exactly that range and copies it into its shard, converting dtype (and device) on the way.
 No full tensor is built for a sharded parameter; a rank's peak extra memory is its largest local
 shard in the file's dtype (none when the dtypes match and the shard is a CPU tensor: the bytes
-are read straight into it). Plain tensors (buffers, parameters of an unsharded module) are read
+are read straight into it). Over tensor parallelism (design note [fsdp-tp]) a rank's shard is
+its range of its TP-local tensor: the runs of that box (one per row for ``Shard(1)``), read run
+by run. Plain tensors (buffers, parameters of an unsharded module) are read
 whole; a ``DTensor`` of another placement whose local block is one contiguous range (torch's
 FSDP2 ``Shard(0)``) reads that range only, any other is read whole and cut to its local part
 (one full tensor at a time).
@@ -51,7 +53,8 @@ from lightning_vescale._meta_buffers import allocate
 from lightning_vescale.checkpoint._hf_convert import Entry, convert_entries, read_entry
 from lightning_vescale.checkpoint._hf_files import OpenCheckpoint, open_checkpoint
 from lightning_vescale.checkpoint._state_dicts import _copy_full_into, _is_ragged
-from lightning_vescale.placement import ragged_shard_and_rank
+from lightning_vescale.placement import RaggedShard, ragged_shard_and_rank
+from lightning_vescale.placement._ragged_tp import is_tp_layout, tp_flat_runs
 
 __all__ = ["IncompatibleKeys", "KeyMap", "load_safetensors", "checkpoint_keys"]
 
@@ -126,6 +129,15 @@ def _materialize(module: nn.Module, device: Optional[torch.device]) -> None:
 def _load_one(ckpt: OpenCheckpoint, entry: Entry, target: Tensor) -> None:
     """Read ``entry``'s part that ``target`` holds and write it into ``target``."""
     read = functools.partial(read_entry, ckpt.stream, entry)  # (start, end, *, out)
+    if isinstance(target, DTensor) and _is_ragged(target) and \
+            is_tp_layout(target.placements, target.placements):  # [fsdp-tp]
+        placements = tuple(target.placements)
+        dim = next(d for d, pl in enumerate(placements) if isinstance(pl, RaggedShard))
+        local = target.to_local().view(-1)
+        for pos, start, end in tp_flat_runs(tuple(target.shape), target.device_mesh,
+                                            placements, dim):
+            local[pos:pos + end - start].copy_(read(start, end))
+        return
     if isinstance(target, DTensor) and _is_ragged(target):
         ragged, r = ragged_shard_and_rank(target.device_mesh, target.placements,
                                           "load_safetensors")

@@ -13,7 +13,9 @@ offset. Then:
    ``save_id`` in every header come from the token (design note [hf-publish]);
 2. every rank writes the bytes it owns with ``os.pwrite``: for a ``RaggedShard`` parameter its
    local flat range, converted to the output dtype, is one contiguous byte range of the tensor
-   (on HSDP only the first replica writes); a plain tensor, or a ``DTensor`` of another placement
+   (on HSDP only the first replica writes); over tensor parallelism (design note [fsdp-tp])
+   its range of its TP-local tensor, one run per row of the TP box for ``Shard(1)``
+   (``tp_flat_runs``); a plain tensor, or a ``DTensor`` of another placement
    (gathered with ``full_tensor()``, one tensor at a time, a collective), is written by rank 0;
    a rank whose write fails writes nothing more but still joins the remaining gathers;
 3. after every rank reports success (an ``all_gather_object`` of each rank's error, or
@@ -53,7 +55,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from lightning_vescale.checkpoint import _files
 from lightning_vescale.checkpoint._hf_files import INDEX_NAME
@@ -69,7 +71,8 @@ from lightning_vescale.checkpoint._hf_convert import SavedAs, save_layout
 from lightning_vescale.checkpoint._manifest import MANIFEST_VERSION, SAFETENSORS_FORMAT
 from lightning_vescale.checkpoint._safetensors_format import build_header, dtype_code
 from lightning_vescale.checkpoint._state_dicts import _is_ragged
-from lightning_vescale.placement import ragged_mesh_dim
+from lightning_vescale.placement import RaggedShard, ragged_mesh_dim
+from lightning_vescale.placement._ragged_tp import is_tp_layout, tp_flat_runs
 
 __all__ = ["LAYOUTS", "parse_size", "save_safetensors", "write_safetensors"]
 
@@ -192,9 +195,14 @@ def _write_owned(item: _Item, fds: dict[str, int], rank: int, failed: bool = Fal
         if failed:
             return
         mesh, placements = t.device_mesh, tuple(t.placements)
+        if is_tp_layout(placements, placements):  # [fsdp-tp]: the runs of its TP-local box
+            _write_tp(fd, item, t)
+            return
         dim = ragged_mesh_dim(placements, "save_safetensors")
         if any(mesh.get_local_rank(d) != 0 for d in range(mesh.ndim) if d != dim):
             return  # HSDP: another replica holds the same range
+        if _copy_outside_mesh(mesh):
+            return  # e.g. a parameter without TP beside TP ones: tp rank 0 writes it
         start, end = placements[dim].local_range(tuple(t.shape), mesh.get_local_rank(dim))
         _write_range(fd, item, t.to_local().view(-1), start, end)
         return
@@ -207,6 +215,33 @@ def _write_owned(item: _Item, fds: dict[str, int], rank: int, failed: bool = Fal
         full = gathered[id(t)]
     if rank == 0 and not failed:
         _write_range(fd, item, full.reshape(-1), 0, full.numel())
+
+
+def _copy_outside_mesh(mesh: Any) -> bool:
+    """Whether this rank's coordinate on a dim of ``mesh``'s root mesh that ``mesh`` leaves out
+    is not 0: a data-parallel sub-mesh of a ``(dp, tp)`` mesh (design note [fsdp-tp]) exists
+    once per tp rank, all holding the same shards, and the first writes them."""
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else None
+    if root is None or root is mesh or not root.mesh_dim_names or not mesh.mesh_dim_names:
+        return False
+    if not set(mesh.mesh_dim_names) <= set(root.mesh_dim_names):
+        return False  # a flattened dim: which root dims it covers is not named; all write
+    return any(root.get_local_rank(d) != 0 for d, n in enumerate(root.mesh_dim_names)
+               if n not in mesh.mesh_dim_names)
+
+
+def _write_tp(fd: int, item: _Item, t: DTensor) -> None:
+    """Write a ``fully_shard`` parameter over tensor parallelism (design note [fsdp-tp]): its
+    local range of its TP-local tensor, run by run of the global tensor; a rank that replicates
+    another's bytes (a ``Replicate()`` dim other than the data-parallel one, at coordinate > 0)
+    writes nothing."""
+    mesh, placements = t.device_mesh, tuple(t.placements)
+    dim = next(d for d, pl in enumerate(placements) if isinstance(pl, RaggedShard))
+    if any(pl.is_replicate() and mesh.get_local_rank(d) != 0 for d, pl in enumerate(placements)):
+        return
+    local = t.to_local().view(-1)
+    for pos, start, end in tp_flat_runs(tuple(t.shape), mesh, placements, dim):
+        _write_range(fd, item, local[pos:pos + end - start], start, end)
 
 
 def _write_range(fd: int, item: _Item, data: Tensor, start: int, end: int) -> None:
@@ -427,16 +462,6 @@ def save_safetensors(module: nn.Module, directory: Union[str, os.PathLike], *,
     Raises:
         OSError: ``ENOSPC`` (or a quota), "No space left on <dir>" first, with the free space
             and what was left behind.
-        NotImplementedError: tensor-parallel parameters (design note [fsdp-tp]), not yet.
     """
-    named = module.named_parameters() if isinstance(module, nn.Module) else module.items()
-    for name, p in named:
-        if isinstance(p, DTensor) and _is_ragged(p) and any(type(pl) is Shard
-                                                            for pl in p.placements):
-            raise NotImplementedError(
-                f"save_safetensors: parameter {name!r} is tensor-parallel (placements "
-                f"{tuple(p.placements)}); saving tensor-parallel models is not supported yet. "
-                "Use torch.distributed.checkpoint.state_dict.get_model_state_dict(module, "
-                "options=StateDictOptions(full_state_dict=True)) and save that on rank 0.")
     return write_safetensors(module, directory, max_shard_size=max_shard_size, dtype=dtype,
                              key_map=key_map, layout=layout)

@@ -21,13 +21,18 @@ objects of design note [fsdp-param-objects] become:
 
 Supported: a 1-D data-parallel mesh (a sub-mesh of the same root mesh as the tp mesh), 1-D tp
 meshes, ``Shard(k)``/``Replicate()`` TP placements (sequence-parallel norms included),
-AdamW/SGD-style optimizers (element-wise on the local shards), mixed precision,
-``lightning_vescale.precision.clip_grad_norm_``, full state dicts and DCP checkpoints.
-Refused with a message (:func:`refuse_unsupported` and the optimizers'/writers' own checks):
-HSDP (3-D meshes), CPU offload, ``comm_policy``, ``shard_placement_fn``/``dp_mesh_dims``,
-``reshard_after_forward=<int>``, meta-device TP parameters, AdamW8bit/Muon/SOAP/Shampoo/
-FlatParamOptimizer, ``save_safetensors``, and a TP plan applied after ``fully_shard``
-(:func:`check_not_ragged`; ``distribute_tensor`` of a RaggedShard DTensor).
+AdamW/SGD-style optimizers (element-wise on the local shards), ``AdamW8bit`` (its blocks cut
+from each rank's TP-local tensor: ``optim/_base.py``'s TP layout; the default granularity of
+a TP parameter is decided on its global shape, :func:`tp_default_granularity`), ``comm_policy``
+on the dp dim (the quantized buffers hold TP-local tensors, so blocks never cross a tp rank),
+mixed precision, ``lightning_vescale.precision.clip_grad_norm_``, full state dicts, DCP
+checkpoints, ``save_safetensors``/``load_safetensors`` (each rank its runs of its TP-local box:
+``placement._ragged_tp.tp_flat_runs``), activation checkpointing and ``torch.compile`` per
+block. Refused with a message (:func:`refuse_unsupported` and the optimizers' own checks):
+HSDP (3-D meshes), CPU offload, ``shard_placement_fn``/``dp_mesh_dims``,
+``reshard_after_forward=<int>``, meta-device TP parameters, Muon/SOAP/Shampoo/
+FlatParamOptimizer, and a TP plan applied after ``fully_shard`` (:func:`check_not_ragged`;
+``distribute_tensor`` of a RaggedShard DTensor).
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from lightning_vescale.placement import RaggedShard
 
-__all__ = ["TPSpec", "refuse_unsupported", "tp_param_spec", "tp_unsharded"]
+__all__ = ["TPSpec", "refuse_unsupported", "tp_default_granularity", "tp_param_spec",
+           "tp_unsharded"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,14 +129,12 @@ def refuse_unsupported(names: list[str], offload: Any, comm: Any, shard_placemen
                        dp_mesh_dims: Any, reshard_after_forward: Any) -> None:
     """Refuse the ``fully_shard`` options not supported with TP parameters ``names`` yet
     ([fsdp-tp]); ``comm``: the resolved comm policy (``None``: inactive)."""
-    comm_active = comm is not None
+    del comm  # a comm policy works on the dp dim: the buffers hold the TP-local tensors
     if not names:
         return
     what = None
     if offload is not None:
         what = "offload_policy=CPUOffloadPolicy (CPU offload)"
-    elif comm_active:
-        what = "comm_policy (quantized all-gather / gradient wire dtype)"
     elif shard_placement_fn is not None:
         what = "shard_placement_fn"
     elif dp_mesh_dims is not None:
@@ -142,6 +146,22 @@ def refuse_unsupported(names: list[str], offload: Any, comm: Any, shard_placemen
             f"fully_shard: {what} is not supported yet with tensor-parallel parameters "
             f"({names[0]!r}{' and others' if len(names) > 1 else ''}); drop the option or the "
             "TP plan.")
+
+
+def tp_default_granularity(granularity: Any, tp: dict[str, TPSpec]) -> Any:
+    """``granularity=None`` with TP parameters ``tp``: the default granularity decided on a TP
+    parameter's GLOBAL shape (as ``AdamW8bit``'s ``min_8bit_size`` is), applied to its TP-local
+    tensor, so a tensor AdamW8bit quantizes is block-aligned within its TP-local shard even
+    when that shard is below the size threshold. A callable, so it stays a computed default
+    (rounded up to a comm policy's blocks). Any other ``granularity``: unchanged."""
+    if granularity is not None or not tp:
+        return granularity
+    from lightning_vescale.planner._granularity import default_granularity
+
+    def by_global_shape(name: str, param: torch.Tensor) -> int:
+        return default_granularity(tp[name].shape if name in tp else tuple(param.shape))
+
+    return by_global_shape
 
 
 def tp_unsharded(view: torch.Tensor, spec: TPSpec, requires_grad: bool) -> nn.Parameter:

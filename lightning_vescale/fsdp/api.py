@@ -91,7 +91,12 @@ from lightning_vescale.fsdp._shard_placement import (
 )
 from lightning_vescale.fsdp._state import FSDPState, get_state
 from lightning_vescale.fsdp._subgroups import make_partial_group
-from lightning_vescale.fsdp._tp import TPSpec, check_not_ragged, tp_param_spec
+from lightning_vescale.fsdp._tp import (
+    TPSpec,
+    check_not_ragged,
+    tp_default_granularity,
+    tp_param_spec,
+)
 from lightning_vescale.fsdp._tp import refuse_unsupported as refuse_tp_unsupported
 from lightning_vescale.fsdp._state_dict import register_state_dict_hooks
 from lightning_vescale.mesh import MeshInfo, default_device_type, init_mesh, mesh_device
@@ -356,6 +361,7 @@ def _group_layout(collected: list[CollectedParam], sources: dict[str, torch.Tens
     reshard_after_forward)``)."""
     named = [(c.name, sources[c.name] if c.name in tp else c.param) for c in collected]
     units = placement_units(shard_placement_fn, named, mesh_info.mesh)
+    granularity = tp_default_granularity(granularity, tp)
     comm, quantized, grans = _comm_layout(comm_policy, granularity, named, units)
     offload, dp_mesh_dims, reshard_after_forward = refuse
     refuse_tp_unsupported(sorted(tp), offload, comm, shard_placement_fn, dp_mesh_dims,

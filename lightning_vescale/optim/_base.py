@@ -16,7 +16,9 @@ another optimizer is one file:
   plain tensors and all-``Replicate`` DTensors (every rank holds the whole tensor) and
   ``RaggedShard`` DTensors on the meshes ``MeshInfo.from_mesh`` accepts (the one place that knows
   the mesh restrictions): ``(RaggedShard,)`` on a 1-D mesh and ``(Replicate(), RaggedShard)`` on an
-  HSDP mesh. Ranges and the rank are the shard group's (``MeshInfo.shard_rank``), so the replicas
+  HSDP mesh; with ``param_layout(..., tensor_parallel=True)`` also ``fully_shard``'s TP form
+  (design note [fsdp-tp]), whose ranges index the rank's TP-local tensor (``region``). Ranges
+  and the rank are the shard group's (``MeshInfo.shard_rank``), so the replicas
   of a shard rank hold, and step, the same range. Other placements raise ``TypeError`` naming the
   parameter; a local tensor whose size disagrees with its placement raises ``ValueError``.
   :func:`check_block_aligned` is the check block-wise states need: every rank's range starts on
@@ -54,6 +56,7 @@ from torch.optim import Optimizer
 from lightning_vescale.mesh import MeshInfo
 from lightning_vescale.optim._quant import num_blocks
 from lightning_vescale.placement import RaggedShard, local_slice, ragged_from_local, ragged_ranges
+from lightning_vescale.placement._ragged_tp import tp_local_box
 
 __all__ = [
     "ParamRef",
@@ -78,6 +81,9 @@ def _dtensor(local: Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
     # are data), and on ``local``'s device. ``DTensor.from_local`` would move a CPU-offloaded
     # state to the mesh's device (the GPU), where the next step meets its CPU parameter.
     if any(isinstance(pl, RaggedShard) for pl in placements):
+        if tp_ragged_dim(placements) is not None:  # [fsdp-tp]: the engine's own path
+            return ragged_from_local(local, mesh, tuple(placements), tuple(shape),
+                                     tuple(stride), autograd=False, check=False)
         return ragged_from_local(local, mesh, placements, shape, stride, autograd=False)
     spec = DTensorSpec(mesh, tuple(placements),
                        tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
@@ -116,6 +122,9 @@ class ShardLayout:
         rank: this rank's index in the shard group (``0`` when whole).
         mesh_info: the shard group (set exactly when ``placement`` is).
         mesh, placements: the DTensor's mesh and placements (``None``/``()`` for a plain tensor).
+        region: for a tensor-parallel parameter (design note [fsdp-tp]), the shape of this
+            rank's TP-local tensor, whose row-major flattening ``ranges`` index (``None``:
+            ``ranges`` index the global tensor).
     """
 
     shape: tuple[int, ...]
@@ -125,11 +134,17 @@ class ShardLayout:
     mesh_info: MeshInfo | None = None
     mesh: DeviceMesh | None = None
     placements: tuple[Placement, ...] = ()
+    region: tuple[int, ...] | None = None
 
     @property
     def numel(self) -> int:
         """Global number of elements."""
         return math.prod(self.shape)
+
+    @property
+    def region_numel(self) -> int:
+        """Elements of the tensor ``ranges`` split: the TP-local tensor, else the global one."""
+        return math.prod(self.shape if self.region is None else self.region)
 
     @property
     def start(self) -> int:
@@ -167,7 +182,14 @@ class ShardLayout:
             value = value.full_tensor()
         if self.placement is None:
             return value
-        return local_slice(value.reshape(self.shape), self.placement, self.rank)
+        full = value.reshape(self.shape)
+        if self.region is not None:  # the TP-local box first ([fsdp-tp])
+            assert self.mesh_info is not None
+            local_shape, offset = tp_local_box(self.shape, self.mesh, self.placements,
+                                               self.mesh_info.shard_mesh_dim)
+            full = full[tuple(slice(o, o + n) for o, n in zip(offset, local_shape))]
+            full = full.contiguous()
+        return local_slice(full, self.placement, self.rank)
 
     def to_dtensor(self, local: Tensor, stride: Sequence[int] | None = None) -> DTensor:
         """This rank's part ``local`` (flat, or for a whole layout any shape with ``numel``
@@ -184,6 +206,8 @@ class ShardLayout:
         """The layout of a per-block statistic (one value per block of ``block_size`` flat
         elements, e.g. a quantization scale): shape ``(num_blocks,)``, each rank holding the
         blocks of its own range. Requires a block-aligned layout (:func:`check_block_aligned`)."""
+        if self.region is not None:
+            return self._tp_per_block(block_size)
         nb = num_blocks(self.numel, block_size)
         if self.placement is None or nb == 0:
             return ShardLayout(shape=(nb,), ranges=((0, nb),), mesh=self.mesh,
@@ -197,6 +221,41 @@ class ShardLayout:
         return ShardLayout(shape=(nb,), ranges=_ranges((nb,), placement), placement=placement,
                            rank=self.rank, mesh_info=self.mesh_info, mesh=self.mesh,
                            placements=tuple(placements))
+
+
+    def _tp_per_block(self, block_size: int) -> ShardLayout:
+        """:meth:`per_block` of a tensor-parallel layout: each TP-local tensor has its own
+        blocks (they never cross a tp rank), so the statistic of shape ``(tp * nb,)`` is
+        ``Shard(0)`` over the tp dims that shard the parameter (``Replicate()`` where it
+        replicates) and ragged over the data-parallel dim within its ``(nb,)`` TP-local part.
+        Uneven TP shards would need a different ``nb`` per tp rank: ``NotImplementedError``."""
+        assert self.mesh is not None and self.mesh_info is not None and self.region is not None
+        d = self.mesh_info.shard_mesh_dim
+        nb = num_blocks(self.region_numel, block_size)
+        units = [num_blocks(e, block_size) - s // block_size if e > s else 0
+                 for s, e in self.ranges]
+        placement = RaggedShard((0,), units) if nb else None
+        placements, total, shape = list(self.placements), nb, list(self.shape)
+        for j in range(d + 1, len(placements)):
+            pl = placements[j]
+            if type(pl) is Shard:
+                size = self.mesh.size(j)
+                if shape[pl.dim] % size:
+                    raise NotImplementedError(
+                        f"per-block optimizer statistics (e.g. AdamW8bit's scales) of a "
+                        f"parameter of shape {self.shape} sharded unevenly by tensor "
+                        f"parallelism ({pl} over {size} ranks) cannot be exported; pad dim "
+                        f"{pl.dim} to a multiple of {size}.")
+                shape[pl.dim] //= size
+                total *= size
+                placements[j] = Shard(0)
+        placements[d] = placement if placement is not None else Replicate()
+        if placement is None:
+            return ShardLayout(shape=(total,), ranges=((0, total),), mesh=self.mesh,
+                               placements=tuple(placements))
+        return ShardLayout(shape=(total,), ranges=_ranges((nb,), placement),
+                           placement=placement, rank=self.rank, mesh_info=self.mesh_info,
+                           mesh=self.mesh, placements=tuple(placements), region=(nb,))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -218,13 +277,17 @@ def refuse_tensor_parallel(p: Tensor, *, where: str) -> None:
             "wise) for them.")
 
 
-def param_layout(p: Tensor, *, where: str) -> ShardLayout:
+def param_layout(p: Tensor, *, where: str, tensor_parallel: bool = False) -> ShardLayout:
     """The :class:`ShardLayout` of parameter ``p``, checking that it is supported.
 
     Args:
         p: a plain tensor, an all-``Replicate`` DTensor, or a ``RaggedShard`` DTensor (the other
             mesh dimensions, if ``MeshInfo`` allows any, replicate).
         where: how errors name the parameter, e.g. ``"Muon parameter 'fc.weight'"``.
+        tensor_parallel: accept a ``fully_shard`` parameter over tensor parallelism (design
+            note [fsdp-tp]): its layout's ``ranges`` index this rank's TP-local tensor
+            (``region``). Only for element-wise optimizers whose per-block statistics stay
+            within one TP-local tensor (AdamW8bit); otherwise such parameters are refused.
 
     Raises:
         TypeError: another placement (``Shard``, ``Partial``, ...).
@@ -238,6 +301,8 @@ def param_layout(p: Tensor, *, where: str) -> ShardLayout:
     if all(isinstance(pl, Replicate) for pl in placements):
         return ShardLayout(shape=shape, ranges=((0, math.prod(shape)),), mesh=p.device_mesh,
                            placements=placements)
+    if tensor_parallel and tp_ragged_dim(placements) is not None:
+        return _tp_layout(p, placements, where)
     refuse_tensor_parallel(p, where=where)
     if any(isinstance(pl, RaggedShard) for pl in placements):
         try:
@@ -264,6 +329,41 @@ def param_layout(p: Tensor, *, where: str) -> ShardLayout:
         "lightning_vescale.fully_shard / VeScaleFSDPStrategy).")
 
 
+def tp_ragged_dim(placements: Sequence[Placement]) -> int | None:
+    """The data-parallel (ragged) mesh dim of a ``fully_shard`` parameter over tensor
+    parallelism (design note [fsdp-tp]): one ``RaggedShard``, ``Replicate()`` before it
+    (HSDP's replicate dim), the TP placements (``Shard(k)``/``Replicate()``, at least one
+    dim) after it. ``None`` for any other placements."""
+    dims = [i for i, pl in enumerate(placements) if isinstance(pl, RaggedShard)]
+    if len(dims) != 1 or dims[0] == len(placements) - 1:
+        return None
+    d = dims[0]
+    if not all(isinstance(pl, Replicate) for pl in placements[:d]):
+        return None
+    if not all(type(pl) is Shard or type(pl) is Replicate for pl in placements[d + 1:]):
+        return None
+    return d
+
+
+def _tp_layout(p: DTensor, placements: tuple[Placement, ...], where: str) -> ShardLayout:
+    """:func:`param_layout` of a TP parameter: ranges over this rank's TP-local tensor."""
+    d = tp_ragged_dim(placements)
+    assert d is not None
+    shape, mesh = tuple(p.shape), p.device_mesh
+    info = MeshInfo(mesh=mesh, shard_mesh_dim=d, replicate_mesh_dim=d - 1 if d else None)
+    region, _ = tp_local_box(shape, mesh, placements, d)
+    placement = placements[d]
+    assert isinstance(placement, RaggedShard)
+    layout = ShardLayout(shape=shape, ranges=_ranges(region, placement), placement=placement,
+                         rank=info.shard_rank, mesh_info=info, mesh=mesh,
+                         placements=placements, region=region)
+    if local_view(p).numel() != layout.local_numel:
+        raise ValueError(
+            f"{where}: local tensor has {local_view(p).numel()} elements but {placement!r} "
+            f"gives rank {layout.rank} {layout.local_numel} of the TP-local shape {region}")
+    return layout
+
+
 @functools.lru_cache(maxsize=4096)
 def _first_misaligned(ranges: tuple[tuple[int, int], ...], numel: int,
                       block_size: int) -> tuple[int, int, int] | None:
@@ -280,14 +380,15 @@ def check_block_aligned(layout: ShardLayout, block_size: int, *, who: str, name:
 
     ``who``: the optimizer's name (``"AdamW8bit"``); ``name``: the parameter's.
     """
-    bad = _first_misaligned(layout.ranges, layout.numel, block_size)
+    bad = _first_misaligned(layout.ranges, layout.region_numel, block_size)
     if bad is None:
         return
     r, s, e = bad
+    tp = "" if layout.region is None else f" of its TP-local tensor {layout.region}"
     raise ValueError(
         f"{who}(block_size={block_size}): parameter {name} (shape {layout.shape}, "
         f"{layout.numel} elements) is sharded with {layout.placement!r}, so rank {r} holds the "
-        f"flat range [{s}, {e}), which does not start and end on multiples of "
+        f"flat range [{s}, {e}){tp}, which does not start and end on multiples of "
         f"block_size={block_size} (or at the tensor's end): its blocks would straddle ranks. "
         "Shard with a granularity that is a multiple of the block size, e.g. "
         f"VeScaleFSDPStrategy(granularity={block_size}) / fully_shard(module, "
@@ -391,6 +492,9 @@ class ShardedOptimizer(Optimizer):
 
     #: the matrix maths of the step (``"Newton-Schulz"``, ...), ``None`` for element-wise steps
     matrix_math: str | None = None
+    #: whether the subclass steps ``fully_shard`` parameters over tensor parallelism (design
+    #: note [fsdp-tp]); ``False``: :meth:`add_param_group` refuses them
+    supports_tensor_parallel: bool = False
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -416,6 +520,8 @@ class ShardedOptimizer(Optimizer):
         group = self.param_groups[-1]
         names = group.get("param_names")
         for i, p in enumerate(group["params"]):
+            if self.supports_tensor_parallel:
+                break
             name = repr(names[i]) if names else f"#{i} of group #{len(self.param_groups) - 1}"
             refuse_tensor_parallel(p, where=f"{type(self).__name__}: parameter {name}")
 

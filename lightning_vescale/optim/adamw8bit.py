@@ -29,6 +29,17 @@ every rank (the check uses all ranks' ranges, which are pure functions of the pl
 the fix: a sharding granularity that is a multiple of ``block_size``. Parameter checks and the
 state export/import below are the shared ones of ``_base.py`` (design note [sharded-optimizer]).
 
+*Tensor parallelism.* A ``fully_shard`` parameter over TP (design note [fsdp-tp]) is a DTensor
+``(RaggedShard, Shard(k))`` (or ``Replicate()`` on tp) whose RaggedShard ranges split the
+rank's TP-local tensor, not the global one. Blocks are then defined on the flattened TP-local
+tensor (``ShardLayout.region``), so a block never crosses a rank of either dim and the ranges
+must be block-aligned within it (the same check, naming the TP-local shape). The exact
+reference is one process's AdamW8bit on the TP-local tensors with the same gradients (tested
+bit-equal); it is *not* the single-process run on the full tensors, whose blocks differ where
+the TP-local rows are not a range of the full tensor (``Shard(1)``). ``min_8bit_size`` still
+reads the global numel. In the state dict the scales are a ``(tp * blocks,)`` DTensor,
+``Shard(0)`` over tp and ragged over dp (uneven TP shards: ``NotImplementedError``).
+
 *Whole matrices.* A stacked ``(E, out, in)`` weight that the strategies shard with granularity
 ``"matrix"`` (each expert whole on one rank, design note [granularity-rules]) is marked with
 its name (:func:`mark_whole_matrices`). Its quantization blocks must then lie in one matrix each
@@ -180,6 +191,9 @@ class AdamW8bit(ShardedOptimizer):
     :meth:`load_state_dict` are checked the same way (``ValueError`` naming the setting).
     """
 
+    #: ``fully_shard`` parameters over tensor parallelism: blocks within the TP-local tensor
+    supports_tensor_parallel = True
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -279,7 +293,7 @@ class AdamW8bit(ShardedOptimizer):
     def _layout(p: torch.Tensor, group: dict[str, Any], name: str) -> tuple[ShardLayout, bool]:
         """``p``'s checked layout and whether its moments are quantized (GLOBAL numel >=
         ``min_8bit_size``; then its shard must be block-aligned)."""
-        layout = param_layout(p, where=f"AdamW8bit: parameter {name}")
+        layout = param_layout(p, where=f"AdamW8bit: parameter {name}", tensor_parallel=True)
         quantized = layout.numel >= int(group["min_8bit_size"])
         if quantized:
             check_block_aligned(layout, group_block_size(group), who="AdamW8bit", name=name)

@@ -20,6 +20,7 @@ ragged dim moves, or with two ragged dims, raises ``NotImplementedError``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,7 +33,7 @@ from torch.profiler import record_function
 
 from lightning_vescale.placement._ragged_shard import RaggedShard
 
-__all__ = ["is_tp_layout", "redistribute_tp", "tp_local_box"]
+__all__ = ["is_tp_layout", "redistribute_tp", "tp_flat_runs", "tp_local_box"]
 
 
 def _ragged_dims(placements: Sequence[Placement]) -> list[int]:
@@ -63,6 +64,45 @@ def tp_local_box(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Pl
     inner = tuple(Replicate() if d == dim else p for d, p in enumerate(placements))
     local, offset = compute_local_shape_and_global_offset(tuple(shape), mesh, inner)
     return tuple(int(s) for s in local), tuple(int(o) for o in offset)
+
+
+def tp_flat_runs(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement],
+                 dim: int) -> list[tuple[int, int, int]]:
+    """This rank's local tensor (its RaggedShard range of its TP-local tensor) as runs of the
+    row-major GLOBAL tensor: ``(local offset, global start, global end)`` in local order, each
+    run contiguous in both. What writers and readers of full-tensor files (safetensors) need to
+    touch only a rank's own bytes: one run for ``Shard(0)``/``Replicate()`` TP placements, one
+    per row of the TP-local box for ``Shard(1)``."""
+    shape = tuple(int(s) for s in shape)
+    region, offset = tp_local_box(shape, mesh, placements, dim)
+    ragged = placements[dim]
+    assert isinstance(ragged, RaggedShard)
+    start, end = ragged.local_range(region, mesh.get_local_rank(dim))
+    partial = [i for i, (r, g) in enumerate(zip(region, shape)) if r != g]
+    if not partial:  # the TP-local tensor is the whole tensor
+        return [(0, start, end)] if end > start else []
+    k = partial[-1]  # below it the box holds whole slabs: a run is region[k] of them
+    inner = math.prod(shape[k + 1:])
+    run = region[k] * inner
+    out, pos = [], start
+    while pos < end:
+        outer, within = divmod(pos, run)
+        stop = min(end, (outer + 1) * run)
+        g = 0
+        for i, idx in enumerate(_unravel(outer, region[:k])):
+            g = g * shape[i] + idx + offset[i]
+        first = (g * shape[k] + offset[k]) * inner + within
+        out.append((pos - start, first, first + stop - pos))
+        pos = stop
+    return out
+
+
+def _unravel(index: int, shape: Sequence[int]) -> list[int]:
+    out = []
+    for n in reversed(shape):
+        index, r = divmod(index, n)
+        out.append(r)
+    return out[::-1]
 
 
 def _spec_like(spec: DTensorSpec, placements: tuple[Placement, ...]) -> DTensorSpec:
