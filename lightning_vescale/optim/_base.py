@@ -53,6 +53,7 @@ from torch.optim import Optimizer
 
 from lightning_vescale.mesh import MeshInfo
 from lightning_vescale.optim._quant import num_blocks
+from lightning_vescale.optim._tp_layout import TPOrder, is_tp, register_tp_params, tp_layout_parts
 from lightning_vescale.placement import RaggedShard, local_slice, ragged_from_local, ragged_ranges
 
 __all__ = [
@@ -77,8 +78,10 @@ def _dtensor(local: Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
     # ``local`` itself as this rank's part of a DTensor: no copy, no autograd history (states
     # are data), and on ``local``'s device. ``DTensor.from_local`` would move a CPU-offloaded
     # state to the mesh's device (the GPU), where the next step meets its CPU parameter.
-    if any(isinstance(pl, RaggedShard) for pl in placements):
+    if any(isinstance(pl, RaggedShard) for pl in placements) and not is_tp(placements):
         return ragged_from_local(local, mesh, placements, shape, stride, autograd=False)
+    # (RaggedShard beside a TP placement, design note [tp-matrix-optim]: built as the engine
+    # builds such parameters, without ragged_from_local's one-ragged-dim check)
     spec = DTensorSpec(mesh, tuple(placements),
                        tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
     return DTensor(local, spec, requires_grad=False)
@@ -116,6 +119,9 @@ class ShardLayout:
         rank: this rank's index in the shard group (``0`` when whole).
         mesh_info: the shard group (set exactly when ``placement`` is).
         mesh, placements: the DTensor's mesh and placements (``None``/``()`` for a plain tensor).
+        tp: for a ``(RaggedShard, Shard(k))`` parameter (design note [tp-matrix-optim]), its
+            :class:`~lightning_vescale.optim._tp_layout.TPOrder`: ``ranges`` are then virtual
+            ranges over every rank of the (dp, tp) mesh and ``mesh_info`` the flattened mesh's.
     """
 
     shape: tuple[int, ...]
@@ -125,6 +131,7 @@ class ShardLayout:
     mesh_info: MeshInfo | None = None
     mesh: DeviceMesh | None = None
     placements: tuple[Placement, ...] = ()
+    tp: TPOrder | None = None
 
     @property
     def numel(self) -> int:
@@ -167,6 +174,8 @@ class ShardLayout:
             value = value.full_tensor()
         if self.placement is None:
             return value
+        if self.tp is not None:
+            return self.tp.local_part(value.contiguous(), self.start, self.end)
         return local_slice(value.reshape(self.shape), self.placement, self.rank)
 
     def to_dtensor(self, local: Tensor, stride: Sequence[int] | None = None) -> DTensor:
@@ -184,6 +193,8 @@ class ShardLayout:
         """The layout of a per-block statistic (one value per block of ``block_size`` flat
         elements, e.g. a quantization scale): shape ``(num_blocks,)``, each rank holding the
         blocks of its own range. Requires a block-aligned layout (:func:`check_block_aligned`)."""
+        if self.tp is not None:
+            raise NotImplementedError("per-block states of tensor-parallel parameters")
         nb = num_blocks(self.numel, block_size)
         if self.placement is None or nb == 0:
             return ShardLayout(shape=(nb,), ranges=((0, nb),), mesh=self.mesh,
@@ -206,16 +217,14 @@ def _ranges(shape: tuple[int, ...], placement: RaggedShard) -> tuple[tuple[int, 
 
 def refuse_tensor_parallel(p: Tensor, *, where: str) -> None:
     """Raise ``NotImplementedError`` for a tensor-parallel parameter sharded by ``fully_shard``
-    (design note [fsdp-tp]): this package's optimizers do not support them yet."""
+    (design note [fsdp-tp]), for the optimizers that do not support them."""
     placements = tuple(p.placements) if isinstance(p, DTensor) else ()
-    if any(isinstance(pl, RaggedShard) for pl in placements) and (
-            any(type(pl) is Shard for pl in placements)
-            or not isinstance(placements[-1], RaggedShard)):
+    if is_tp(placements):
         raise NotImplementedError(
             f"{where} (shape {tuple(p.shape)}) is tensor-parallel and sharded by fully_shard "
             f"(placements {placements}, design note [fsdp-tp]); this optimizer does not "
             "support tensor-parallel parameters yet. Use torch.optim.AdamW / SGD (element-"
-            "wise) for them.")
+            "wise), or Muon / SOAP / Shampoo, for them.")
 
 
 def param_layout(p: Tensor, *, where: str) -> ShardLayout:
@@ -230,6 +239,12 @@ def param_layout(p: Tensor, *, where: str) -> ShardLayout:
         TypeError: another placement (``Shard``, ``Partial``, ...).
         ValueError: a mesh ``MeshInfo.from_mesh`` does not support (more than two dims), or
             the local tensor's size disagrees with the placement.
+
+    Tensor-parallel ``fully_shard`` parameters (``(RaggedShard, Shard(k) | Replicate())`` on a
+    (dp, tp) mesh) get the layout of design note [tp-matrix-optim] (the first layout of one not
+    registered by :func:`~lightning_vescale.optim._tp_layout.register_tp_params` is a
+    collective); whether an optimizer accepts them is its own decision
+    (:attr:`ShardedOptimizer.tensor_parallel`).
     """
     shape = tuple(p.shape)
     if not isinstance(p, DTensor):
@@ -238,7 +253,11 @@ def param_layout(p: Tensor, *, where: str) -> ShardLayout:
     if all(isinstance(pl, Replicate) for pl in placements):
         return ShardLayout(shape=shape, ranges=((0, math.prod(shape)),), mesh=p.device_mesh,
                            placements=placements)
-    refuse_tensor_parallel(p, where=where)
+    if is_tp(placements):  # design note [tp-matrix-optim]
+        parts = tp_layout_parts(p, where=where)
+        layout = ShardLayout(shape=shape, mesh=p.device_mesh, placements=placements, **parts)
+        _check_local_numel(p, layout, where)
+        return layout
     if any(isinstance(pl, RaggedShard) for pl in placements):
         try:
             info = MeshInfo.from_mesh(p.device_mesh)
@@ -251,17 +270,21 @@ def param_layout(p: Tensor, *, where: str) -> ShardLayout:
             ranges, rank = _ranges(shape, placement), info.shard_rank
             layout = ShardLayout(shape=shape, ranges=ranges, placement=placement, rank=rank,
                                  mesh_info=info, mesh=p.device_mesh, placements=placements)
-            local_numel = local_view(p).numel()
-            if local_numel != layout.local_numel:
-                raise ValueError(
-                    f"{where}: local tensor has {local_numel} elements but {placement!r} gives "
-                    f"rank {rank} {layout.local_numel} of shape {shape}")
+            _check_local_numel(p, layout, where)
             return layout
     raise TypeError(
         f"{where} (shape {shape}) is a DTensor with placements {placements}; supported are "
         "plain tensors, Replicate, and (RaggedShard(...),) on a 1-D mesh or "
         "(Replicate(), RaggedShard(...)) on a 2-D (replicate, shard) mesh (as produced by "
         "lightning_vescale.fully_shard / VeScaleFSDPStrategy).")
+
+
+def _check_local_numel(p: Tensor, layout: ShardLayout, where: str) -> None:
+    local_numel = local_view(p).numel()
+    if local_numel != layout.local_numel:
+        raise ValueError(
+            f"{where}: local tensor has {local_numel} elements but {layout.placement!r} gives "
+            f"rank {layout.rank} {layout.local_numel} of shape {layout.shape}")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -391,6 +414,9 @@ class ShardedOptimizer(Optimizer):
 
     #: the matrix maths of the step (``"Newton-Schulz"``, ...), ``None`` for element-wise steps
     matrix_math: str | None = None
+    #: whether tensor-parallel ``fully_shard`` parameters are supported (design note
+    #: [tp-matrix-optim]); refused at construction otherwise
+    tensor_parallel: bool = False
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -410,14 +436,22 @@ class ShardedOptimizer(Optimizer):
         raise NotImplementedError
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As ``torch.optim.Optimizer.add_param_group``; tensor-parallel parameters are refused
-        (:func:`refuse_tensor_parallel`), at construction rather than at the first step."""
+        """As ``torch.optim.Optimizer.add_param_group``. Tensor-parallel parameters are refused
+        (:func:`refuse_tensor_parallel`) at construction unless :attr:`tensor_parallel`; then
+        every rank's range of them is gathered here (one collective per mesh: the constructor
+        runs on every rank, design note [tp-matrix-optim])."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         names = group.get("param_names")
+        if self.tensor_parallel:
+            register_tp_params(group["params"])
         for i, p in enumerate(group["params"]):
             name = repr(names[i]) if names else f"#{i} of group #{len(self.param_groups) - 1}"
-            refuse_tensor_parallel(p, where=f"{type(self).__name__}: parameter {name}")
+            where = f"{type(self).__name__}: parameter {name}"
+            if not self.tensor_parallel:
+                refuse_tensor_parallel(p, where=where)
+            elif isinstance(p, DTensor) and is_tp(p.placements):
+                tp_layout_parts(p, where=where)  # refuses what it cannot lay out
 
     def _param_refs(self) -> list[ParamRef]:
         """Every parameter of every group, in state-dict order."""
