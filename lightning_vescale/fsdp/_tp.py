@@ -21,12 +21,13 @@ objects of design note [fsdp-param-objects] become:
 
 Supported: a 1-D data-parallel mesh (a sub-mesh of the same root mesh as the tp mesh), 1-D tp
 meshes, ``Shard(k)``/``Replicate()`` TP placements (sequence-parallel norms included),
-AdamW/SGD-style optimizers (element-wise on the local shards), mixed precision,
+AdamW/SGD-style optimizers (element-wise on the local shards), Muon/SOAP/Shampoo (each matrix
+gathered whole to an owner over both dims: design note [tp-matrix-optim]), mixed precision,
 ``lightning_vescale.precision.clip_grad_norm_``, full state dicts and DCP checkpoints.
 Refused with a message (:func:`refuse_unsupported` and the optimizers'/writers' own checks):
 HSDP (3-D meshes), CPU offload, ``comm_policy``, ``shard_placement_fn``/``dp_mesh_dims``,
-``reshard_after_forward=<int>``, meta-device TP parameters, AdamW8bit/Muon/SOAP/Shampoo/
-FlatParamOptimizer, ``save_safetensors``, and a TP plan applied after ``fully_shard``
+``reshard_after_forward=<int>``, meta-device TP parameters, AdamW8bit/FlatParamOptimizer,
+``save_safetensors``, and a TP plan applied after ``fully_shard``
 (:func:`check_not_ragged`; ``distribute_tensor`` of a RaggedShard DTensor).
 """
 

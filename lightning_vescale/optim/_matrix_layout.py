@@ -128,17 +128,17 @@ def matrix_layout(p: Tensor, *, max_precond_dim: int, precondition_1d: bool, nam
     if layout.placement is None:
         return MatrixLayout(unit_shape=unit, preconditioned=pre, count=total, first=0,
                             total=total, counts=(total,), layout=layout)
-    if is_whole(layout.ranges, unit_numel):
-        counts = tuple((b - a) // unit_numel for a, b in layout.ranges)
-        return MatrixLayout(unit_shape=unit, preconditioned=pre, count=counts[layout.rank],
-                            first=layout.start // unit_numel, total=total, counts=counts,
-                            layout=layout)
     if layout.tp is not None and layout.tp.permutes and total > 1:
         raise NotImplementedError(
             f"{name} (shape {tuple(p.shape)}) is a stack of {total} matrices, tensor-parallel "
             f"with {p.placements[1]} (design note [tp-matrix-optim]): only Shard(0) (the stack "
             "dim) is supported for stacks. Shard the stack dim, or use torch.optim.AdamW for "
             "this parameter.")
+    if is_whole(layout.ranges, unit_numel):
+        counts = tuple((b - a) // unit_numel for a, b in layout.ranges)
+        return MatrixLayout(unit_shape=unit, preconditioned=pre, count=counts[layout.rank],
+                            first=layout.start // unit_numel, total=total, counts=counts,
+                            layout=layout)
     assert owners is not None and sum(owners) == total, "split matrices need an owner plan"
     starts = [sum(owners[:r]) * unit_numel for r in range(ranks + 1)]
     mine = (starts[layout.rank], starts[layout.rank + 1])
