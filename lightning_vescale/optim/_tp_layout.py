@@ -56,19 +56,20 @@ tensors; loading at the same mesh (or a full single-process state) is tested.
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from lightning_vescale.mesh import MeshInfo, mesh_device
-from lightning_vescale.placement import RaggedShard
+from lightning_vescale.placement import RaggedShard, ragged_ranges
+from lightning_vescale.placement._common import all_gather_flat
 
 __all__ = ["TPOrder", "is_tp", "register_tp_params", "tp_layout_parts"]
 
@@ -164,7 +165,8 @@ _RANGES: dict[int, tuple[Any, tuple, tuple[tuple[int, int], ...]]] = {}
 
 
 def _key(p: DTensor) -> tuple:
-    return (id(p.device_mesh), tuple(p.placements), tuple(p.shape))
+    # the process too: a forked child must not trust its parent's entries
+    return (os.getpid(), id(p.device_mesh), tuple(p.placements), tuple(p.shape))
 
 
 def _cached(p: DTensor) -> tuple[tuple[int, int], ...] | None:
@@ -200,8 +202,11 @@ def register_tp_params(params: Iterable[Tensor]) -> None:
         device = mesh_device(flat)
         mine = torch.tensor([_own_range(p) for p in ps], dtype=torch.int64, device=device)
         out = mine.new_empty(flat.size() * mine.numel())
-        dist.all_gather_into_tensor(out, mine.reshape(-1), group=flat.get_group())
+        all_gather_flat(out, mine.reshape(-1), flat.get_group(), flat)
         table = out.view(flat.size(), len(ps), 2).cpu().tolist()
+        if len(_RANGES) > 4096:  # drop the entries of parameters that are gone
+            for k in [k for k, v in _RANGES.items() if v[0]() is None]:
+                del _RANGES[k]
         for j, p in enumerate(ps):
             _RANGES[id(p)] = (weakref.ref(p), _key(p), tuple(tuple(table[r][j])
                                                             for r in range(flat.size())))
@@ -262,6 +267,4 @@ def tp_layout_parts(p: DTensor, *, where: str) -> dict[str, Any]:
 
 
 def _ragged_ranges(shape: tuple[int, ...], ragged: RaggedShard) -> list[tuple[int, int]]:
-    from lightning_vescale.placement import ragged_ranges
-
     return [(int(s), int(e)) for s, e in ragged_ranges(shape, ragged)]
