@@ -13,8 +13,8 @@ must be stepped as the WHOLE global matrix, as one process steps it. Two compari
   amplify (TESTING.md), so this one has a tolerance.
 
 Checkpoints: the optimizer states saved with ``save_sharded`` at (dp 2, tp 2) load into a fresh
-model and optimizer at the same mesh, and the next step equals the uninterrupted run's; a full
-single-process state dict loads too.
+model and optimizer at the same mesh and into FSDP without TP (dp 4); the full state goes to one
+process and one process's comes back; the next step is bitwise the expected one every time.
 """
 
 from __future__ import annotations
@@ -132,11 +132,20 @@ def _step(model, opt, step: int) -> None:
 
 
 def _checkpoint_case(name: str, path: str) -> dict:
-    """Saved with ``save_sharded`` after 2 steps at (dp 2, tp 2), loaded by a fresh model and
-    optimizer at the same mesh: step 3 equals the uninterrupted run's. And a one-process
-    state dict (plain full tensors) loads into the sharded optimizer: the next step equals
-    one process's, exactly (fed the same gradients)."""
+    """After 2 steps at (dp 2, tp 2) (one process fed the same gradients alongside):
+
+    * ``save_sharded`` -> a fresh model and optimizer at the same mesh (``load_sharded``):
+      step 3 equals the uninterrupted run's;
+    * the same checkpoint -> FSDP without TP (dp 4): step 3 equals one process's (its
+      gradients are one process's, bitwise: every rank has the full batch);
+    * ``optimizer_state(full=True)`` -> one process: step 3 equals one process's;
+    * one process's ``state_dict()`` -> a fresh sharded optimizer: step 3 equals one
+      process's (fed the same gradients).
+    """
+    import torch.distributed as dist
+
     from lightning_vescale import checkpoint as ckpt
+    from lightning_vescale.fsdp import fully_shard
 
     mesh = _mesh()
     model = _ours(_build(), mesh)
@@ -146,31 +155,58 @@ def _checkpoint_case(name: str, path: str) -> dict:
     _exact_steps(model, opt, ref, ref_opt, range(2))
     ckpt.save_sharded(path, {"state_dict": ckpt.model_state(model, full=False),
                              "optimizer_0": ckpt.optimizer_state(model, opt, full=False)}, {})
+    # rank 0's, {} elsewhere; a copy: its "step" tensors are the live ones (as torch's are)
+    full_state = copy.deepcopy(ckpt.optimizer_state(model, opt, full=True))
+
+    def one_process(state: dict):
+        """One process at step 2 with ``state``, stepped on its own gradients."""
+        one = _build()
+        one.load_state_dict(ref.state_dict())
+        one_opt = _optimizer(name, one.named_parameters())
+        one_opt.load_state_dict(copy.deepcopy(state))
+        _step(one, one_opt, 2)
+        return _full_params(one)
+
+    want_one = one_process(ref_opt.state_dict())
     _step(model, opt, 2)
     want = _full_params(model)
+
+    def diff(got: dict, ref_params: dict) -> float:
+        return max((got[n] - ref_params[n]).abs().max().item() for n in ref_params)
+
     fresh = _ours(_build(), mesh)
     fresh_opt = _optimizer(name, fresh.named_parameters())
     ckpt.load_sharded(path, fresh, {"optimizer_0": fresh_opt})
     _step(fresh, fresh_opt, 2)
-    got = _full_params(fresh)
-    resumed = max((got[n] - want[n]).abs().max().item() for n in want)
-    # one process's state (after the same 2 steps) into a fresh sharded optimizer
+    out = {"resumed": diff(_full_params(fresh), want)}
+    flat = _build()  # FSDP without TP: a 1-D mesh of 4
+    for b in flat.blocks:
+        fully_shard(b)
+    fully_shard(flat)
+    flat_opt = _optimizer(name, flat.named_parameters())
+    ckpt.load_sharded(path, flat, {"optimizer_0": flat_opt})
+    _step(flat, flat_opt, 2)
+    out["dp4"] = diff(_full_params(flat), want_one)
+    if dist.get_rank() == 0:
+        out["to_one_process"] = diff(one_process(full_state), want_one)
     single = _ours(_build(), mesh)
     single.load_state_dict({n: p.detach().clone() for n, p in ref.named_parameters()})
     single_opt = _optimizer(name, single.named_parameters())
     # (a copy: torch's load_state_dict keeps the "step" tensors it is given, as ours does)
     single_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
-    from_one = _exact_steps(single, single_opt, ref, ref_opt, [2])
-    return {"resumed": resumed, "from_one_process": from_one}
+    out["from_one_process"] = _exact_steps(single, single_opt, ref, ref_opt, [2])
+    return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["muon", "soap", "shampoo"])
 def test_tp_matrix_optimizer_checkpoint_round_trip(worlds, tmp_path, name):
-    """Measured: 0.0 (bitwise) for all three, both ways."""
+    """Measured: 0.0 (bitwise) for all three, every way."""
     results = worlds(4).run(_checkpoint_case, name, str(tmp_path / "ckpt"))
     for r in results:
-        assert r["resumed"] == 0.0, r
+        assert r["resumed"] == 0.0 and r["dp4"] == 0.0, r
         assert r["from_one_process"] == [0.0], r
+    assert results[0]["to_one_process"] == 0.0, results[0]
 
 
 def _refusals_case() -> list[str]:
