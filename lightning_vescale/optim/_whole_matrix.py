@@ -122,8 +122,9 @@ class WholeMatrixOptimizer(ShardedOptimizer):
         st, where = self.state[p], f"stepping parameter {name}"
         if lay.owned:  # split matrices: to their owners, stepped there, and back
             owned = _exchange(grad, lay.recv_splits, lay.send_splits, lay)
-            tp, ranges = lay.layout.tp, _clipped(lay)
+            tp = lay.layout.tp
             if tp is not None:  # design note [tp-matrix-optim]: virtual -> global order
+                ranges = _clipped(lay)
                 owned = tp.gather(torch.split(owned, list(lay.recv_splits)), ranges)
             initialising = self._initialising(st)
             update = failures.run(where, self._step_matrices, st, owned, group, lay)
