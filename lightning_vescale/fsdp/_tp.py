@@ -23,16 +23,18 @@ Supported: a 1-D data-parallel mesh (a sub-mesh of the same root mesh as the tp 
 meshes, ``Shard(k)``/``Replicate()`` TP placements (sequence-parallel norms included),
 AdamW/SGD-style optimizers (element-wise on the local shards), ``AdamW8bit`` (its blocks cut
 from each rank's TP-local tensor: ``optim/_base.py``'s TP layout; the default granularity of
-a TP parameter is decided on its global shape, :func:`tp_default_granularity`), ``comm_policy``
-on the dp dim (the quantized buffers hold TP-local tensors, so blocks never cross a tp rank),
-mixed precision, ``lightning_vescale.precision.clip_grad_norm_``, full state dicts, DCP
-checkpoints, ``save_safetensors``/``load_safetensors`` (each rank its runs of its TP-local box:
+a TP parameter is decided on its global shape, :func:`tp_default_granularity`), Muon/SOAP/
+Shampoo (each matrix gathered whole to an owner over both dims: design note
+[tp-matrix-optim]), ``comm_policy`` on the dp dim (the quantized buffers hold TP-local
+tensors, so blocks never cross a tp rank), mixed precision,
+``lightning_vescale.precision.clip_grad_norm_``, full state dicts, DCP checkpoints,
+``save_safetensors``/``load_safetensors`` (each rank its runs of its TP-local box:
 ``placement._ragged_tp.tp_flat_runs``), activation checkpointing and ``torch.compile`` per
 block. Refused with a message (:func:`refuse_unsupported` and the optimizers' own checks):
 HSDP (3-D meshes), CPU offload, ``shard_placement_fn``/``dp_mesh_dims``,
-``reshard_after_forward=<int>``, meta-device TP parameters, Muon/SOAP/Shampoo/
-FlatParamOptimizer, and a TP plan applied after ``fully_shard`` (:func:`check_not_ragged`;
-``distribute_tensor`` of a RaggedShard DTensor).
+``reshard_after_forward=<int>``, meta-device TP parameters, FlatParamOptimizer, and a TP plan
+applied after ``fully_shard`` (:func:`check_not_ragged`; ``distribute_tensor`` of a
+RaggedShard DTensor).
 """
 
 from __future__ import annotations

@@ -49,12 +49,13 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.optim import Optimizer
 
 from lightning_vescale.mesh import MeshInfo
 from lightning_vescale.optim._quant import num_blocks
+from lightning_vescale.optim._tp_layout import TPOrder, is_tp, register_tp_params, tp_layout_parts
 from lightning_vescale.placement import RaggedShard, local_slice, ragged_from_local, ragged_ranges
 from lightning_vescale.placement._ragged_tp import tp_local_box
 
@@ -80,11 +81,10 @@ def _dtensor(local: Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
     # ``local`` itself as this rank's part of a DTensor: no copy, no autograd history (states
     # are data), and on ``local``'s device. ``DTensor.from_local`` would move a CPU-offloaded
     # state to the mesh's device (the GPU), where the next step meets its CPU parameter.
-    if any(isinstance(pl, RaggedShard) for pl in placements):
-        if tp_ragged_dim(placements) is not None:  # [fsdp-tp]: the engine's own path
-            return ragged_from_local(local, mesh, tuple(placements), tuple(shape),
-                                     tuple(stride), autograd=False, check=False)
+    if any(isinstance(pl, RaggedShard) for pl in placements) and not is_tp(placements):
         return ragged_from_local(local, mesh, placements, shape, stride, autograd=False)
+    # (RaggedShard beside a TP placement, design note [tp-matrix-optim]: built as the engine
+    # builds such parameters, without ragged_from_local's one-ragged-dim check)
     spec = DTensorSpec(mesh, tuple(placements),
                        tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype))
     return DTensor(local, spec, requires_grad=False)
@@ -125,6 +125,9 @@ class ShardLayout:
         region: for a tensor-parallel parameter (design note [fsdp-tp]), the shape of this
             rank's TP-local tensor, whose row-major flattening ``ranges`` index (``None``:
             ``ranges`` index the global tensor).
+        tp: for a ``(RaggedShard, Shard(k))`` parameter (design note [tp-matrix-optim]), its
+            :class:`~lightning_vescale.optim._tp_layout.TPOrder`: ``ranges`` are then virtual
+            ranges over every rank of the (dp, tp) mesh and ``mesh_info`` the flattened mesh's.
     """
 
     shape: tuple[int, ...]
@@ -135,6 +138,7 @@ class ShardLayout:
     mesh: DeviceMesh | None = None
     placements: tuple[Placement, ...] = ()
     region: tuple[int, ...] | None = None
+    tp: TPOrder | None = None
 
     @property
     def numel(self) -> int:
@@ -182,6 +186,8 @@ class ShardLayout:
             value = value.full_tensor()
         if self.placement is None:
             return value
+        if self.tp is not None:
+            return self.tp.local_part(value.contiguous(), self.start, self.end)
         full = value.reshape(self.shape)
         if self.region is not None:  # the TP-local box first ([fsdp-tp])
             assert self.mesh_info is not None
@@ -208,6 +214,8 @@ class ShardLayout:
         blocks of its own range. Requires a block-aligned layout (:func:`check_block_aligned`)."""
         if self.region is not None:
             return self._tp_per_block(block_size)
+        if self.tp is not None:
+            raise NotImplementedError("per-block states of tensor-parallel parameters")
         nb = num_blocks(self.numel, block_size)
         if self.placement is None or nb == 0:
             return ShardLayout(shape=(nb,), ranges=((0, nb),), mesh=self.mesh,
@@ -265,16 +273,14 @@ def _ranges(shape: tuple[int, ...], placement: RaggedShard) -> tuple[tuple[int, 
 
 def refuse_tensor_parallel(p: Tensor, *, where: str) -> None:
     """Raise ``NotImplementedError`` for a tensor-parallel parameter sharded by ``fully_shard``
-    (design note [fsdp-tp]): this package's optimizers do not support them yet."""
+    (design note [fsdp-tp]), for the optimizers that do not support them."""
     placements = tuple(p.placements) if isinstance(p, DTensor) else ()
-    if any(isinstance(pl, RaggedShard) for pl in placements) and (
-            any(type(pl) is Shard for pl in placements)
-            or not isinstance(placements[-1], RaggedShard)):
+    if is_tp(placements):
         raise NotImplementedError(
             f"{where} (shape {tuple(p.shape)}) is tensor-parallel and sharded by fully_shard "
             f"(placements {placements}, design note [fsdp-tp]); this optimizer does not "
             "support tensor-parallel parameters yet. Use torch.optim.AdamW / SGD (element-"
-            "wise) for them.")
+            "wise), or Muon / SOAP / Shampoo, for them.")
 
 
 def param_layout(p: Tensor, *, where: str, tensor_parallel: bool = False) -> ShardLayout:
@@ -293,6 +299,12 @@ def param_layout(p: Tensor, *, where: str, tensor_parallel: bool = False) -> Sha
         TypeError: another placement (``Shard``, ``Partial``, ...).
         ValueError: a mesh ``MeshInfo.from_mesh`` does not support (more than two dims), or
             the local tensor's size disagrees with the placement.
+
+    Tensor-parallel ``fully_shard`` parameters (``(RaggedShard, Shard(k) | Replicate())`` on a
+    (dp, tp) mesh) get the layout of design note [tp-matrix-optim] (the first layout of one not
+    registered by :func:`~lightning_vescale.optim._tp_layout.register_tp_params` is a
+    collective); whether an optimizer accepts them is its own decision
+    (:attr:`ShardedOptimizer.tensor_parallel`).
     """
     shape = tuple(p.shape)
     if not isinstance(p, DTensor):
@@ -302,8 +314,12 @@ def param_layout(p: Tensor, *, where: str, tensor_parallel: bool = False) -> Sha
         return ShardLayout(shape=shape, ranges=((0, math.prod(shape)),), mesh=p.device_mesh,
                            placements=placements)
     if tensor_parallel and tp_ragged_dim(placements) is not None:
-        return _tp_layout(p, placements, where)
-    refuse_tensor_parallel(p, where=where)
+        return _tp_layout(p, placements, where)  # AdamW8bit: TP-local ranges ([fsdp-tp])
+    if is_tp(placements):  # whole matrices over (dp, tp): design note [tp-matrix-optim]
+        parts = tp_layout_parts(p, where=where)
+        layout = ShardLayout(shape=shape, mesh=p.device_mesh, placements=placements, **parts)
+        _check_local_numel(p, layout, where)
+        return layout
     if any(isinstance(pl, RaggedShard) for pl in placements):
         try:
             info = MeshInfo.from_mesh(p.device_mesh)
@@ -316,11 +332,7 @@ def param_layout(p: Tensor, *, where: str, tensor_parallel: bool = False) -> Sha
             ranges, rank = _ranges(shape, placement), info.shard_rank
             layout = ShardLayout(shape=shape, ranges=ranges, placement=placement, rank=rank,
                                  mesh_info=info, mesh=p.device_mesh, placements=placements)
-            local_numel = local_view(p).numel()
-            if local_numel != layout.local_numel:
-                raise ValueError(
-                    f"{where}: local tensor has {local_numel} elements but {placement!r} gives "
-                    f"rank {rank} {layout.local_numel} of shape {shape}")
+            _check_local_numel(p, layout, where)
             return layout
     raise TypeError(
         f"{where} (shape {shape}) is a DTensor with placements {placements}; supported are "
@@ -362,6 +374,14 @@ def _tp_layout(p: DTensor, placements: tuple[Placement, ...], where: str) -> Sha
             f"{where}: local tensor has {local_view(p).numel()} elements but {placement!r} "
             f"gives rank {layout.rank} {layout.local_numel} of the TP-local shape {region}")
     return layout
+
+
+def _check_local_numel(p: Tensor, layout: ShardLayout, where: str) -> None:
+    local_numel = local_view(p).numel()
+    if local_numel != layout.local_numel:
+        raise ValueError(
+            f"{where}: local tensor has {local_numel} elements but {layout.placement!r} gives "
+            f"rank {layout.rank} {layout.local_numel} of shape {layout.shape}")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -492,9 +512,11 @@ class ShardedOptimizer(Optimizer):
 
     #: the matrix maths of the step (``"Newton-Schulz"``, ...), ``None`` for element-wise steps
     matrix_math: str | None = None
-    #: whether the subclass steps ``fully_shard`` parameters over tensor parallelism (design
-    #: note [fsdp-tp]); ``False``: :meth:`add_param_group` refuses them
-    supports_tensor_parallel: bool = False
+    #: how the subclass steps ``fully_shard`` parameters over tensor parallelism: ``None``
+    #: refuses them at construction; ``"local"``: on each rank's TP-local tensor, blocks never
+    #: crossing a rank (AdamW8bit, design note [fsdp-tp]); ``"whole"``: each matrix whole over
+    #: the (dp, tp) mesh for its step (Muon/SOAP/Shampoo, design note [tp-matrix-optim])
+    tensor_parallel: str | None = None
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -514,16 +536,23 @@ class ShardedOptimizer(Optimizer):
         raise NotImplementedError
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As ``torch.optim.Optimizer.add_param_group``; tensor-parallel parameters are refused
-        (:func:`refuse_tensor_parallel`), at construction rather than at the first step."""
+        """As ``torch.optim.Optimizer.add_param_group``. Tensor-parallel parameters are refused
+        (:func:`refuse_tensor_parallel`) at construction unless :attr:`tensor_parallel`; then
+        every rank's range of them is gathered here (one collective per mesh: the constructor
+        runs on every rank, design note [tp-matrix-optim])."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         names = group.get("param_names")
+        if self.tensor_parallel == "whole":
+            register_tp_params(group["params"])
         for i, p in enumerate(group["params"]):
-            if self.supports_tensor_parallel:
-                break
             name = repr(names[i]) if names else f"#{i} of group #{len(self.param_groups) - 1}"
-            refuse_tensor_parallel(p, where=f"{type(self).__name__}: parameter {name}")
+            where = f"{type(self).__name__}: parameter {name}"
+            if self.tensor_parallel is None:
+                refuse_tensor_parallel(p, where=where)
+            elif self.tensor_parallel == "whole" and isinstance(p, DTensor) and is_tp(
+                    p.placements):
+                tp_layout_parts(p, where=where)  # refuses what it cannot lay out
 
     def _param_refs(self) -> list[ParamRef]:
         """Every parameter of every group, in state-dict order."""

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_vescale.optim._base import ShardLayout, local_view, param_layout
 from lightning_vescale.optim._kronecker import split_sizes
@@ -62,6 +62,9 @@ class MatrixLayout:
             return lay.to_dtensor(value)
         assert lay.mesh_info is not None
         placements = list(lay.placements)
+        mesh = lay.mesh
+        if lay.tp is not None:  # by owner over the flattened (dp, tp) mesh: [tp-matrix-optim]
+            mesh, placements = lay.mesh_info.mesh, [Replicate()]
         if key in _MOMENTS:
             split = RaggedShard(tuple(range(len(lay.shape))),
                                 [c * self.unit_numel for c in self.counts])
@@ -70,7 +73,7 @@ class MatrixLayout:
             split = RaggedShard((0,), list(self.counts))
             shape = (self.total, *value.shape[1:])
         placements[lay.mesh_info.shard_mesh_dim] = split
-        return ragged_from_local(value.reshape(-1), lay.mesh, placements, shape, autograd=False)
+        return ragged_from_local(value.reshape(-1), mesh, placements, shape, autograd=False)
 
     def import_(self, key: str, value: Any, p: Tensor, name: str, who: str = "SOAP") -> Any:
         """A saved state as this rank steps it (see :meth:`export`; full single-process states
@@ -125,6 +128,12 @@ def matrix_layout(p: Tensor, *, max_precond_dim: int, precondition_1d: bool, nam
     if layout.placement is None:
         return MatrixLayout(unit_shape=unit, preconditioned=pre, count=total, first=0,
                             total=total, counts=(total,), layout=layout)
+    if layout.tp is not None and layout.tp.permutes and total > 1:
+        raise NotImplementedError(
+            f"{name} (shape {tuple(p.shape)}) is a stack of {total} matrices, tensor-parallel "
+            f"with {p.placements[1]} (design note [tp-matrix-optim]): only Shard(0) (the stack "
+            "dim) is supported for stacks. Shard the stack dim, or use torch.optim.AdamW for "
+            "this parameter.")
     if is_whole(layout.ranges, unit_numel):
         counts = tuple((b - a) // unit_numel for a, b in layout.ranges)
         return MatrixLayout(unit_shape=unit, preconditioned=pre, count=counts[layout.rank],

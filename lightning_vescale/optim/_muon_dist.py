@@ -241,11 +241,12 @@ def _orthogonalize_distributed(plan: CommPlan, group: Any, items: Sequence[Matri
                 n = plan.numel(i, s)
                 pieces.append(recv[starts[s] + offs[s]: starts[s] + offs[s] + n])
                 offs[s] += n
-            full[i] = torch.cat(pieces)
+            tp = items[i].layout.tp  # design note [tp-matrix-optim]: pieces in virtual order
+            full[i] = tp.gather(pieces, plan.ranges[i]) if tp is not None else torch.cat(pieces)
         outs, ns_flops = _ns_or_zeros(failures, [full[i] for i in b.owned],
                                       [items[i] for i in b.owned], batch)
         flops += ns_flops
-        results = {i: o.reshape(-1) for i, o in zip(b.owned, outs)}
+        results = {i: _virtual(items[i], o.reshape(-1)) for i, o in zip(b.owned, outs)}
         send, mark = [], failures.marker(recv)
         for d in range(world):
             send.append(mark)  # one marker per destination: design note [owner-failure]
@@ -265,3 +266,10 @@ def _orthogonalize_distributed(plan: CommPlan, group: Any, items: Sequence[Matri
     if pending_scatter is not None:
         finish_scatter(*pending_scatter)
     return OrthogonalizeCost(comm_bytes=comm, ns_flops=flops)
+
+
+def _virtual(item: MatrixUpdate, flat: Tensor) -> Tensor:
+    """An owner's result in the flat order its ranges use (a TP parameter's virtual order:
+    design note [tp-matrix-optim]); the matrix's own row-major order otherwise."""
+    tp = item.layout.tp if item.layout is not None else None
+    return tp.from_global(flat) if tp is not None else flat

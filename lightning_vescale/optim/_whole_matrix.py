@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_vescale.mesh import all_to_all_single_anywhere
-from lightning_vescale.optim._base import ShardedOptimizer, local_view
+from lightning_vescale.optim._base import ShardedOptimizer, local_view, param_layout
 from lightning_vescale.optim._matrix_layout import (
     MatrixLayout,
     assign_owners,
@@ -35,6 +35,7 @@ class WholeMatrixOptimizer(ShardedOptimizer):
 
     #: the optimizer's name in messages
     who = "WholeMatrixOptimizer"
+    tensor_parallel = "whole"  # design note [tp-matrix-optim]
 
     @staticmethod
     def check_hparams(h: dict[str, Any], *, where: str) -> None:
@@ -67,18 +68,24 @@ class WholeMatrixOptimizer(ShardedOptimizer):
                              owners=self._owners.get(id(p)))
 
     def _plan_owners(self) -> dict[int, tuple[int, ...]]:
-        """Owner ranks of every split matrix, balanced over all parameters at once (the same
-        plan on every rank: parameters in group order)."""
-        split, items, ranks = [], [], 1
+        """Owner ranks of every split matrix, balanced over all parameters of one shard group
+        at once (the same plan on every rank: parameters in group order). Tensor-parallel
+        parameters are planned over the flattened (dp, tp) mesh, the others of the same model
+        over dp (design note [tp-matrix-optim])."""
+        by_group: dict[Any, tuple[list[int], list[Any]]] = {}
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
-                item = needs_owners(p, **self._unit_args(group),
-                                    name=f"{self.who}: #{i} of group {gi}")
+                where = f"{self.who}: #{i} of group {gi}"
+                item = needs_owners(p, **self._unit_args(group), name=where)
                 if item is not None:
+                    info = param_layout(p, where=where).mesh_info
+                    split, items = by_group.setdefault(info.shard_group, ([], []))
                     split.append(id(p))
                     items.append(item)
-                    ranks = len(item[0])
-        return dict(zip(split, assign_owners(items, ranks)))
+        owners: dict[int, tuple[int, ...]] = {}
+        for split, items in by_group.values():
+            owners.update(zip(split, assign_owners(items, len(items[0][0]))))
+        return owners
 
     def _step_matrices(self, st: dict[str, Any], grad: Tensor, group: dict[str, Any],
                        lay: MatrixLayout) -> Tensor | None:
@@ -115,8 +122,14 @@ class WholeMatrixOptimizer(ShardedOptimizer):
         st, where = self.state[p], f"stepping parameter {name}"
         if lay.owned:  # split matrices: to their owners, stepped there, and back
             owned = _exchange(grad, lay.recv_splits, lay.send_splits, lay)
+            tp = lay.layout.tp
+            if tp is not None:  # design note [tp-matrix-optim]: virtual -> global order
+                ranges = _clipped(lay)
+                owned = tp.gather(torch.split(owned, list(lay.recv_splits)), ranges)
             initialising = self._initialising(st)
             update = failures.run(where, self._step_matrices, st, owned, group, lay)
+            if tp is not None and update is not None:
+                update = tp.scatter(update.reshape(-1), lay.recv_splits, ranges)
             update = _send_back(update, owned, initialising, lay, failures)
         else:
             update = failures.run(where, self._step_matrices, st, grad, group, lay)
@@ -153,6 +166,13 @@ class WholeMatrixOptimizer(ShardedOptimizer):
             lay = self._layout(ref.param, ref.group, ref.name)
             self.state[ref.param] = {key: lay.import_(key, v, ref.param, ref.name, self.who)
                                      for key, v in st.items()}
+
+
+def _clipped(lay: MatrixLayout) -> list[tuple[int, int]]:
+    """Every rank's range clipped to this owner's span (what it receives from each)."""
+    u = lay.unit_numel
+    lo, hi = lay.first * u, (lay.first + lay.count) * u
+    return [(max(s, lo), max(min(e, hi), max(s, lo))) for s, e in lay.layout.ranges]
 
 
 def _exchange(send: Tensor, recv_splits: tuple[int, ...], send_splits: tuple[int, ...],

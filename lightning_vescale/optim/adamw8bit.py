@@ -192,7 +192,7 @@ class AdamW8bit(ShardedOptimizer):
     """
 
     #: ``fully_shard`` parameters over tensor parallelism: blocks within the TP-local tensor
-    supports_tensor_parallel = True
+    tensor_parallel = "local"  # design note [fsdp-tp]: blocks inside the TP-local tensor
 
     def __init__(
         self,

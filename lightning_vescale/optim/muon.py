@@ -85,6 +85,7 @@ from lightning_vescale.optim._newton_schulz import (
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
 )
+from lightning_vescale.optim._tp_layout import is_tp
 from lightning_vescale.placement import RaggedShard
 
 __all__ = ["Muon"]
@@ -99,7 +100,9 @@ _RESOLVED = frozenset(("params", "param_names", "use_muon", "lr", "weight_decay"
 
 
 def _is_ragged(t: Tensor) -> bool:
-    return isinstance(t, DTensor) and any(isinstance(pl, RaggedShard) for pl in t.placements)
+    """A plain ``fully_shard`` DTensor (not a tensor-parallel one: those step locally)."""
+    return isinstance(t, DTensor) and any(isinstance(pl, RaggedShard) for pl in t.placements) \
+        and not is_tp(t.placements)
 
 
 def _zeros_state(p: Tensor) -> Tensor:
@@ -182,6 +185,7 @@ class Muon(ShardedOptimizer):
     """
 
     matrix_math = "Newton-Schulz iterations"  # on the CPU with offload: warned once
+    tensor_parallel = "whole"  # design note [tp-matrix-optim]
 
 
     def __init__(
@@ -423,6 +427,15 @@ class Muon(ShardedOptimizer):
                 raise RuntimeError("Muon does not support sparse gradients")
             name = repr(names[idx]) if names else f"#{idx}"
             layout = self._sharded_layout(p, name)
+            count, rows, cols = matrix_stack(p.shape, group.get(
+                "matrix_view", self._muon_defaults["matrix_view"]))
+            if count > 1 and layout is not None and layout.tp is not None and \
+                    layout.tp.permutes:
+                raise NotImplementedError(
+                    f"Muon parameter {name} (shape {tuple(p.shape)}) is a stack of {count} "
+                    f"matrices, tensor-parallel with {p.placements[1]} (design note "
+                    "[tp-matrix-optim]): only Shard(0) (the stack dim) is supported for stacks. "
+                    "Shard the stack dim, or route it to the AdamW fallback (use_muon=False).")
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = _zeros_state(p)
@@ -433,8 +446,6 @@ class Muon(ShardedOptimizer):
                                  "gradient the parameter's placement)")
             buf.lerp_(grad, 1 - mu)
             update = grad.lerp(buf, mu) if group["nesterov"] else buf
-            count, rows, cols = matrix_stack(p.shape, group.get(
-                "matrix_view", self._muon_defaults["matrix_view"]))
             update = update.bfloat16()  # exactly NS's first op; halves the bytes to move
             adj = adjusted_lr(lr, group["adjust_lr_fn"], rows, cols)
             for k, (matrix, ranges, where) in enumerate(split_matrices(update, layout, count,

@@ -267,7 +267,7 @@ def _refusals_case() -> list[str]:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from lightning_vescale.fsdp import CPUOffloadPolicy, fully_shard
-    from lightning_vescale.optim import SOAP, FlatParamOptimizer, Muon, Shampoo
+    from lightning_vescale.optim import FlatParamOptimizer
 
     mesh = _mesh()
     messages = []
@@ -297,11 +297,10 @@ def _refusals_case() -> list[str]:
     block = fully_shard(_build().blocks[0], mesh=mesh["dp"])
     refused((ValueError, RuntimeError), "before fully_shard", parallelize_module, block,
             mesh["tp"], _tp_plan())
-    # optimizers that need whole blocks or matrices
+    # (AdamW8bit takes TP parameters: test_tp_fsdp_features.py; Muon, SOAP and Shampoo:
+    # test_tp_matrix_optim.py)
     model = _ours(_build(), mesh)
     params = [p for n, p in model.named_parameters() if "attn.wq" in n]
-    for cls, kw in ((Muon, {}), (SOAP, {}), (Shampoo, {})):  # AdamW8bit: test_tp_fsdp_features
-        refused(NotImplementedError, "tensor-parallel", cls, params, **kw)
     refused(NotImplementedError, "tensor-parallel", FlatParamOptimizer,
             torch.optim.AdamW(params, lr=1e-3))
     # (save_safetensors of a TP model works: test_tp_fsdp_features.py)
