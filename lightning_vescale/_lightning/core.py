@@ -143,6 +143,17 @@ def _destroy_process_group_at_exit() -> None:
     atexit.register(leave)
 
 
+def _has_tensor_parallel_params(optimizer: Any) -> bool:
+    """Whether ``optimizer`` steps a TP parameter (``(..., RaggedShard, Shard(k))``, [fsdp-tp])."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_vescale.placement import RaggedShard
+
+    return any(isinstance(p, DTensor) and len(p.placements) > 1
+               and not isinstance(p.placements[-1], RaggedShard)
+               for g in getattr(optimizer, "param_groups", ()) for p in g["params"])
+
+
 class RegistryEntry(NamedTuple):
     """A name a strategy registers under (``strategy="<name>"``), with its constructor keywords."""
 
@@ -424,6 +435,10 @@ class VeScaleStrategyCore:
         if not self._flat_optimizer:
             return optimizer
         inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        if _has_tensor_parallel_params(inner):  # FlatParamOptimizer has no TP layout yet
+            rank_zero_info("vescale_fsdp: flat_optimizer is skipped for an optimizer over "
+                           "tensor-parallel parameters (it steps them per tensor).")
+            return optimizer
         flat = flat_param_optimizer(inner, strict=False)
         return optimizer if flat is inner else flat
 

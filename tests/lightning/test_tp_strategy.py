@@ -1,0 +1,258 @@
+"""FSDP + tensor parallelism through the strategies (issue 37, design note [strategy-tp-mesh]).
+
+World 4 as (data_parallel 2, tensor_parallel 2), in one forked gloo world: a LightningModule
+written for Lightning's ``ModelParallelStrategy`` (``configure_model`` applies the usual TP plan
+on ``self.device_mesh["tensor_parallel"]``; for Lightning's strategy it also calls torch's
+``fully_shard`` on ``["data_parallel"]``) trains with ``VeScaleFSDPStrategy(tensor_parallel_size=2)``
+like with ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)`` (FSDP2 + TP),
+side by side on the same seeds and data, and like one process that averages the two data-parallel
+halves of each step. The distributed sampler must split over the data-parallel dim only (both
+ranks of a TP group see one batch: else their losses differ and the TP collectives mix two
+batches). Fabric the same way. Also: the sizes' resolution and errors, and LightningCLI.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_vescale import VeScaleFabricStrategy, VeScaleFSDPStrategy
+from lightning_vescale._lightning.parallel_sizes import ParallelSizes
+from tests.distributed.test_tp_fsdp import VOCAB, _build, _loss, _tp_plan
+from tests.lightning._lit import trainer
+
+WORLD, DP, TP, STEPS, BATCH, SEQ = 4, 2, 2, 4, 2, 8
+
+
+def _dataset() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    n = DP * STEPS * BATCH
+    return torch.utils.data.TensorDataset(torch.randint(0, VOCAB, (n, SEQ), generator=g),
+                                          torch.randint(0, VOCAB, (n, SEQ), generator=g))
+
+
+def _half_batches(dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What the Trainer's distributed sampler gives data-parallel rank ``dp_rank``, step by
+    step (Lightning shuffles training data, seed ``PL_GLOBAL_SEED``: 0 in :func:`_fit_body`)."""
+    sampler = torch.utils.data.DistributedSampler(_dataset(), num_replicas=DP, rank=dp_rank,
+                                                  shuffle=True, seed=0)
+    loader = torch.utils.data.DataLoader(_dataset(), batch_size=BATCH, sampler=sampler)
+    return list(loader)
+
+
+def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+class TPLlama(pl.LightningModule):
+    """The Llama-style model of ``tests/distributed/test_tp_fsdp.py``, parallelized the
+    ``ModelParallelStrategy`` way; ``torch_fsdp2``: also shard with torch's ``fully_shard``."""
+
+    def __init__(self, torch_fsdp2: bool = False) -> None:
+        super().__init__()
+        self.torch_fsdp2 = torch_fsdp2
+        self.model: Optional[torch.nn.Module] = None
+        self.losses: list[float] = []
+        self.layout: dict[str, tuple] = {}
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        if self.model is not None:
+            return
+        mesh = self.device_mesh
+        assert mesh.mesh_dim_names == ("data_parallel", "tensor_parallel"), mesh
+        self.model = _build()
+        for block in self.model.blocks:
+            parallelize_module(block, mesh["tensor_parallel"], _tp_plan())
+        if self.torch_fsdp2:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in self.model.blocks:
+                fully_shard(block, mesh=mesh["data_parallel"])
+            fully_shard(self.model, mesh=mesh["data_parallel"])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = _loss(self.model, *batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+    def on_train_end(self) -> None:
+        self.layout = {n: (tuple(p.device_mesh.mesh_dim_names),
+                           tuple(type(x).__name__ for x in p.placements))
+                       for n, p in self.model.named_parameters()}
+
+
+def _fit_body(kind: str) -> dict[str, Any]:
+    """On every rank of the world: fit ``kind`` ("ours" or "lightning"); losses and weights."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = (VeScaleFSDPStrategy(tensor_parallel_size=TP) if kind == "ours" else
+                ModelParallelStrategy(data_parallel_size=DP, tensor_parallel_size=TP))
+    pl.seed_everything(0, verbose=False)  # the sampler's shuffling seed
+    model = TPLlama(torch_fsdp2=kind == "lightning")
+    loader = torch.utils.data.DataLoader(_dataset(), batch_size=BATCH, shuffle=False)
+    trainer(strategy, devices=WORLD, max_steps=STEPS).fit(model, loader)
+    return {"losses": model.losses, "params": _full(model.model), "layout": model.layout,
+            "sampler": dict(strategy.distributed_sampler_kwargs)}
+
+
+def _reference() -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """One process: each step averages the two data-parallel halves' losses."""
+    model = _build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    halves = [_half_batches(d) for d in range(DP)]
+    losses: list[list[float]] = [[] for _ in range(DP)]
+    for step in range(STEPS):
+        parts = [_loss(model, *halves[d][step]) for d in range(DP)]
+        (sum(parts) / DP).backward()
+        opt.step()
+        opt.zero_grad()
+        for d in range(DP):
+            losses[d].append(parts[d].item())
+    return losses, _full(model)
+
+
+@pytest.fixture(scope="module")
+def runs(worlds) -> dict[str, list[dict[str, Any]]]:
+    return {kind: worlds(WORLD).run(_fit_body, kind) for kind in ("ours", "lightning")}
+
+
+@pytest.mark.slow
+def test_trainer_tp_matches_model_parallel_strategy_and_one_process(runs):
+    ref_losses, ref_params = _reference()
+    ours, theirs = runs["ours"], runs["lightning"]
+    for rank in range(WORLD):
+        dp_rank = rank // TP
+        assert ours[rank]["sampler"] == {"num_replicas": DP, "rank": dp_rank}
+        assert ours[rank]["sampler"] == theirs[rank]["sampler"]
+        got, want, lit = ours[rank]["losses"], ref_losses[dp_rank], theirs[rank]["losses"]
+        assert len(got) == STEPS and got[0] != got[-1], got
+        assert max(abs(a - b) for a, b in zip(got, lit)) <= 1e-5, (got, lit)
+        assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
+    # the two TP ranks of a data-parallel rank saw one batch; the two dp ranks two batches
+    assert ours[0]["losses"] == ours[1]["losses"] and ours[0]["losses"] != ours[2]["losses"]
+    params, lit_params = ours[0]["params"], theirs[0]["params"]
+    assert params.keys() == ref_params.keys() == lit_params.keys()
+    vs_lightning = max((params[n] - lit_params[n]).abs().max().item() for n in params)
+    vs_one = max((params[n] - ref_params[n]).abs().max().item() for n in params)
+    # measured: 0 (bit-equal) and 1.9e-6 (the dp average against the sum of two halves)
+    assert vs_lightning <= 1e-5 and vs_one <= 1e-5, (vs_lightning, vs_one)
+
+
+@pytest.mark.slow
+def test_trainer_tp_parameters_are_ragged_on_dp_and_tp_sharded(runs):
+    layout = runs["ours"][0]["layout"]
+    assert layout["blocks.0.attn.wq.weight"] == (("data_parallel", "tensor_parallel"),
+                                                 ("RaggedShard", "Shard"))
+    assert layout["blocks.0.mlp.w2.weight"][1] == ("RaggedShard", "Shard")
+    assert layout["emb.weight"] == (("data_parallel",), ("RaggedShard",))
+
+
+def _fabric_body(kind: str) -> dict[str, Any]:
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    def parallelize(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            parallelize_module(block, mesh["tensor_parallel"], _tp_plan())
+            fully_shard(block, mesh=mesh["data_parallel"])
+        return fully_shard(model, mesh=mesh["data_parallel"])
+
+    strategy = (VeScaleFabricStrategy(tensor_parallel_size=TP) if kind == "ours" else
+                ModelParallelStrategy(parallelize, data_parallel_size=DP,
+                                      tensor_parallel_size=TP))
+    fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
+    fabric.launch()
+    model = _build()
+    if kind == "ours":
+        for block in model.blocks:
+            parallelize_module(block, fabric.strategy.device_mesh["tensor_parallel"], _tp_plan())
+    model = fabric.setup_module(model)
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2,
+                                                    weight_decay=0.1))
+    loader = fabric.setup_dataloaders(
+        torch.utils.data.DataLoader(_dataset(), batch_size=BATCH, shuffle=False),
+        move_to_device=False)
+    losses = []
+    for x, y in loader:
+        loss = _loss(model, x, y)
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": _full(model.module if hasattr(model, "module")
+                                              else model)}
+
+
+@pytest.mark.slow
+def test_fabric_tp_matches_model_parallel_strategy(worlds):
+    ours = worlds(WORLD).run(_fabric_body, "ours")
+    theirs = worlds(WORLD).run(_fabric_body, "lightning")
+    for rank in range(WORLD):
+        got, lit = ours[rank]["losses"], theirs[rank]["losses"]
+        assert len(got) == STEPS and got[0] != got[-1], got
+        assert max(abs(a - b) for a, b in zip(got, lit)) <= 1e-5, (got, lit)
+    params, lit_params = ours[0]["params"], theirs[0]["params"]
+    assert params.keys() == lit_params.keys()
+    assert max((params[n] - lit_params[n]).abs().max().item() for n in params) <= 1e-5
+
+
+# -- sizes, errors, YAML ------------------------------------------------------------------------
+@pytest.mark.parametrize("dp, tp, nodes, devices, want", [
+    ("auto", "auto", 2, 8, (2, 8)),  # Lightning's: dp = num_nodes, tp = devices
+    ("auto", 8, 2, 8, (2, 8)),
+    ("auto", 2, 1, 4, (2, 2)),  # (Lightning: dp = num_nodes = 1, an error)
+    (4, "auto", 1, 4, (4, 1)),
+    (1, 4, 1, 4, (1, 4)),
+])
+def test_sizes_resolve(dp, tp, nodes, devices, want):
+    sizes = ParallelSizes(data_parallel_size=dp, tensor_parallel_size=tp)
+    assert sizes.resolve(world_size=nodes * devices, num_nodes=nodes, devices=devices) == want
+
+
+def test_sizes_that_do_not_fill_the_world_fail_before_launch():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3.*\(2, 2\)"):
+        trainer(VeScaleFSDPStrategy(tensor_parallel_size=3), devices=4)
+    with pytest.raises(ValueError, match=r"data_parallel_size=3 x tensor_parallel_size=2"):
+        trainer(VeScaleFSDPStrategy(data_parallel_size=3, tensor_parallel_size=2), devices=4)
+
+
+@pytest.mark.parametrize("cls", [VeScaleFSDPStrategy, VeScaleFabricStrategy])
+def test_construction_errors(cls):
+    with pytest.raises(ValueError, match=r"device_mesh=\(2, 2\) cannot be combined"):
+        cls(tensor_parallel_size=2, device_mesh=(2, 2))
+    with pytest.raises(ValueError, match="tensor_parallel_size=0"):
+        cls(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="data_parallel_size='two'"):
+        cls(data_parallel_size="two")
+    assert cls()._parallel_sizes is None  # the default: no TP, today's 1-D mesh
+    assert cls(data_parallel_size=2)._parallel_sizes == ParallelSizes(
+        data_parallel_size=2, tensor_parallel_size="auto")
+
+
+def test_lightning_cli_tensor_parallel_size():
+    from lightning.pytorch.cli import LightningCLI
+
+    cli = LightningCLI(TPLlama, run=False, args=[
+        "--trainer.accelerator=cpu", "--trainer.devices=4", "--trainer.logger=false",
+        "--trainer.strategy=lightning_vescale.VeScaleFSDPStrategy",
+        "--trainer.strategy.init_args.tensor_parallel_size=2"])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, VeScaleFSDPStrategy)
+    assert strategy._parallel_sizes == ParallelSizes(data_parallel_size="auto",
+                                                     tensor_parallel_size=2)
+    assert strategy._resolved_parallel_sizes() == (2, 2)
