@@ -15,17 +15,17 @@
         --master-port 29500 examples/llama.py fit --config examples/configs/tp_llama_2x8gpu.yaml
 
 The tensor-parallel size is the strategy's ``tensor_parallel_size`` (config key
-``trainer.strategy.init_args.tensor_parallel_size``, or ``--trainer.strategy.init_args.
-tensor_parallel_size=8`` on the command line): ``configure_model`` then applies the TP plan of
-:func:`parallelize_llama` on ``self.device_mesh["tensor_parallel"]`` and the strategy shards on
-the data-parallel dim (see docs/guides/tensor-parallel.md).
+``trainer.strategy.init_args.tensor_parallel_size``; on the command line
+``--trainer.strategy.init_args.tensor_parallel_size=8``): ``configure_model`` then applies
+the TP plan of :func:`parallelize_llama` on ``self.device_mesh["tensor_parallel"]`` and the
+strategy shards on the data-parallel dim (see docs/guides/tensor-parallel.md).
 
 Without TP the model is built in ``configure_model`` on the meta device: no rank ever holds the
-whole model. The strategy plans the sharding on meta, allocates only each rank's shard and initialises it
-with ``reset_parameters()`` (the same values as a full initialisation with that seed). The
-optimizer is created in ``configure_optimizers`` (after sharding), which is why the config has no
-LightningCLI ``optimizer:`` section: LightningCLI builds that optimizer when it parses the
-command line, before ``configure_model`` has created any parameter.
+whole model. The strategy plans the sharding on meta, allocates only each rank's shard and
+initialises it with ``reset_parameters()`` (the same values as a full initialisation with that
+seed). The optimizer is created in ``configure_optimizers`` (after sharding), which is why the
+config has no LightningCLI ``optimizer:`` section: LightningCLI builds that optimizer when it
+parses the command line, before ``configure_model`` has created any parameter.
 
 Data: ``TokenDataModule(path=...)`` reads a flat file of token ids (``numpy.memmap``, e.g. what a
 tokenizer script wrote; ``dtype`` ``uint16`` or ``uint32``); without a path it makes random tokens,

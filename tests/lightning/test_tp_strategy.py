@@ -3,8 +3,8 @@
 World 4 as (data_parallel 2, tensor_parallel 2), in one forked gloo world: a LightningModule
 written for Lightning's ``ModelParallelStrategy`` (``configure_model`` applies the usual TP plan
 on ``self.device_mesh["tensor_parallel"]``; for Lightning's strategy it also calls torch's
-``fully_shard`` on ``["data_parallel"]``) trains with ``VeScaleFSDPStrategy(tensor_parallel_size=2)``
-like with ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)`` (FSDP2 + TP),
+``fully_shard`` on ``["data_parallel"]``) trains with
+``VeScaleFSDPStrategy(tensor_parallel_size=2)`` like with ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)`` (FSDP2 + TP),
 side by side on the same seeds and data, and like one process that averages the two data-parallel
 halves of each step. The distributed sampler must split over the data-parallel dim only (both
 ranks of a TP group see one batch: else their losses differ and the TP collectives mix two
@@ -18,9 +18,10 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 
 from lightning_vescale import VeScaleFabricStrategy, VeScaleFSDPStrategy
+from lightning_vescale.callbacks import MemoryProfiler
+from lightning_vescale.sharding_summary import sharding_summary
 from lightning_vescale._lightning.parallel_sizes import ParallelSizes
 from tests.distributed.test_tp_fsdp import VOCAB, _build, _loss, _tp_plan
 from tests.lightning._lit import trainer
@@ -102,9 +103,13 @@ def _fit_body(kind: str) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)  # the sampler's shuffling seed
     model = TPLlama(torch_fsdp2=kind == "lightning")
     loader = torch.utils.data.DataLoader(_dataset(), batch_size=BATCH, shuffle=False)
-    trainer(strategy, devices=WORLD, max_steps=STEPS).fit(model, loader)
+    profiler = MemoryProfiler(every_n_steps=1, print_table=False)
+    callbacks = [profiler] if kind == "ours" else []
+    trainer(strategy, devices=WORLD, max_steps=STEPS, callbacks=callbacks).fit(model, loader)
+    summary = str(sharding_summary(model)) if kind == "ours" else ""
     return {"losses": model.losses, "params": _full(model.model), "layout": model.layout,
-            "sampler": dict(strategy.distributed_sampler_kwargs)}
+            "sampler": dict(strategy.distributed_sampler_kwargs), "summary": summary,
+            "profiler": profiler.table}
 
 
 def _reference() -> tuple[list[list[float]], dict[str, torch.Tensor]]:
@@ -157,6 +162,21 @@ def test_trainer_tp_parameters_are_ragged_on_dp_and_tp_sharded(runs):
                                                  ("RaggedShard", "Shard"))
     assert layout["blocks.0.mlp.w2.weight"][1] == ("RaggedShard", "Shard")
     assert layout["emb.weight"] == (("data_parallel",), ("RaggedShard",))
+
+
+@pytest.mark.slow
+def test_sharding_summary_and_memory_profiler_name_the_tp_split(runs):
+    """Each block group holds 7 TP matrices (wq/wk/wv/w1/w3 Shard(0), wo/w2 Shard(1)) and the
+    w2 bias (Replicate()) at tp degree 2; the root group (embedding, norm, output) none."""
+    table = runs["ours"][0]["summary"].splitlines()
+    assert table[0].split()[-1] == "tp", table[0]
+    block = next(line for line in table if line.startswith("model.blocks.0"))
+    assert block.endswith("2: Replicate() x 1, Shard(dim=0) x 5, Shard(dim=1) x 2"), block
+    root = next(line for line in table if line.startswith("<root>"))
+    assert "Shard" not in root, root
+    profiler = runs["ours"][0]["profiler"]
+    assert "(tp 2: 16 parameters (Replicate() x 2, Shard(dim=0) x 10, Shard(dim=1) x 4))" \
+        in profiler, profiler
 
 
 def _fabric_body(kind: str) -> dict[str, Any]:
