@@ -4,9 +4,10 @@ World 4 as (data_parallel 2, tensor_parallel 2), in one forked gloo world: a Lig
 written for Lightning's ``ModelParallelStrategy`` (``configure_model`` applies the usual TP plan
 on ``self.device_mesh["tensor_parallel"]``; for Lightning's strategy it also calls torch's
 ``fully_shard`` on ``["data_parallel"]``) trains with
-``VeScaleFSDPStrategy(tensor_parallel_size=2)`` like with ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)`` (FSDP2 + TP),
-side by side on the same seeds and data, and like one process that averages the two data-parallel
-halves of each step. The distributed sampler must split over the data-parallel dim only (both
+``VeScaleFSDPStrategy(tensor_parallel_size=2)`` like with
+``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)`` (FSDP2 + TP), side by
+side on the same seeds and data, and like one process that averages the two data-parallel halves
+of each step. The distributed sampler must split over the data-parallel dim only (both
 ranks of a TP group see one batch: else their losses differ and the TP collectives mix two
 batches). Fabric the same way. Also: the sizes' resolution and errors, and LightningCLI.
 """
