@@ -24,10 +24,11 @@ from lightning_vescale import VeScaleFabricStrategy, VeScaleFSDPStrategy
 from lightning_vescale.callbacks import MemoryProfiler
 from lightning_vescale.sharding_summary import sharding_summary
 from lightning_vescale._lightning.parallel_sizes import ParallelSizes
-from tests.distributed.test_tp_fsdp import VOCAB, _build, _loss, _tp_plan
+from tests.distributed.test_tp_fsdp import VOCAB, _build, _loss, _sp_plan, _tp_plan
 from tests.lightning._lit import trainer
 
 WORLD, DP, TP, STEPS, BATCH, SEQ = 4, 2, 2, 4, 2, 8
+CLIP = 0.5  # below the gradient norms of these steps (~1.12): every step is clipped
 
 
 def _dataset() -> torch.utils.data.TensorDataset:
@@ -57,9 +58,9 @@ class TPLlama(pl.LightningModule):
     """The Llama-style model of ``tests/distributed/test_tp_fsdp.py``, parallelized the
     ``ModelParallelStrategy`` way; ``torch_fsdp2``: also shard with torch's ``fully_shard``."""
 
-    def __init__(self, torch_fsdp2: bool = False) -> None:
+    def __init__(self, torch_fsdp2: bool = False, sgd: bool = False) -> None:
         super().__init__()
-        self.torch_fsdp2 = torch_fsdp2
+        self.torch_fsdp2, self.sgd = torch_fsdp2, sgd
         self.model: Optional[torch.nn.Module] = None
         self.losses: list[float] = []
         self.layout: dict[str, tuple] = {}
@@ -72,8 +73,10 @@ class TPLlama(pl.LightningModule):
         mesh = self.device_mesh
         assert mesh.mesh_dim_names == ("data_parallel", "tensor_parallel"), mesh
         self.model = _build()
+        block_plan, root_plan = _sp_plan()  # torchtitan's: + sequence-parallel norms, vocab TP
         for block in self.model.blocks:
-            parallelize_module(block, mesh["tensor_parallel"], _tp_plan())
+            parallelize_module(block, mesh["tensor_parallel"], block_plan)
+        parallelize_module(self.model, mesh["tensor_parallel"], root_plan)
         if self.torch_fsdp2:
             from torch.distributed.fsdp import fully_shard
 
@@ -87,7 +90,7 @@ class TPLlama(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        return _optimizer(self.parameters(), self.sgd)
 
     def on_train_end(self) -> None:
         self.layout = {n: (tuple(p.device_mesh.mesh_dim_names),
@@ -95,33 +98,44 @@ class TPLlama(pl.LightningModule):
                        for n, p in self.model.named_parameters()}
 
 
-def _fit_body(kind: str) -> dict[str, Any]:
+def _optimizer(params: Any, sgd: bool) -> torch.optim.Optimizer:
+    """AdamW; or SGD, whose update is proportional to the clipping coefficient (AdamW's
+    normalisation would hide a wrong gradient norm)."""
+    if sgd:
+        return torch.optim.SGD(params, lr=0.5)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _fit_body(kind: str, clip: Optional[float] = None) -> dict[str, Any]:
     """On every rank of the world: fit ``kind`` ("ours" or "lightning"); losses and weights."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     strategy = (VeScaleFSDPStrategy(tensor_parallel_size=TP) if kind == "ours" else
                 ModelParallelStrategy(data_parallel_size=DP, tensor_parallel_size=TP))
     pl.seed_everything(0, verbose=False)  # the sampler's shuffling seed
-    model = TPLlama(torch_fsdp2=kind == "lightning")
+    model = TPLlama(torch_fsdp2=kind == "lightning", sgd=clip is not None)
     loader = torch.utils.data.DataLoader(_dataset(), batch_size=BATCH, shuffle=False)
     profiler = MemoryProfiler(every_n_steps=1, print_table=False)
     callbacks = [profiler] if kind == "ours" else []
-    trainer(strategy, devices=WORLD, max_steps=STEPS, callbacks=callbacks).fit(model, loader)
+    trainer(strategy, devices=WORLD, max_steps=STEPS, callbacks=callbacks,
+            gradient_clip_val=clip).fit(model, loader)
     summary = str(sharding_summary(model)) if kind == "ours" else ""
     return {"losses": model.losses, "params": _full(model.model), "layout": model.layout,
             "sampler": dict(strategy.distributed_sampler_kwargs), "summary": summary,
             "profiler": profiler.table}
 
 
-def _reference() -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+def _reference(clip: Optional[float] = None) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
     """One process: each step averages the two data-parallel halves' losses."""
     model = _build()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = _optimizer(model.parameters(), sgd=clip is not None)
     halves = [_half_batches(d) for d in range(DP)]
     losses: list[list[float]] = [[] for _ in range(DP)]
     for step in range(STEPS):
         parts = [_loss(model, *halves[d][step]) for d in range(DP)]
         (sum(parts) / DP).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         for d in range(DP):
@@ -131,7 +145,9 @@ def _reference() -> tuple[list[list[float]], dict[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def runs(worlds) -> dict[str, list[dict[str, Any]]]:
-    return {kind: worlds(WORLD).run(_fit_body, kind) for kind in ("ours", "lightning")}
+    out = {kind: worlds(WORLD).run(_fit_body, kind) for kind in ("ours", "lightning")}
+    out["ours_clip"] = worlds(WORLD).run(_fit_body, "ours", CLIP)
+    return out
 
 
 @pytest.mark.slow
@@ -157,26 +173,45 @@ def test_trainer_tp_matches_model_parallel_strategy_and_one_process(runs):
 
 
 @pytest.mark.slow
+def test_trainer_tp_gradient_clipping_matches_one_process(runs):
+    """``gradient_clip_val`` goes through ``lightning_vescale.precision.clip_grad_norm_``: the
+    norm over both mesh dims (each element once), as one process computes it (SGD: the update
+    scales with the coefficient)."""
+    ref_losses, ref_params = _reference(CLIP)
+    unclipped, _ = _reference(1e9)
+    ours = runs["ours_clip"]
+    for rank in range(WORLD):
+        got, want = ours[rank]["losses"], ref_losses[rank // TP]
+        assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
+    assert ref_losses[0][-1] != unclipped[0][-1]  # the clipping changed the run
+    params = ours[0]["params"]
+    # measured 2.4e-7; a norm off by sqrt(2) (an element counted twice or a dim left out) 2e-2
+    assert max((params[n] - ref_params[n]).abs().max().item() for n in params) <= 1e-5
+
+
+@pytest.mark.slow
 def test_trainer_tp_parameters_are_ragged_on_dp_and_tp_sharded(runs):
     layout = runs["ours"][0]["layout"]
     assert layout["blocks.0.attn.wq.weight"] == (("data_parallel", "tensor_parallel"),
                                                  ("RaggedShard", "Shard"))
     assert layout["blocks.0.mlp.w2.weight"][1] == ("RaggedShard", "Shard")
-    assert layout["emb.weight"] == (("data_parallel",), ("RaggedShard",))
+    assert layout["blocks.0.norm1.weight"][1] == ("RaggedShard", "Replicate")  # sequence-par.
+    assert layout["emb.weight"][1] == ("RaggedShard", "Shard")  # vocab-parallel
 
 
 @pytest.mark.slow
 def test_sharding_summary_and_memory_profiler_name_the_tp_split(runs):
-    """Each block group holds 7 TP matrices (wq/wk/wv/w1/w3 Shard(0), wo/w2 Shard(1)) and the
-    w2 bias (Replicate()) at tp degree 2; the root group (embedding, norm, output) none."""
+    """Each block group holds 7 TP matrices (wq/wk/wv/w1/w3 Shard(0), wo/w2 Shard(1)) and 3
+    Replicate() parameters (the sequence-parallel norms, the w2 bias) at tp degree 2; the root
+    group the vocab-parallel embedding and output (Shard(0)) and the final norm."""
     table = runs["ours"][0]["summary"].splitlines()
     assert table[0].split()[-1] == "tp", table[0]
     block = next(line for line in table if line.startswith("model.blocks.0"))
-    assert block.endswith("2: Replicate() x 1, Shard(dim=0) x 5, Shard(dim=1) x 2"), block
+    assert block.endswith("2: Replicate() x 3, Shard(dim=0) x 5, Shard(dim=1) x 2"), block
     root = next(line for line in table if line.startswith("<root>"))
-    assert "Shard" not in root, root
+    assert root.endswith("2: Replicate() x 1, Shard(dim=0) x 2"), root
     profiler = runs["ours"][0]["profiler"]
-    assert "(tp 2: 16 parameters (Replicate() x 2, Shard(dim=0) x 10, Shard(dim=1) x 4))" \
+    assert "(tp 2: 23 parameters (Replicate() x 7, Shard(dim=0) x 12, Shard(dim=1) x 4))" \
         in profiler, profiler
 
 
