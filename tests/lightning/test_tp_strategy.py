@@ -168,8 +168,9 @@ def test_trainer_tp_matches_model_parallel_strategy_and_one_process(runs):
     assert params.keys() == ref_params.keys() == lit_params.keys()
     vs_lightning = max((params[n] - lit_params[n]).abs().max().item() for n in params)
     vs_one = max((params[n] - ref_params[n]).abs().max().item() for n in params)
-    # measured: 0 (bit-equal) and 1.9e-6 (the dp average against the sum of two halves)
-    assert vs_lightning <= 1e-5 and vs_one <= 1e-5, (vs_lightning, vs_one)
+    # measured: 0 (bit-equal) and 6.8e-6, Lightning's FSDP2 + TP the same 6.8e-6 from one
+    # process (TP's partial sums, the dp average against the sum of two halves)
+    assert vs_lightning <= 1e-5 and vs_one <= 2e-5, (vs_lightning, vs_one)
 
 
 @pytest.mark.slow
