@@ -290,6 +290,34 @@ def _fabric_body(kind: str) -> dict[str, Any]:
                                               else model)}
 
 
+def _unseeded_body() -> dict[str, torch.Tensor]:
+    """Each rank builds its own random model; ``sync_module_states`` makes it rank 0's."""
+    from lightning.fabric import Fabric
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    fabric = Fabric(accelerator="cpu", devices=WORLD,
+                    strategy=VeScaleFabricStrategy(tensor_parallel_size=TP))
+    fabric.launch()
+    model = _build()
+    with torch.no_grad():
+        for p in model.parameters():  # a different model on every rank
+            p.add_(fabric.global_rank)
+    block_plan, root_plan = _sp_plan()
+    mesh = fabric.strategy.device_mesh["tensor_parallel"]
+    for block in model.blocks:
+        parallelize_module(block, mesh, block_plan)
+    parallelize_module(model, mesh, root_plan)
+    return _full(fabric.setup_module(model).module)
+
+
+def test_sync_module_states_broadcasts_tp_pieces_over_dp(worlds):
+    """``parallelize_module`` distributes from tp coordinate 0 of each dp row (global ranks 0
+    and 2 here), so the rows differ until the strategy broadcasts each TP piece over dp."""
+    want = _full(_build())
+    for rank, got in enumerate(worlds(WORLD).run(_unseeded_body)):
+        assert max((got[n] - want[n]).abs().max().item() for n in want) == 0, rank
+
+
 @pytest.mark.slow
 def test_fabric_tp_matches_model_parallel_strategy(worlds):
     ours = worlds(WORLD).run(_fabric_body, "ours")
