@@ -9,8 +9,9 @@ A thin Trainer face over ``fully_shard`` (layer 3), modelled on Lightning's
   externally) or, with ``start_method="fork"|"spawn"``, a multiprocessing launcher whose
   worker hands rank 0's *full* weights back to the main process (DTensors do not survive the
   trip). Backend from the accelerator (``gloo`` on CPU, ``nccl`` on CUDA), a 1-D device mesh
-  over the world (or the 2-D HSDP mesh of ``device_mesh``, design note [strategy-mesh]),
-  exposed as ``LightningModule.device_mesh`` for ``configure_model``.
+  over the world (or the 2-D HSDP mesh of ``device_mesh``, design note [strategy-mesh], or the
+  ``(data_parallel, tensor_parallel)`` mesh of ``tensor_parallel_size``, design note
+  [strategy-tp-mesh]), exposed as ``LightningModule.device_mesh`` for ``configure_model``.
 * Sharding in ``setup``: the units of design note [sharding-units] (``_lightning/sharding.py``),
   then the LightningModule itself is the root group, so calling it directly works anywhere (a
   summary's example input, sampling in a hook, a later Trainer on the same module). Lightning calls
