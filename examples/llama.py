@@ -10,12 +10,22 @@
         --model.n_heads=4 --model.n_kv_heads=2 --model.ffn_dim=128 --model.vocab_size=256 \\
         --data.vocab_size=256 --data.seq_len=32
 
-The model is built in ``configure_model`` on the meta device: no rank ever holds the whole model.
-The strategy plans the sharding on meta, allocates only each rank's shard and initialises it
-with ``reset_parameters()`` (the same values as a full initialisation with that seed). The
-optimizer is created in ``configure_optimizers`` (after sharding), which is why the config has no
-LightningCLI ``optimizer:`` section: LightningCLI builds that optimizer when it parses the
-command line, before ``configure_model`` has created any parameter.
+    # FSDP + tensor parallelism, 2 nodes x 8 GPUs: TP 8 inside each node, FSDP across the nodes
+    torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK --master-addr $MASTER \\
+        --master-port 29500 examples/llama.py fit --config examples/configs/tp_llama_2x8gpu.yaml
+
+The tensor-parallel size is the strategy's ``tensor_parallel_size`` (config key
+``trainer.strategy.init_args.tensor_parallel_size``; on the command line
+``--trainer.strategy.init_args.tensor_parallel_size=8``): ``configure_model`` then applies
+the TP plan of :func:`parallelize_llama` on ``self.device_mesh["tensor_parallel"]`` and the
+strategy shards on the data-parallel dim (see docs/guides/tensor-parallel.md).
+
+Without TP the model is built in ``configure_model`` on the meta device: no rank ever holds the
+whole model. The strategy plans the sharding on meta, allocates only each rank's shard and
+initialises it with ``reset_parameters()`` (the same values as a full initialisation with that
+seed). The optimizer is created in ``configure_optimizers`` (after sharding), which is why the
+config has no LightningCLI ``optimizer:`` section: LightningCLI builds that optimizer when it
+parses the command line, before ``configure_model`` has created any parameter.
 
 Data: ``TokenDataModule(path=...)`` reads a flat file of token ids (``numpy.memmap``, e.g. what a
 tokenizer script wrote; ``dtype`` ``uint16`` or ``uint32``); without a path it makes random tokens,
@@ -80,9 +90,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.c.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.c.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, self.c.n_kv_heads, self.head_dim).transpose(1, 2)
+        # -1 heads: under tensor parallelism each rank computes its own heads only
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = _rope(q, self.c.rope_theta), _rope(k, self.c.rope_theta)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            enable_gqa=self.c.n_kv_heads != self.c.n_heads)
@@ -147,9 +158,19 @@ class LlamaModule(pl.LightningModule):
         self.model: Optional[Llama] = None
 
     def configure_model(self) -> None:
-        if self.model is None:
+        if self.model is not None:
+            return
+        tp_mesh = tensor_parallel_mesh(self.device_mesh)
+        if tp_mesh is None:
             with torch.device("meta"):  # the strategy allocates and initialises the shards only
                 self.model = Llama(self.config)
+            return
+        # FSDP + TP (the strategy's tensor_parallel_size): the TP plan first, on the tp dim, then
+        # the strategy shards on the data-parallel dim. fully_shard does not take meta-device TP
+        # parameters yet, so each rank builds the model on its device (once, before TP keeps
+        # 1/tp of each planned matrix) from the same seed.
+        self.model = Llama(self.config)
+        parallelize_llama(self.model, tp_mesh)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         logits = self.model(batch[:, :-1])
@@ -161,6 +182,38 @@ class LlamaModule(pl.LightningModule):
         hp = self.hparams
         cls = AdamW8bit if hp.optimizer == "adamw8bit" else torch.optim.AdamW
         return cls(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=hp.betas)
+
+
+def tensor_parallel_mesh(mesh: object) -> object:
+    """The ``"tensor_parallel"`` dim of the strategy's mesh when it has one of size > 1
+    (``tensor_parallel_size=``, design note [strategy-tp-mesh]); else ``None``."""
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if "tensor_parallel" not in names or mesh["tensor_parallel"].size() == 1:
+        return None
+    return mesh["tensor_parallel"]
+
+
+def parallelize_llama(model: Llama, tp_mesh: object) -> Llama:
+    """Megatron-style TP of every block: attention ``wq/wk/wv`` and MLP ``w1/w3`` colwise,
+    ``wo`` and ``w2`` rowwise (torch's plan; the heads split over the tp ranks, so ``n_kv_heads``
+    must be a multiple of the tp size). Embedding, norms and output stay whole on the tp dim."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    tp = tp_mesh.size()
+    if model.config.n_kv_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must divide n_kv_heads="
+                         f"{model.config.n_kv_heads} (each rank computes whole heads).")
+    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel()}
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, plan)
+    return model
 
 
 class TokenDataModule(pl.LightningDataModule):

@@ -31,6 +31,7 @@ from typing_extensions import override
 from lightning_vescale._lightning.activation_checkpointing import ActivationCheckpointingPolicy
 from lightning_vescale._lightning.core import RegistryEntry, VeScaleStrategyCore
 from lightning_vescale._lightning.device_mesh import DeviceMeshArg
+from lightning_vescale._lightning.parallel_sizes import SizeArg
 from lightning_vescale._lightning.sharding import (
     DEFAULT_MIN_BLOCK_NUMEL,
     DEFAULT_OPTIMIZER_BLOCK_SIZE,
@@ -108,6 +109,19 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
             module classes or class names (``{Block}``; ``[Block]`` in YAML), or a callable
             ``(module) -> bool``. Applied before sharding; parameter names do not change. See
             design note [activation-checkpointing].
+        tensor_parallel_size: ``None`` (default): no tensor parallelism. An int or ``"auto"``
+            (the devices of a node): FSDP + TP as Lightning's ``ModelParallelStrategy``; the
+            strategy builds the 2-D mesh ``("data_parallel", "tensor_parallel")``
+            (``fabric.strategy.device_mesh`` after ``fabric.launch()``): apply the TP plan
+            (``parallelize_module(model, device_mesh["tensor_parallel"], plan)``) before
+            ``fabric.setup_module(model)``, and the
+            strategy shards on ``device_mesh["data_parallel"]`` (design note [fsdp-tp]). The
+            sampler spans the data-parallel dim. Not with ``device_mesh``. See design note
+            [strategy-tp-mesh].
+        data_parallel_size: with ``tensor_parallel_size``, the data-parallel dim (default
+            ``"auto"``: the world size divided by ``tensor_parallel_size``; with both
+            ``"auto"``, ``num_nodes``). ``data_parallel_size * tensor_parallel_size`` must be the
+            world size. An int here alone also turns TP on (``tensor_parallel_size="auto"``).
     """
 
     _registry_entries = (RegistryEntry(
@@ -130,6 +144,8 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
         sync_module_states: bool = True,
         comm_policy: Optional[Union[CommPolicy, dict[str, Any]]] = None,
         activation_checkpointing_policy: ActivationCheckpointingPolicy = None,
+        data_parallel_size: SizeArg = "auto",
+        tensor_parallel_size: Optional[SizeArg] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -146,7 +162,9 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
                         pretrained_weights=pretrained_weights,
                         process_group_backend=process_group_backend, timeout=timeout,
                         device_mesh=device_mesh, flat_optimizer=flat_optimizer,
-                        sync_module_states=sync_module_states, comm_policy=comm_policy)
+                        sync_module_states=sync_module_states, comm_policy=comm_policy,
+                        data_parallel_size=data_parallel_size,
+                        tensor_parallel_size=tensor_parallel_size)
         self._init_activation_checkpointing(activation_checkpointing_policy)
         self._backward_sync_control = _VeScaleBackwardSyncControl()
         self._set_up_modules: list[weakref.ref[Module]] = []

@@ -15,6 +15,12 @@ stay on one rank (1: element-wise; 256: AdamW8bit's quantization block; a row le
 rows). Everything comes from the groups' layout plans, which every rank knows, so no
 communication is needed and every rank returns the same summary.
 
+With tensor parallelism (design note [fsdp-tp]) a group plans each rank's *TP-local* tensors, so
+*elements* and *per rank* count one tp coordinate's pieces, and a ``tp`` column says how the
+group's TP parameters are split: the tp degree and the placements, e.g. ``2: Shard(0) x 5,
+Shard(1) x 2`` (its other parameters are whole on the tp dim). :func:`tensor_parallel_text` says
+it for a whole module in one line (the ``MemoryProfiler`` table prints it).
+
 Layer 5 (reads layer 3's public introspection only).
 """
 
@@ -30,7 +36,7 @@ from torch import nn
 from lightning_vescale._dbuffer_quant import message_bytes
 from lightning_vescale.fsdp import iter_param_groups
 
-__all__ = ["GroupSummary", "ShardingSummary", "sharding_summary"]
+__all__ = ["GroupSummary", "ShardingSummary", "sharding_summary", "tensor_parallel_text"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,6 +61,17 @@ class GroupSummary:
     #: the group's DBuffers, one summary each (named by the buffer's label, e.g.
     #: ``"[torch.float32, matrix]"``), when it has more than one; ``()`` otherwise
     buffers: tuple[GroupSummary, ...] = ()
+    #: the tp degree of the group's tensor-parallel parameters (1: none)
+    tp_size: int = 1
+    #: ``(placement, tensors)`` of its tensor-parallel parameters, e.g. ``(("Shard(0)", 5),)``
+    tp_placements: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def tp_text(self) -> str:
+        """The ``tp`` cell: ``"<degree>: <placement> x <tensors>, ..."`` (``""``: no TP)."""
+        if not self.tp_placements:
+            return ""
+        return f"{self.tp_size}: " + ", ".join(f"{p} x {n}" for p, n in self.tp_placements)
 
     @property
     def padding_ratio(self) -> float:
@@ -108,9 +125,12 @@ class ShardingSummary:
         if self.replicas > 1:  # HSDP: the columns are the ranks of one shard group
             rank_head = rank_head.replace("per rank", f"per shard-group rank, x{self.replicas} "
                                           "replicas", 1)
+        with_tp = any(g.tp_placements for g in self.groups)
+
         def row(g: GroupSummary, name: str) -> tuple[str, ...]:
             return (name, f"{g.tensors}", f"{g.elements:,}", ranks(g.rank_elements),
-                    f"{100 * g.padding_ratio:.2f} %", grans(g.granularities))
+                    f"{100 * g.padding_ratio:.2f} %", grans(g.granularities),
+                    *((g.tp_text,) if with_tp else ()))
 
         rows = [r for g in self.groups  # a group of several buffers: one sub-row each
                 for r in [row(g, g.name), *(row(b, f"  {b.name}") for b in g.buffers)]]
@@ -120,11 +140,11 @@ class ShardingSummary:
                 total_grans[size] += count
         rows.append(("total", f"{sum(g.tensors for g in self.groups)}", f"{self.elements:,}",
                      ranks(self.rank_elements), f"{100 * self.padding_ratio:.2f} %",
-                     grans(tuple(sorted(total_grans.items())))))
+                     grans(tuple(sorted(total_grans.items()))), *(("",) if with_tp else ())))
         head = ("group", "tensors", "elements", rank_head, "padding",
-                "granularity (elements x tensors)")
+                "granularity (elements x tensors)", *(("tp",) if with_tp else ()))
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-        right = (False, True, True, False, True, False)
+        right = (False, True, True, False, True, False, False)
 
         def fmt(r: tuple[str, ...]) -> str:
             cells = [c.rjust(w) if rj else c.ljust(w) for c, w, rj in zip(r, widths, right)]
@@ -168,7 +188,8 @@ def sharding_summary(module: nn.Module) -> ShardingSummary:
             continue
         world = next(iter(group.buffers.values())).plan.world_size
         replicas = group.mesh_info.replicate_size
-        summary = _summarize(name or "<root>", group.buffers.items(), world)
+        summary = dataclasses.replace(_summarize(name or "<root>", group.buffers.items(), world),
+                                      **_tp_fields(group))
         if len(group.buffers) > 1:  # e.g. whole-matrix experts apart (design note [plan-buckets])
             summary = dataclasses.replace(summary, buffers=tuple(
                 _summarize(buf.name[buf.name.find("["):], [(key, buf)], world)
@@ -179,6 +200,32 @@ def sharding_summary(module: nn.Module) -> ShardingSummary:
                          "call it after fully_shard (or after the strategy's setup).")
     return ShardingSummary(world_size=world, groups=tuple(groups), replicas=replicas,
                            comm_policy=policy)
+
+
+def _tp_fields(group: Any) -> dict[str, Any]:
+    """``tp_size`` and ``tp_placements`` of a group's tensor-parallel parameters ([fsdp-tp])."""
+    specs = [mp.tp for mp in group.params if getattr(mp, "tp", None) is not None]
+    if not specs:
+        return {}
+    counts = Counter(", ".join(repr(p) for p in spec.placements) for spec in specs)
+    return {"tp_size": max(spec.tp_mesh.size() for spec in specs),
+            "tp_placements": tuple(sorted(counts.items()))}
+
+
+def tensor_parallel_text(module: nn.Module | None) -> str | None:
+    """How ``module``'s ``fully_shard`` groups hold tensor-parallel parameters, in one line
+    (``"tp 2: 14 parameters (Shard(0) x 10, Shard(1) x 4)"``), or ``None`` without any."""
+    counts: Counter[str] = Counter()
+    size = 1
+    for _, group in iter_param_groups(module) if module is not None else ():
+        fields = _tp_fields(group)
+        size = max(size, fields.get("tp_size", 1))
+        for placement, n in fields.get("tp_placements", ()):
+            counts[placement] += n
+    if not counts:
+        return None
+    listed = ", ".join(f"{p} x {n}" for p, n in sorted(counts.items()))
+    return f"tp {size}: {sum(counts.values())} parameters ({listed})"
 
 
 def _summarize(name: str, buffers: Iterable[tuple[Any, Any]], world: int) -> GroupSummary:

@@ -9,8 +9,9 @@ A thin Trainer face over ``fully_shard`` (layer 3), modelled on Lightning's
   externally) or, with ``start_method="fork"|"spawn"``, a multiprocessing launcher whose
   worker hands rank 0's *full* weights back to the main process (DTensors do not survive the
   trip). Backend from the accelerator (``gloo`` on CPU, ``nccl`` on CUDA), a 1-D device mesh
-  over the world (or the 2-D HSDP mesh of ``device_mesh``, design note [strategy-mesh]),
-  exposed as ``LightningModule.device_mesh`` for ``configure_model``.
+  over the world (or the 2-D HSDP mesh of ``device_mesh``, design note [strategy-mesh], or the
+  ``(data_parallel, tensor_parallel)`` mesh of ``tensor_parallel_size``, design note
+  [strategy-tp-mesh]), exposed as ``LightningModule.device_mesh`` for ``configure_model``.
 * Sharding in ``setup``: the units of design note [sharding-units] (``_lightning/sharding.py``),
   then the LightningModule itself is the root group, so calling it directly works anywhere (a
   summary's example input, sampling in a hook, a later Trainer on the same module). Lightning calls
@@ -82,6 +83,7 @@ from typing_extensions import override
 from lightning_vescale._lightning.activation_checkpointing import ActivationCheckpointingPolicy
 from lightning_vescale._lightning.core import RegistryEntry, VeScaleStrategyCore
 from lightning_vescale._lightning.device_mesh import DeviceMeshArg
+from lightning_vescale._lightning.parallel_sizes import SizeArg
 from lightning_vescale._lightning.requested_load import DirectLauncher, RecordingScriptLauncher
 from lightning_vescale._lightning.launcher import (
     SAVED_AFTER_LAUNCH_KEY,
@@ -187,6 +189,18 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
             module classes or class names (``{Block}``; ``[Block]`` in YAML), or a callable
             ``(module) -> bool``. Applied before sharding; parameter names do not change. See
             design note [activation-checkpointing].
+        tensor_parallel_size: ``None`` (default): no tensor parallelism. An int or ``"auto"``
+            (the devices of a node): FSDP + TP as Lightning's ``ModelParallelStrategy``; the
+            strategy builds the 2-D mesh ``("data_parallel", "tensor_parallel")``, the
+            LightningModule's ``self.device_mesh`` in ``configure_model``: apply the TP plan there
+            (``parallelize_module(model, device_mesh["tensor_parallel"], plan)``), and the
+            strategy shards on ``device_mesh["data_parallel"]`` (design note [fsdp-tp]). The
+            sampler spans the data-parallel dim. Not with ``device_mesh``. See design note
+            [strategy-tp-mesh].
+        data_parallel_size: with ``tensor_parallel_size``, the data-parallel dim (default
+            ``"auto"``: the world size divided by ``tensor_parallel_size``; with both
+            ``"auto"``, ``num_nodes``). ``data_parallel_size * tensor_parallel_size`` must be the
+            world size. An int here alone also turns TP on (``tensor_parallel_size="auto"``).
     """
 
     strategy_name = "vescale_fsdp"
@@ -214,6 +228,8 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
         sync_module_states: bool = True,
         comm_policy: Optional[Union[CommPolicy, dict[str, Any]]] = None,
         activation_checkpointing_policy: ActivationCheckpointingPolicy = None,
+        data_parallel_size: SizeArg = "auto",
+        tensor_parallel_size: Optional[SizeArg] = None,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -232,7 +248,9 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
                         pretrained_weights=pretrained_weights,
                         process_group_backend=process_group_backend, timeout=timeout,
                         device_mesh=device_mesh, flat_optimizer=flat_optimizer,
-                        sync_module_states=sync_module_states, comm_policy=comm_policy)
+                        sync_module_states=sync_module_states, comm_policy=comm_policy,
+                        data_parallel_size=data_parallel_size,
+                        tensor_parallel_size=tensor_parallel_size)
         self._init_activation_checkpointing(activation_checkpointing_policy)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be one of 'popen', 'spawn', 'fork', "

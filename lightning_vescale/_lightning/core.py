@@ -17,7 +17,9 @@ hooks take precedence over Lightning's defaults:
   Fabric's ``_set_world_ranks``: the same method), the default process group with the strategy's
   ``timeout``, the data-parallel mesh of the ``device_mesh`` argument (design note
   [strategy-mesh] in ``_lightning/device_mesh.py``: 1-D from ``lightning_vescale.mesh.init_mesh``
-  by default, 2-D for HSDP);
+  by default, 2-D for HSDP), or the ``(data_parallel, tensor_parallel)`` mesh of
+  ``tensor_parallel_size`` (design note [strategy-tp-mesh], ``_lightning/parallel_sizes.py``),
+  whose data-parallel dim is what the strategy shards on;
 * sharding through ``_lightning/sharding.py`` with the precision plugin's mixed-precision policy;
 * collectives: ``broadcast`` and the barrier behind the peer-exception guard of design note
   [failures] (``strategy.py``; only the Trainer can be handling an exception, see
@@ -68,6 +70,11 @@ from lightning_vescale._lightning.device_mesh import (
     validate_device_mesh,
 )
 from lightning_vescale._lightning.exception_agreement import ExceptionAgreement
+from lightning_vescale._lightning.parallel_sizes import (
+    DP_DIM_NAME,
+    sampler_kwargs,
+    validate_parallel_sizes,
+)
 from lightning_vescale._lightning.sharding import (
     ShardGranularity,
     parse_granularity,
@@ -136,6 +143,17 @@ def _destroy_process_group_at_exit() -> None:
     atexit.register(leave)
 
 
+def _has_tensor_parallel_params(optimizer: Any) -> bool:
+    """Whether ``optimizer`` steps a TP parameter (``(..., RaggedShard, Shard(k))``, [fsdp-tp])."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_vescale.placement import RaggedShard
+
+    return any(isinstance(p, DTensor) and len(p.placements) > 1
+               and not isinstance(p.placements[-1], RaggedShard)
+               for g in getattr(optimizer, "param_groups", ()) for p in g["params"])
+
+
 class RegistryEntry(NamedTuple):
     """A name a strategy registers under (``strategy="<name>"``), with its constructor keywords."""
 
@@ -179,6 +197,8 @@ class VeScaleStrategyCore:
         sync_module_states: bool = True,
         pretrained_weights: Any = None,
         comm_policy: Any = None,
+        data_parallel_size: Any = "auto",
+        tensor_parallel_size: Any = None,
     ) -> None:
         """Validate and store the arguments both strategies take (errors name the parameter).
 
@@ -199,6 +219,9 @@ class VeScaleStrategyCore:
         self._timeout: Optional[timedelta] = validate_timeout(timeout)
         self._num_nodes = 1
         self._device_mesh_spec = validate_device_mesh(device_mesh)
+        # [strategy-tp-mesh]: None, or the (dp, tp) sizes of Lightning's ModelParallelStrategy
+        self._parallel_sizes = validate_parallel_sizes(data_parallel_size, tensor_parallel_size,
+                                                       device_mesh)
         self._flat_optimizer = validate_flat_optimizer(flat_optimizer)
         self._sync_module_states = validate_sync_module_states(sync_module_states)
         self._pretrained_weights = validate_pretrained_weights(pretrained_weights)
@@ -248,7 +271,21 @@ class VeScaleStrategyCore:
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._parallel_sizes is not None:  # the ranks of a TP group see one batch
+            return sampler_kwargs(self._resolved_parallel_sizes(), self.global_rank)
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    def _resolved_parallel_sizes(self) -> tuple[int, int]:
+        """``(dp, tp)`` of ``data_parallel_size``/``tensor_parallel_size`` for this run."""
+        assert self._parallel_sizes is not None
+        return self._parallel_sizes.resolve(world_size=self.num_nodes * self.num_processes,
+                                            num_nodes=self.num_nodes, devices=self.num_processes)
+
+    @property
+    def _data_parallel_mesh(self) -> DeviceMesh:
+        """The mesh the strategy shards on: ``device_mesh["data_parallel"]`` with TP."""
+        mesh = self.device_mesh
+        return mesh if self._parallel_sizes is None else mesh[DP_DIM_NAME]
 
     @property
     def granularity_policy(self) -> ShardGranularity:
@@ -305,9 +342,14 @@ class VeScaleStrategyCore:
             _destroy_process_group_at_exit()
         self._process_group_backend = backend
         # reuses the default group (a 2-D mesh makes one subgroup per row and column)
-        self._device_mesh = build_device_mesh(
-            self._device_mesh_spec, device_type=device.type, world_size=self.world_size,
-            num_nodes=self.num_nodes, devices=self.num_processes)
+        if self._parallel_sizes is not None:  # [strategy-tp-mesh]
+            self._device_mesh = self._parallel_sizes.build_mesh(
+                device_type=device.type, world_size=self.world_size, num_nodes=self.num_nodes,
+                devices=self.num_processes)
+        else:
+            self._device_mesh = build_device_mesh(
+                self._device_mesh_spec, device_type=device.type, world_size=self.world_size,
+                num_nodes=self.num_nodes, devices=self.num_processes)
         self._vescale_precision._set_device_type(device.type)
 
     def _check_device_mesh_world(self) -> None:
@@ -315,6 +357,8 @@ class VeScaleStrategyCore:
         the other nodes of a multi-node run can join at all ([other-nodes])."""
         check_world_size(self._device_mesh_spec, world_size=self.num_nodes * self.num_processes,
                          num_nodes=self.num_nodes, devices=self.num_processes)
+        if self._parallel_sizes is not None:
+            self._resolved_parallel_sizes()
         check_other_nodes_can_join(self.cluster_environment, num_nodes=self.num_nodes,
                                    devices=self.num_processes)
 
@@ -341,7 +385,7 @@ class VeScaleStrategyCore:
         # [pretrained-weights]: a strict load overwrites every parameter, so a meta model's
         # parameters are only allocated, not initialised first
         strict = bool(getattr(module, "strict_loading", True))
-        shard_model(module, units=self._sharding_units, mesh=self.device_mesh,
+        shard_model(module, units=self._sharding_units, mesh=self._data_parallel_mesh,
                     device=self.root_device,
                     mp_policy=self._vescale_precision.mixed_precision_policy,
                     granularity=self._granularity,
@@ -391,6 +435,10 @@ class VeScaleStrategyCore:
         if not self._flat_optimizer:
             return optimizer
         inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        if _has_tensor_parallel_params(inner):  # FlatParamOptimizer has no TP layout yet
+            rank_zero_info("vescale_fsdp: flat_optimizer is skipped for an optimizer over "
+                           "tensor-parallel parameters (it steps them per tensor).")
+            return optimizer
         flat = flat_param_optimizer(inner, strict=False)
         return optimizer if flat is inner else flat
 

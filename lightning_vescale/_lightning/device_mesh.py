@@ -79,7 +79,8 @@ def validate_device_mesh(device_mesh: Any) -> Union[None, tuple[int, int], Devic
     if len(shape) != 2:
         hint = (f" For full sharding over all ranks use device_mesh=None (or (1, {shape[0]}))."
                 if len(shape) == 1 else
-                " A tensor-parallel (or other) dim is not the strategies' business: pass the "
+                " A tensor-parallel dim is not device_mesh's business: for FSDP + TP pass "
+                "tensor_parallel_size= (and data_parallel_size=) instead, or pass the "
                 "data-parallel sub-mesh as a DeviceMesh.")
         raise ValueError(f"device_mesh={device_mesh!r} has {len(shape)} entries; it must be a "
                          f"(replicas, shard_size) pair, e.g. device_mesh=(2, 8) for 2 nodes of 8 "

@@ -17,6 +17,10 @@ before sharding and copies rank 0's values to every rank:
 * tensors already sharded by the user's ``fully_shard`` in ``configure_model`` (``DTensor``):
   each local piece is broadcast along the mesh dims it is replicated on only (ranks that hold
   different pieces keep them).
+* tensor-parallel parameters (DTensors on ``mesh["tensor_parallel"]`` of the strategy's
+  ``(data_parallel, tensor_parallel)`` mesh, design note [strategy-tp-mesh]): each local TP
+  piece along the data-parallel dim (the ranks of one TP coordinate hold the same piece), then
+  along the tp dim only where it is ``Replicate()`` (sequence-parallel norms, biases).
 * meta tensors (``init_module(empty_init=True)``, meta-device ``configure_model``) hold no values:
   they are materialised shard by shard after sharding, each rank initialising its own shard, so
   they are not synchronised; seed the run (``seed_everything``) for a reproducible start. An
@@ -78,16 +82,32 @@ def broadcast_module_states(module: Module, mesh: DeviceMesh) -> int:
             continue
         if isinstance(t, DTensor):
             local = t.to_local()
-            t_dims = [d for d, p in enumerate(t.placements) if isinstance(p, Replicate)]
             if local.is_meta:
                 continue
+            groups = _dtensor_groups(t, mesh)
         else:
-            local, t_dims = t.data, dims
-        for d in t_dims:
-            if mesh.size(d) > 1:
-                _broadcast(local, mesh.get_group(d), mesh)
+            local = t.data
+            groups = [mesh.get_group(d) for d in dims if mesh.size(d) > 1]
+        for group in groups:
+            _broadcast(local, group, mesh)
         count += 1
     return count
+
+
+def _dtensor_groups(t: DTensor, mesh: DeviceMesh) -> list[Any]:
+    """The groups a DTensor's local piece is broadcast over, in order: on ``mesh`` itself its
+    replicated dims; on a named sub-mesh of ``mesh`` (a TP parameter on ``mesh["tensor_parallel"]``
+    of the ``(data_parallel, tensor_parallel)`` mesh) first every dim of ``mesh`` it does not
+    live on (the ranks there hold the same piece), then its own replicated dims."""
+    own = t.device_mesh
+    replicated = [own.get_group(d) for d, p in enumerate(t.placements)
+                  if isinstance(p, Replicate) and own.size(d) > 1]
+    names, own_names = mesh.mesh_dim_names or (), own.mesh_dim_names or ()
+    if own == mesh or not own_names or not set(own_names) < set(names):
+        return replicated
+    others = [mesh.get_group(d) for d, n in enumerate(names)
+              if n not in own_names and mesh.size(d) > 1]
+    return others + replicated
 
 
 def _broadcast(tensor: Tensor, group: Any, mesh: DeviceMesh) -> None:

@@ -82,6 +82,7 @@ from lightning_vescale.callbacks._memory_plot import PLOT_HINT, plot_timeline
 from lightning_vescale.callbacks._memory_snapshots import SnapshotRecorder
 from lightning_vescale.dbuffer import DBuffer, live_dbuffers
 from lightning_vescale.fsdp import dbuffers, iter_param_groups
+from lightning_vescale.sharding_summary import tensor_parallel_text
 
 __all__ = ["MemoryProfiler", "MemorySample", "PHASES", "comm_policy_text", "engine_tensors",
            "format_table"]
@@ -391,7 +392,8 @@ class MemoryProfiler(Callback):
         rows = self._gather(self._summary_vector(), trainer)
         table = format_table(rows, source=self._mem.source if self._mem else "n/a",
                              on_cpu=self._mem is not None and not self._mem.is_accelerator,
-                             comm_policy=comm_policy_text(self._module))
+                             comm_policy=comm_policy_text(self._module),
+                             tensor_parallel=tensor_parallel_text(self._module))
         if trainer.is_global_zero:
             self.table = table
             if self.print_table:
@@ -550,7 +552,7 @@ def _table_cells(col: torch.Tensor) -> str:
 
 
 def format_table(rows: torch.Tensor, *, source: str, on_cpu: bool = False,
-                 comm_policy: str | None = None) -> str:
+                 comm_policy: str | None = None, tensor_parallel: str | None = None) -> str:
     """Summary table from ``(world, k)`` per-rank summary vectors (MiB).
 
     The first block is each phase's peak over the run; the second is the breakdown, each line
@@ -558,7 +560,9 @@ def format_table(rows: torch.Tensor, *, source: str, on_cpu: bool = False,
     up to ``current (total)``, the largest device figure at a boundary). ``on_cpu``: the figures
     are process RSS, so the rest is labelled for what it mostly is (:data:`CPU_OTHER_LABEL`).
     ``comm_policy``: the run's ``CommPolicy`` in words (:func:`comm_policy_text`), printed under
-    the communication buffers; ``None``: no line.
+    the communication buffers; ``None``: no line. ``tensor_parallel``: how the sharded parameters
+    are tensor-parallel (:func:`~lightning_vescale.sharding_summary.tensor_parallel_text`),
+    printed under the sharded parameters; ``None``: no line.
     """
     world = rows.shape[0]
     head = f"{'':<24}{'max MiB':>12}{'mean MiB':>12}{'max rank':>10}"
@@ -573,6 +577,8 @@ def format_table(rows: torch.Tensor, *, source: str, on_cpu: bool = False,
         if j == len(PHASES):
             lines.append("breakdown (largest at any phase boundary):")
         lines.append(f"{label:<24}{_table_cells(rows[:, j])}")
+        if label == "params (sharded)" and tensor_parallel:
+            lines.append(f"  ({tensor_parallel})")
         if label == "communication buffers" and comm_policy:
             lines.append(f"  (comm policy: {comm_policy})")
     if on_cpu:

@@ -51,6 +51,7 @@ RUN = {
     "examples/configs/llama_8gpu_multinode.yaml": "test_llama_config_runs_tiny_on_cpu",
     "examples/configs/hsdp_llama_2x8gpu.yaml":
         "tests/lightning/test_hsdp_strategy.py (parsed; no GPUs here)",
+    "examples/configs/tp_llama_2x8gpu.yaml": "test_tp_llama_config_runs_tiny_on_cpu",
     "examples/slurm_hsdp_2x8.sbatch": "tests/lightning/test_hsdp_strategy.py (bash -n)",
     "examples/multinode_trainer.py": "tests/lightning/test_hsdp_multinode.py (torchrun)",
     "examples/moe.py": "tests/examples/test_moe_example.py (Trainer, 2 CPU processes)",
@@ -222,6 +223,42 @@ def test_llama_config_runs_tiny_on_cpu(tmp_path, monkeypatch):
         assert len(rank["losses"]) == 2 and rank["groups"][0][0]["block_size"] == 256
     full = consolidate(tmp_path / "out" / "checkpoints" / "llama" / "last.ckpt")
     assert full["state_dict"]["model.layers.0.attention.wq.weight"].shape == (64, 64)
+
+
+@pytest.mark.slow  # 4 forked ranks
+def test_tp_llama_config_runs_tiny_on_cpu(tmp_path, monkeypatch):
+    """The 2-node x 8-GPU FSDP + TP config at toy size on 4 CPU ranks as (dp 2, tp 2): the
+    strategy's (data_parallel, tensor_parallel) mesh reaches ``configure_model``, which applies
+    ``parallelize_llama``; the two ranks of a TP group train on one batch (equal losses), the
+    two data-parallel ranks on two, and the matrices are tensor-parallel DTensors."""
+    from examples.llama import main
+
+    monkeypatch.chdir(tmp_path)
+    cli = main(args=["--config", str(CONFIGS / "tp_llama_2x8gpu.yaml"), *LLAMA_TINY,
+                     "--trainer.devices=4", "--trainer.strategy.init_args.tensor_parallel_size=2",
+                     "--trainer.strategy.init_args.data_parallel_size=2",
+                     "--trainer.strategy.init_args.start_method=fork"], run=False)
+    cli.trainer.callbacks += [Probe(str(tmp_path), "tp"), _Placements(tmp_path)]
+    cli.trainer.fit(cli.model, cli.datamodule)
+    ranks = [r["losses"] for r in load(tmp_path, "tp", world_size=4)]
+    assert all(len(r) == 2 and all(x == x for x in r) for r in ranks), ranks
+    assert ranks[0] == ranks[1] and ranks[2] == ranks[3] and ranks[0] != ranks[2], ranks
+    placements = torch.load(tmp_path / "tp_placements_rank0.pt")
+    assert placements["model.layers.0.attention.wq.weight"] == ("RaggedShard", "Shard")
+    assert placements["model.layers.0.feed_forward.w2.weight"] == ("RaggedShard", "Shard")
+    assert placements["model.tok_embeddings.weight"] == ("RaggedShard",)
+
+
+class _Placements(pl.Callback):
+    """Each rank writes its parameters' placement types at the end of fit."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        rows = {n: tuple(type(x).__name__ for x in p.placements)
+                for n, p in pl_module.named_parameters()}
+        torch.save(rows, self.out_dir / f"tp_placements_rank{trainer.global_rank}.pt")
 
 
 # -- the demo's metric equals DDP's ------------------------------------------------------------------

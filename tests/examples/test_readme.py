@@ -235,6 +235,10 @@ COMMANDS: dict[str, object] = {
     "--master-port 29500 examples/llama.py fit --config examples/configs/hsdp_llama_2x8gpu.yaml":
         NotHere("needs 16 GPUs; tests/lightning/test_hsdp_strategy.py parses the config and "
                 "test_hsdp_multinode.py runs HSDP on two torchrun nodes"),
+    "torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK --master-addr $MASTER_ADDR "
+    "--master-port 29500 examples/llama.py fit --config examples/configs/tp_llama_2x8gpu.yaml":
+        NotHere("needs 16 GPUs; test_examples.test_tp_llama_config_runs_tiny_on_cpu runs the "
+                "config at (dp 2, tp 2) on 4 CPU ranks"),
     "sbatch examples/slurm_hsdp_2x8.sbatch":
         NotHere("needs a SLURM cluster; test_hsdp_strategy checks it with bash -n"),
     "torchrun --nnodes 2 --nproc-per-node 2 --node-rank $NODE_RANK --master-addr $MASTER_ADDR "
