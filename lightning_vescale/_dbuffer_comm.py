@@ -23,7 +23,8 @@ Design note [dbuffer-collectives]
   is issued on that side stream at reduce time, every step ordered by ``Work.wait`` in stream
   order (no host wait on NCCL), and ``wait`` orders the current stream after an event recorded
   behind it (FSDP2's ``all_reduce_event``). The works holding the tensors the side stream reads
-  live until then, so the current stream cannot reuse their memory early.
+  (and the reduce-scatter's input, which NCCL stops holding at a ``Work.wait`` issued under the
+  side stream) live until then, so the current stream cannot reuse their memory early.
 * gloo (CPU): a SUM reduce-scatter is an ``all_to_all_single`` of ``grad_full`` into an
   input-sized temporary (each rank receives every rank's copy of its own slice) and one local
   ``sum`` over ranks. gloo's ``reduce_scatter_tensor`` moves the same bytes but was 1.7-2.4x
@@ -91,9 +92,12 @@ class _Finished:
     """A work-like object whose ``wait()`` runs ``finish`` once (a collective plus its local
     completion, e.g. the sum after gloo's all-to-all reduce-scatter)."""
 
-    def __init__(self, finish: Callable[[], None]) -> None:
+    def __init__(self, finish: Callable[[], None], keep: Any = None) -> None:
         self._finish: Callable[[], None] | None = finish
         self._ran: Callable[[], None] | None = None
+        # the collective's input: NCCL (avoiding record_stream) drops its own reference at
+        # ``Work.wait``, which under a side stream does not order the stream it was allocated on
+        self._keep = keep
 
     def wait(self) -> bool:
         finish, self._finish = self._finish, None
@@ -190,7 +194,7 @@ def gloo_reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, *, rank: int, 
     if not async_op:
         finish()
         return None
-    return _Finished(finish)
+    return _Finished(finish, keep=inp)
 
 
 # -- a narrow wire dtype (fp16): one power-of-two scale per sender --------------------------------
@@ -270,7 +274,7 @@ def wire_reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, *, wire: torch
     if not async_op:
         finish()
         return None
-    return _Finished(finish)
+    return _Finished(finish, keep=send)
 
 
 def gloo_serves(group: Any, device: torch.device) -> bool:

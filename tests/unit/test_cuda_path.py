@@ -316,6 +316,30 @@ def test_replica_all_reduce_with_a_wire_dtype_stays_on_the_side_stream(monkeypat
     assert rs_alive() is None
 
 
+def test_the_reduce_scatter_work_holds_its_input(monkeypatch):
+    """NCCL, avoiding record_stream, drops its reference to a collective's input at
+    ``Work.wait``; waited under the side stream that does not order the stream the input was
+    allocated on, so the work itself keeps it (and the side-stream work keeps the work)."""
+    import lightning_vescale._dbuffer_comm as comm
+
+    class _Work:
+        def wait(self) -> None:
+            pass
+
+    monkeypatch.setattr(comm.dist, "all_to_all_single", lambda *a, **k: _Work())
+    for wire in (torch.bfloat16, torch.float16):
+        inp = torch.ones(8)
+        out = torch.empty(4)
+        work = comm.wire_reduce_scatter_sum(out, inp, wire=wire, rank=0, world_size=2,
+                                            group=None, async_op=True, release=lambda: None)
+        sent = weakref.ref(work._keep)  # the wire-dtype copy (fp16: the scaled message)
+        del inp
+        work.wait()
+        assert sent() is not None, wire
+        del work
+        assert sent() is None, wire
+
+
 # -- the strategies shard from the CPU source: no whole-model copy on the device (issue 35) ------
 class _LiveBytes(TorchDispatchMode):
     """The peak bytes of live storages on ``device_type``, sampled at every op (storages are
