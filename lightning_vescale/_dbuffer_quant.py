@@ -72,6 +72,7 @@ shards carry the same marks and are read with the next forward's. A bare ``DBuff
 from __future__ import annotations
 
 import struct
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -81,8 +82,8 @@ from torch._subclasses.fake_tensor import is_fake
 from lightning_vescale._dbuffer_comm import _all_gather_flat
 from lightning_vescale.planner import LayoutPlan
 
-__all__ = ["QUANT_FORMATS", "QuantizedGather", "Run", "all_rank_runs", "check_gathers",
-           "fp8_dtype", "message_bytes", "rank_runs"]
+__all__ = ["QUANT_FORMATS", "QuantizedGather", "Run", "all_rank_runs", "any_unread",
+           "check_gathers", "fp8_dtype", "message_bytes", "rank_runs"]
 
 #: ``all_gather`` format -> largest code magnitude (the scale is ``absmax / qmax``)
 QUANT_FORMATS = {"int8": 127.0, "fp8": 448.0}
@@ -261,6 +262,7 @@ class QuantizedGather:
         new = torch.cat([bad.sum().view(1), first, bits])  # a tensor index is read on the host
         old = self._marks
         self._marks = new if old is None else torch.where(old[0] > 0, old, new)
+        _UNREAD.add(self)
         if not self.defer_check:
             check_gathers([self])
 
@@ -345,6 +347,15 @@ class QuantizedGather:
         return self.send.numel() + self.recv.untyped_storage().nbytes()
 
 
+#: the gathers holding marks not read yet (weak: a model dropped with some does not stay alive)
+_UNREAD: "weakref.WeakSet[QuantizedGather]" = weakref.WeakSet()
+
+
+def any_unread() -> bool:
+    """Whether some all-gather's marks wait for :func:`check_gathers` (cheap: no tensor read)."""
+    return bool(_UNREAD)
+
+
 def check_gathers(gathers: Iterable[QuantizedGather]) -> None:
     """Raise the error of the first degenerate block any of ``gathers`` recorded since the last
     check (design note [quantized-degenerate-blocks]), reading all their records on the host
@@ -355,6 +366,7 @@ def check_gathers(gathers: Iterable[QuantizedGather]) -> None:
     marks = torch.stack([g._marks for g in pending]).tolist()
     for g in pending:
         g._marks = None
+        _UNREAD.discard(g)
     for g, (count, index, bits) in zip(pending, marks):
         if count > 0:
             g._raise_marked(int(count), int(index), int(bits))
