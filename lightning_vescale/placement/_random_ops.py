@@ -37,7 +37,9 @@ Every rank must hold the same generator state, as for any initialisation of a da
 model (seed every rank alike); no collective runs. On an N-D mesh
 (``(Replicate(), RaggedShard)``, design note [ragged-nd]) each rank keeps the range of its
 coordinate on the ragged dim, so replicas hold identical values, as after a broadcast. The
-random ``*_like`` factories draw the whole tensor on every device.
+random ``*_like`` factories follow the same rule (ATen's ``rand_like`` is
+``empty_like().uniform_(0, 1)``, ``randn_like`` ``normal_(0, 1)``, ``randint_like``
+``random_(low, high)``; a tensor ``high`` keeps the whole draw).
 
 torch's FSDP2, for comparison (torch 2.13): on CUDA its ``Shard(0)`` DTensors use DTensor's
 ``OffsetBasedRNGTracker``, which starts each shard's Philox stream at offset
@@ -137,11 +139,32 @@ def _random_like(op: Any, args: tuple, kwargs: dict) -> DTensor:
     dtype = kwargs.pop("dtype", None) or local.dtype
     for k in ("layout", "pin_memory"):
         kwargs.pop(k, None)
-    full_in = torch.empty(tuple(x.shape), dtype=dtype, device=device)
-    full = op(full_in, *args[1:], dtype=dtype, device=device, **kwargs)
-    piece = local_slice(full, placement, rank).clone()
+    fill = _as_fill(op, args[1:])
+    piece = torch.empty(local.numel(), dtype=dtype, device=device)
+    if fill is not None and can_draw_range(fill[0], piece, x.numel(), kwargs):
+        # ``rand_like`` is ``empty_like().uniform_(0, 1)`` (and so on) in ATen: the range alone
+        start, _ = placement.local_range(tuple(x.shape), rank)
+        draw_range(fill[0], piece, start, x.numel(), fill[1], kwargs)
+    else:
+        full_in = torch.empty(tuple(x.shape), dtype=dtype, device=device)
+        full = op(full_in, *args[1:], dtype=dtype, device=device, **kwargs)
+        piece = local_slice(full, placement, rank).clone()
     return ragged_from_local(piece, x.device_mesh, x._spec.placements, tuple(x.shape),
                              autograd=False, check=False)
+
+
+def _as_fill(op: Any, rest: tuple) -> tuple[Any, tuple] | None:
+    """The in-place fill a random ``*_like`` factory runs on ``empty_like`` in ATen, and its
+    arguments (``None``: a form left to the whole draw, e.g. a tensor ``high``)."""
+    name = op._schema.name.split("::")[-1]
+    if name == "rand_like":
+        return aten.uniform_.default, (0.0, 1.0)
+    if name == "randn_like":
+        return aten.normal_.default, (0.0, 1.0)
+    if name == "randint_like" and rest and all(isinstance(v, int) for v in rest):
+        low, high = (0, rest[0]) if len(rest) == 1 else rest[:2]
+        return getattr(aten.random_, "from"), (low, high)
+    return None
 
 
 def _overloads(names: tuple[str, ...]) -> list[torch._ops.OpOverload]:

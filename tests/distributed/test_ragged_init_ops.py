@@ -385,6 +385,21 @@ def _no_whole_temporary_body():
         _same_stream_after(after)
         # local-sized temporaries (trunc_normal_'s element-wise steps) and the scratch only
         assert mode.largest <= max(local_bytes, 64 * 4) < full_bytes, (name, mode.largest)
+    likes = [("rand_like", torch.rand_like), ("randn_like", torch.randn_like),
+             ("randint_like(high)", lambda t: torch.randint_like(t, 10)),
+             ("randint_like(low, high)", lambda t: torch.randint_like(t, -3, 10)),
+             ("rand_like(generator)", lambda t: torch.rand_like(t, generator=_gen()))]
+    for name, like in likes:
+        torch.manual_seed(9)
+        full = like(torch.empty(shape))
+        after = torch.rand(3)
+        torch.manual_seed(9)
+        mode = _LargestAllocation()
+        with mode:
+            out = like(w)
+        _assert_ragged(out, full, w.placements[0])
+        _same_stream_after(after)
+        assert mode.largest <= max(local_bytes, 64 * 4) < full_bytes, (name, mode.largest)
     return True
 
 
