@@ -18,7 +18,13 @@ Design note [dbuffer-collectives]
 * HSDP: the replica all-reduce of the reduced shard is issued from a side stream ordered after
   the reduce-scatter (FSDP2's ``all_reduce_stream``), so later backward kernels on the current
   stream do not queue behind the reduce-scatter; the handle's ``wait`` orders the current stream
-  after the all-reduce.
+  after the all-reduce. With a ``reduce_scatter_dtype`` the whole replica stage (the
+  reduce-scatter's local sum, the wire all-to-all, the fp32 sum, the all-gather, the copy out)
+  is issued on that side stream at reduce time, every step ordered by ``Work.wait`` in stream
+  order (no host wait on NCCL), and ``wait`` orders the current stream after an event recorded
+  behind it (FSDP2's ``all_reduce_event``). The works holding the tensors the side stream reads
+  (and the reduce-scatter's input, which NCCL stops holding at a ``Work.wait`` issued under the
+  side stream) live until then, so the current stream cannot reuse their memory early.
 * gloo (CPU): a SUM reduce-scatter is an ``all_to_all_single`` of ``grad_full`` into an
   input-sized temporary (each rank receives every rank's copy of its own slice) and one local
   ``sum`` over ranks. gloo's ``reduce_scatter_tensor`` moves the same bytes but was 1.7-2.4x
@@ -86,13 +92,36 @@ class _Finished:
     """A work-like object whose ``wait()`` runs ``finish`` once (a collective plus its local
     completion, e.g. the sum after gloo's all-to-all reduce-scatter)."""
 
-    def __init__(self, finish: Callable[[], None]) -> None:
+    def __init__(self, finish: Callable[[], None], keep: Any = None) -> None:
         self._finish: Callable[[], None] | None = finish
+        self._ran: Callable[[], None] | None = None
+        # the collective's input: NCCL (avoiding record_stream) drops its own reference at
+        # ``Work.wait``, which under a side stream does not order the stream it was allocated on
+        self._keep = keep
 
     def wait(self) -> bool:
         finish, self._finish = self._finish, None
         if finish is not None:
             finish()
+            # its tensors stay referenced while this work is: when ``finish`` enqueued kernels
+            # on a side stream, the holder releases them only after ordering its stream there
+            self._ran = finish
+        return True
+
+
+class _StreamDone:
+    """A work whose ``wait()`` orders the current stream after ``event``, recorded on a side
+    stream after the kernels it stands for (FSDP2's ``all_reduce_event``). It holds ``keep``
+    (the works and tensors those kernels read) until then: memory allocated on the current
+    stream and freed earlier could be reused by it while the side stream still reads it."""
+
+    def __init__(self, event: "torch.Event", device: torch.device, keep: tuple) -> None:
+        self._event, self._device, self._keep = event, device, keep
+
+    def wait(self) -> bool:
+        if self._keep is not None:
+            torch.accelerator.current_stream(self._device).wait_event(self._event)
+            self._keep = None
         return True
 
 
@@ -165,7 +194,7 @@ def gloo_reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, *, rank: int, 
     if not async_op:
         finish()
         return None
-    return _Finished(finish)
+    return _Finished(finish, keep=inp)
 
 
 # -- a narrow wire dtype (fp16): one power-of-two scale per sender --------------------------------
@@ -245,7 +274,7 @@ def wire_reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, *, wire: torch
     if not async_op:
         finish()
         return None
-    return _Finished(finish)
+    return _Finished(finish, keep=send)
 
 
 def gloo_serves(group: Any, device: torch.device) -> bool:
@@ -312,7 +341,7 @@ def wire_all_reduce_sum(out: torch.Tensor, wire: torch.dtype, *, group: Any, siz
                 _unpack_add(total, received[k], first=k == 0)
             mine = pack_scaled(total.view(1, chunk), wire)
             gathered = torch.empty(size, chunk + 1, dtype=wire, device=out.device)
-            _all_gather_flat(gathered.view(-1), mine.view(-1), group=group)
+            _all_gather_flat(gathered.view(-1), mine.view(-1), group=group, async_op=True).wait()
             full = torch.empty(size, chunk, dtype=out.dtype, device=out.device)
             for k in range(size):
                 _unpack_add(full[k], gathered[k], first=True)
@@ -323,7 +352,7 @@ def wire_all_reduce_sum(out: torch.Tensor, wire: torch.dtype, *, group: Any, siz
         for k in range(1, size):
             total.add_(parts[k])
         gathered = torch.empty_like(send)
-        _all_gather_flat(gathered, total.to(wire), group=group)
+        _all_gather_flat(gathered, total.to(wire), group=group, async_op=True).wait()
         out.copy_(gathered[:n])
 
     if not async_op:
@@ -409,19 +438,18 @@ def replica_all_reduce(rs_work: Any, out: torch.Tensor, *, op: dist.ReduceOp, gr
     reduce-scatter; the returned work's ``wait`` orders the current stream after the
     all-reduce. On the CPU (gloo) the reduce-scatter is simply finished first. With a ``wire``
     dtype (a ``reduce_scatter_dtype``) it is :func:`wire_all_reduce_sum` over the ``size``
-    replicas, after the reduce-scatter.
+    replicas, after the reduce-scatter: on an accelerator all of it (the reduce-scatter's
+    local sum, the all-to-all, the fp32 sum, the all-gather and the copy into ``out``) is
+    issued at once on the same side stream, and the returned work's ``wait`` orders the
+    current stream after an event recorded behind it (FSDP2's ``all_reduce_event``).
     """
-    if wire is not None:
-        if rs_work is not None:
-            with record_function("vescale::comm_wait"):
-                rs_work.wait()
-        with record_function("vescale::all_reduce"):
-            return wire_all_reduce_sum(out, wire, group=group, size=size, async_op=async_op)
     if out.device.type == "cpu" or not async_op:
         if rs_work is not None:
             with record_function("vescale::comm_wait"):
                 rs_work.wait()
         with record_function("vescale::all_reduce"):
+            if wire is not None:
+                return wire_all_reduce_sum(out, wire, group=group, size=size, async_op=async_op)
             return dist.all_reduce(out, op=op, group=group, async_op=async_op)
     stream = _ALL_REDUCE_STREAMS.get(out.device)
     if stream is None:
@@ -429,5 +457,10 @@ def replica_all_reduce(rs_work: Any, out: torch.Tensor, *, op: dist.ReduceOp, gr
     stream.wait_stream(torch.accelerator.current_stream(out.device))
     with stream, record_function("vescale::all_reduce"):
         if rs_work is not None:
-            rs_work.wait()  # orders the side stream after the reduce-scatter
-        return dist.all_reduce(out, op=op, group=group, async_op=True)
+            rs_work.wait()  # orders the side stream after the reduce-scatter (and its sum)
+        if wire is None:
+            return dist.all_reduce(out, op=op, group=group, async_op=True)
+        # every step waits in stream order: the host does not block on NCCL
+        wire_all_reduce_sum(out, wire, group=group, size=size, async_op=False)
+        event = stream.record_event()
+    return _StreamDone(event, out.device, keep=(rs_work, out))

@@ -58,14 +58,22 @@ group, the parameter, the block's elements and its absmax, and the ways out (``"
 range, or ``CommPolicy(quantize={name: False})``): no rank is left waiting in a collective. We
 raise rather than send such blocks unquantized because a message of fixed size is what keeps the
 all-gather one collective without a size exchange. Costs: two comparisons and two row sums per
-block when quantizing, and one read of the received scales' signs on the host per quantized
-all-gather (on an accelerator a host sync when the all-gather is waited, which keeps the CPU
-from running ahead more than one group).
+block when quantizing; after each all-gather a few kernels that keep, on the device, the first
+marked block's ``(count, index, scale)`` (``QuantizedGather.record_marks``: no host read);
+under ``fully_shard`` the root reads every buffer's record at once after its forward
+(``check_gathers``: one host read per forward, on an accelerator one sync, instead of one per
+quantized all-gather, forward and backward, which kept the CPU from running ahead more than one
+group). So the error comes at the end of the forward in which the block was gathered, on every
+rank at the same point (the records are the same everywhere); backward's re-gathers of the same
+shards carry the same marks and are read with the next forward's. A bare ``DBuffer`` (no
+``defer_check``) reads at the all-gather's ``wait``, as before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import struct
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -74,8 +82,8 @@ from torch._subclasses.fake_tensor import is_fake
 from lightning_vescale._dbuffer_comm import _all_gather_flat
 from lightning_vescale.planner import LayoutPlan
 
-__all__ = ["QUANT_FORMATS", "QuantizedGather", "Run", "all_rank_runs", "fp8_dtype",
-           "message_bytes", "rank_runs"]
+__all__ = ["QUANT_FORMATS", "QuantizedGather", "Run", "all_rank_runs", "any_unread",
+           "check_gathers", "fp8_dtype", "message_bytes", "rank_runs"]
 
 #: ``all_gather`` format -> largest code magnitude (the scale is ``absmax / qmax``)
 QUANT_FORMATS = {"int8": 127.0, "fp8": 448.0}
@@ -192,6 +200,10 @@ class QuantizedGather:
         self.recv = torch.empty(plan.world_size * self.message_bytes, dtype=torch.uint8,
                                 device=device)
         self.recv.untyped_storage().resize_(0)
+        #: see :meth:`record_marks`; ``fully_shard`` sets ``defer_check`` and checks once per
+        #: forward (at the root's post-forward) instead of once per all-gather
+        self._marks: torch.Tensor | None = None
+        self.defer_check = False
         self._uniform = all(rs == [Run(0, S // block_size, block_size, 0)] for rs in self.runs) \
             and S % block_size == 0 and S > 0
 
@@ -233,18 +245,32 @@ class QuantizedGather:
         bad = (2 * flushed > nonzero.sum(dim=1)) & torch.isfinite(s)
         s.copy_(torch.where(bad, -s, s))
 
-    def check_blocks(self, msg: torch.Tensor) -> None:
-        """Raise (on every rank alike: every rank holds the same gathered ``msg``) if a sender
-        marked a degenerate block (design note [quantized-degenerate-blocks])."""
+    def record_marks(self, msg: torch.Tensor) -> None:
+        """Note, on the device, whether a sender marked a degenerate block in the gathered
+        ``msg`` (design note [quantized-degenerate-blocks]): the first gather with a mark keeps
+        ``(count, first index, its scale's bits)`` until :func:`check_gathers` reads it. No
+        host read here; without :attr:`defer_check` it is read at once."""
         scales = self._scales(msg)
         if is_fake(scales):  # the dry run's FakeTensors carry no values to check
             return
-        bad = scales < 0
-        if not bool(bad.any()):
+        flat = scales.reshape(-1)
+        if flat.numel() == 0:
             return
-        row, slot = (int(i) for i in bad.nonzero()[0])
-        absmax = -float(scales[row, slot]) * self.qmax
-        r = self.rank if msg is self.send else row  # the sender
+        bad = flat < 0
+        first = torch.argmax(bad.to(torch.uint8)).view(1)  # the first marked (0 when none)
+        bits = flat.index_select(0, first).view(torch.int32).to(torch.int64)  # not flat[first]:
+        new = torch.cat([bad.sum().view(1), first, bits])  # a tensor index is read on the host
+        old = self._marks
+        self._marks = new if old is None else torch.where(old[0] > 0, old, new)
+        _UNREAD.add(self)
+        if not self.defer_check:
+            check_gathers([self])
+
+    def _raise_marked(self, count: int, index: int, bits: int) -> None:
+        """The error of a marked block: ``index`` into the gathered ``(ranks, K)`` scales."""
+        row, slot = divmod(index, max(self.num_scales, 1))
+        absmax = -struct.unpack("<f", struct.pack("<i", bits))[0] * self.qmax
+        r = row  # the sender (a world of one checks its own message: row 0, rank 0)
         run = next(u for u in self.runs[r] if u.scale <= slot < u.scale + u.count)
         pos = run.start + (slot - run.scale) * run.length  # in rank r's shard
         tensor, first = "<padding>", pos
@@ -260,7 +286,7 @@ class QuantizedGather:
             f"{'' if self.name else 'group'} has a block (elements [{first}, "
             f"{first + run.length}) of the flattened tensor, absmax {absmax:.4g}) where more "
             "than half of the nonzero values quantize to 0: an outlier sets the block's scale "
-            f"and its neighbours are lost ({int(bad.sum())} such block(s) in this all-gather). "
+            f"and its neighbours are lost ({count} such block(s) in this all-gather). "
             f"Use {wider}CommPolicy(quantize={{{tensor!r}: False}}) to keep this parameter "
             "unquantized, or remove the outlier.")
 
@@ -299,7 +325,7 @@ class QuantizedGather:
         if self.world_size == 1:
             def finish_one() -> None:
                 self.dequantize_(self.send, full)
-                self.check_blocks(self.send)
+                self.record_marks(self.send)
             return None, finish_one
         storage = self.recv.untyped_storage()
         if storage.nbytes() == 0:
@@ -309,7 +335,7 @@ class QuantizedGather:
         def finish() -> None:
             try:
                 self.dequantize_(self.recv, full)
-                self.check_blocks(self.recv)
+                self.record_marks(self.recv)
             finally:
                 self.recv.untyped_storage().resize_(0)
 
@@ -320,3 +346,27 @@ class QuantizedGather:
         buffer (communication memory, ``DBuffer.memory_bytes()["comm"]``)."""
         return self.send.numel() + self.recv.untyped_storage().nbytes()
 
+
+#: the gathers holding marks not read yet (weak: a model dropped with some does not stay alive)
+_UNREAD: "weakref.WeakSet[QuantizedGather]" = weakref.WeakSet()
+
+
+def any_unread() -> bool:
+    """Whether some all-gather's marks wait for :func:`check_gathers` (cheap: no tensor read)."""
+    return bool(_UNREAD)
+
+
+def check_gathers(gathers: Iterable[QuantizedGather]) -> None:
+    """Raise the error of the first degenerate block any of ``gathers`` recorded since the last
+    check (design note [quantized-degenerate-blocks]), reading all their records on the host
+    at once: one host read (a sync on an accelerator) for however many all-gathers ran."""
+    pending = [g for g in gathers if g._marks is not None]
+    if not pending:
+        return
+    marks = torch.stack([g._marks for g in pending]).tolist()
+    for g in pending:
+        g._marks = None
+        _UNREAD.discard(g)
+    for g, (count, index, bits) in zip(pending, marks):
+        if count > 0:
+            g._raise_marked(int(count), int(index), int(bits))

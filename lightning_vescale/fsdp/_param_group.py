@@ -162,6 +162,8 @@ class ParamGroup(GroupGradients):
                           quant_block_size=(comm.block_size or 0) if comm else 0,
                           wire_dtype=(comm.reduce_scatter_dtype if comm and trainable
                                       and dtype.is_floating_point else None))
+            if buf.quantized is not None:  # the root checks its marks once per forward
+                buf.quantized.defer_check = True  # ([quantized-degenerate-blocks])
             key = (dtype, trainable, True) if quantized else (dtype, trainable)
             self.buffers[(*key, *suffix)] = buf
             for mp in mps:

@@ -44,6 +44,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.profiler import record_function
 
+from lightning_vescale._dbuffer_quant import any_unread, check_gathers
 from lightning_vescale._pinned import host_source
 from lightning_vescale.fsdp._collective_check import check_collective
 from lightning_vescale.fsdp._collective_check import enabled as collective_check_on
@@ -162,6 +163,16 @@ class RootContext:
                     group.reshard()
                 group.sync_requires_grad()
                 group.release_unused_grad_shards()
+
+    def check_quantized(self) -> None:
+        """Raise, on every rank alike, if a quantized all-gather since the last check carried
+        a degenerate block: one host read for all of them (the root's post-forward calls it;
+        design note [quantized-degenerate-blocks]). Nothing to do (the common case, no
+        ``CommPolicy``): no walk over the groups."""
+        if not any_unread():
+            return
+        check_gathers([buf.quantized for group in self.groups for buf in group.buffers.values()
+                       if buf.quantized is not None])
 
     def reset_iteration(self) -> None:
         """``reset_iter_state()``: after a forward or backward raised, wait for collectives,

@@ -379,6 +379,8 @@ class FSDPState:
                     self.ctx.reshard_all()  # no backward will follow (no_grad / eval)
             if last:
                 self.training_state = TrainingState.IDLE
+            if self.is_root:  # the forward's quantized all-gathers, read once
+                self.ctx.check_quantized()
             return output
 
     def _is_last_in_forward(self) -> bool:

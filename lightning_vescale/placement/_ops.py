@@ -51,8 +51,9 @@ ordinary DTensors keep the normal path. For ragged schemas:
   ``clip_grad_norm_(foreach=True)`` costs one all-reduce; its default for DTensors is the
   per-tensor loop, one all-reduce per gradient).
 * random fills (``uniform_``, ``normal_``..., ``rand_like``...; ``RANDOM_HANDLERS``, design
-  note [ragged-random] in ``_random_ops``) draw the whole tensor and keep the rank's range: the
-  values of single-device initialisation under the same seed.
+  note [ragged-random] in ``_random_ops``) give each rank its range of the whole draw (drawn
+  whole on an accelerator; only the range on the CPU generator): the values of single-device
+  initialisation under the same seed.
 * ``new_empty``/``new_zeros``/``new_ones``/``new_full`` (the input's layout for its own shape,
   ``Replicate`` for another) and dim-0 slices ``w[a:b]`` (a ragged *view*, so writes reach
   ``w``): ``INIT_HANDLERS``, design note [ragged-init] in ``_init_ops``; what model init code

@@ -16,13 +16,30 @@ slice views used by init code are design note [ragged-init].
 
 The contract: a random fill of a ragged DTensor gives **the values single-device
 initialisation gives under the same seed**, on every device type, and leaves the generator in
-the same state. Each rank draws the *whole* tensor into a temporary of the global shape on the
-local tensor's device (same op, same arguments, same generator: the default one of that device,
-or the ``generator=`` given) and keeps its flat range. Every rank must hold the same generator
-state, as for any initialisation of a data-parallel model (seed every rank alike); no
-collective runs. Cost: one full-size temporary per call (initialisation only). On an N-D mesh
+the same state. The generator is the one the local tensor's device uses (the ``generator=``
+given, else that device's default one), so where the shard lives decides:
+
+* on an accelerator (a GPU's shard): that device's default generator. Each rank draws the
+  *whole* tensor into a temporary of the global shape on the device (same op, same arguments)
+  and keeps its flat range. Cost: one full-size temporary on the device per call, one
+  parameter at a time (initialisation only). It cannot be avoided without changing the values:
+  a Philox kernel spreads elements over threads by launch configuration, so a part drawn alone
+  (or at an offset, as DTensor's tracker does) gives other values than the whole draw's.
+* on the CPU (CPU training, and CPU offload, where the shards live in host memory): the CPU
+  generator, and no whole tensor: its kernels draw in element order, so each rank draws only
+  its range and draws the rest into a small scratch buffer it drops (``_random_range``;
+  ``normal_`` in bf16/fp16 and below 16 elements keep the whole draw). With offload the values
+  are therefore a one-process *CPU* initialisation's under the same seed, not a one-GPU one's
+  (``torch.manual_seed`` seeds both generators); torchtitan's own offload flow initialises on
+  the CPU too (``init_device="cpu"``), as do FSDP2's users.
+
+Every rank must hold the same generator state, as for any initialisation of a data-parallel
+model (seed every rank alike); no collective runs. On an N-D mesh
 (``(Replicate(), RaggedShard)``, design note [ragged-nd]) each rank keeps the range of its
-coordinate on the ragged dim, so replicas hold identical values, as after a broadcast.
+coordinate on the ragged dim, so replicas hold identical values, as after a broadcast. The
+random ``*_like`` factories follow the same rule (ATen's ``rand_like`` is
+``empty_like().uniform_(0, 1)``, ``randn_like`` ``normal_(0, 1)``, ``randint_like``
+``random_(low, high)``; a tensor ``high`` keeps the whole draw).
 
 torch's FSDP2, for comparison (torch 2.13): on CUDA its ``Shard(0)`` DTensors use DTensor's
 ``OffsetBasedRNGTracker``, which starts each shard's Philox stream at offset
@@ -62,6 +79,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_vescale.placement._common import aten, has_ragged, unsupported
+from lightning_vescale.placement._random_range import can_draw_range, draw_range
 from lightning_vescale.placement._ragged_shard import (
     RaggedShard,
     local_slice,
@@ -92,13 +110,20 @@ def _check_plain(op: Any, x: DTensor, rest: tuple, kwargs: dict) -> None:
 
 
 def _fill_inplace(op: Any, args: tuple, kwargs: dict) -> DTensor:
-    """``x.<random>_(...)``: draw the whole tensor, keep this rank's range."""
+    """``x.<random>_(...)``: this rank's range of the whole draw (on the CPU generator without
+    the whole tensor; elsewhere drawn whole and cut: [ragged-random])."""
     x, placement, rank = _ragged_self(op, args)
     _check_plain(op, x, args[1:], kwargs)
     local = x._local_tensor
-    full = torch.empty(tuple(x.shape), dtype=local.dtype, device=local.device)
-    op(full, *args[1:], **kwargs)
+    numel = x.numel()
     with torch.no_grad():
+        if local.dim() == 1 and can_draw_range(op, local, numel, kwargs):
+            # the CPU generator: this rank's range only, no whole-tensor temporary
+            start, _ = placement.local_range(tuple(x.shape), rank)
+            draw_range(op, local, start, numel, args[1:], kwargs)
+            return x
+        full = torch.empty(tuple(x.shape), dtype=local.dtype, device=local.device)
+        op(full, *args[1:], **kwargs)
         local.copy_(local_slice(full, placement, rank))
     return x
 
@@ -114,11 +139,32 @@ def _random_like(op: Any, args: tuple, kwargs: dict) -> DTensor:
     dtype = kwargs.pop("dtype", None) or local.dtype
     for k in ("layout", "pin_memory"):
         kwargs.pop(k, None)
-    full_in = torch.empty(tuple(x.shape), dtype=dtype, device=device)
-    full = op(full_in, *args[1:], dtype=dtype, device=device, **kwargs)
-    piece = local_slice(full, placement, rank).clone()
+    fill = _as_fill(op, args[1:])
+    piece = torch.empty(local.numel(), dtype=dtype, device=device)
+    if fill is not None and can_draw_range(fill[0], piece, x.numel(), kwargs):
+        # ``rand_like`` is ``empty_like().uniform_(0, 1)`` (and so on) in ATen: the range alone
+        start, _ = placement.local_range(tuple(x.shape), rank)
+        draw_range(fill[0], piece, start, x.numel(), fill[1], kwargs)
+    else:
+        full_in = torch.empty(tuple(x.shape), dtype=dtype, device=device)
+        full = op(full_in, *args[1:], dtype=dtype, device=device, **kwargs)
+        piece = local_slice(full, placement, rank).clone()
     return ragged_from_local(piece, x.device_mesh, x._spec.placements, tuple(x.shape),
                              autograd=False, check=False)
+
+
+def _as_fill(op: Any, rest: tuple) -> tuple[Any, tuple] | None:
+    """The in-place fill a random ``*_like`` factory runs on ``empty_like`` in ATen, and its
+    arguments (``None``: a form left to the whole draw, e.g. a tensor ``high``)."""
+    name = op._schema.name.split("::")[-1]
+    if name == "rand_like":
+        return aten.uniform_.default, (0.0, 1.0)
+    if name == "randn_like":
+        return aten.normal_.default, (0.0, 1.0)
+    if name == "randint_like" and rest and all(isinstance(v, int) for v in rest):
+        low, high = (0, rest[0]) if len(rest) == 1 else rest[:2]
+        return getattr(aten.random_, "from"), (low, high)
+    return None
 
 
 def _overloads(names: tuple[str, ...]) -> list[torch._ops.OpOverload]:

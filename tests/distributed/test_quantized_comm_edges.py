@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.distributed._fully_shard_helpers import assemble, local_pieces, micro
 from tests.distributed._quant_helpers import Rows, fake_quant, reference_step, rows_batches
@@ -180,3 +181,58 @@ def test_a_moderate_outlier_is_quantized_as_before(worlds):
     """No false alarm: an outlier 50x the weights (int8 flushes ~16% of that block) trains on
     (forward equals the fake-quantized weights, checked in test_quantized_comm.py)."""
     assert worlds(2).run(_outlier, "int8", 5.0) == [None, None]
+
+
+# -- the check's host reads: one per forward, not one per all-gather (issue 35) ------------------
+class _HostReads(TorchDispatchMode):
+    """Counts reads of tensor values on the host: ``item()``/``bool()`` (``_local_scalar_dense``)
+    here, ``tolist()`` by the wrapper installed in :func:`_count_host_reads`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_host_reads(quantized: bool, steps: int = 2) -> int:
+    from lightning_vescale import CommPolicy
+    from lightning_vescale.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(4)))
+    policy = CommPolicy(all_gather="int8") if quantized else None
+    for layer in model:
+        fully_shard(layer, comm_policy=policy)
+    fully_shard(model, comm_policy=policy)
+    x = torch.randn(2, 256)
+    model(x).sum().backward()  # lazy init and the first iteration's recording: not counted
+    reads = _HostReads()
+    tolist = torch.Tensor.tolist
+
+    def counted(t):
+        reads.count += 1
+        return tolist(t)
+
+    torch.Tensor.tolist = counted
+    try:
+        with reads:
+            for _ in range(steps):
+                model(x).sum().backward()
+    finally:
+        torch.Tensor.tolist = tolist
+    return reads.count
+
+
+def _host_reads_body():
+    return _count_host_reads(True) - _count_host_reads(False)
+
+
+def test_degenerate_check_reads_the_host_once_per_forward(worlds):
+    """Before: one host read per quantized all-gather (4 groups gathered in forward, again in
+    backward: 7 per step here; on a GPU each a sync). Now the marks stay on the device and the
+    root reads them all at once after forward: 2 steps, 2 reads more than unquantized."""
+    assert worlds(2).run(_host_reads_body) == [2, 2]

@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, init_device_mesh
 from torch.distributed.tensor.experimental import implicit_replication
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from lightning_vescale.placement import RaggedShard
 from tests.distributed._ragged_helpers import ragged_tensor
@@ -332,3 +335,74 @@ def _hsdp_body():
 
 def test_init_ops_on_an_hsdp_mesh(worlds):
     assert worlds(4).run(_hsdp_body) == [True] * 4
+
+
+# -- the CPU generator: no whole-tensor temporary (issue 35) -------------------------------------
+class _LargestAllocation(TorchDispatchMode):
+    """The largest storage an op creates (outputs whose storage no input has) while active,
+    through DTensor's own handling (the mode passes DTensor calls on to it); DTensor's sharding
+    propagation's fake tensors hold no memory and are not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor answers; its local ops come back here
+        out = func(*args, **(kwargs or {}))
+
+        def real(tree):
+            return [t for t in tree_flatten(tree)[0]
+                    if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)]
+
+        seen = {t.untyped_storage().data_ptr() for t in real((args, kwargs))}
+        for t in real(out):
+            if t.untyped_storage().data_ptr() not in seen:
+                self.largest = max(self.largest, t.untyped_storage().nbytes())
+        return out
+
+
+def _no_whole_temporary_body():
+    import lightning_vescale.placement._random_range as rr
+
+    rr.SCRATCH_NUMEL = 64  # a forked child: the parent keeps its value
+    shape = (64, 40)
+    full_bytes = 64 * 40 * 4
+    w = _shard(torch.zeros(shape), (0,), {2: (1, 1), 3: (1, 2, 1)}[dist.get_world_size()])
+    local_bytes = w.to_local().numel() * 4
+    for name, init in INITS[:5] + MATRIX_INITS:
+        torch.manual_seed(9)
+        full = torch.empty(shape)
+        with torch.no_grad():
+            init(full)
+        after = torch.rand(3)
+        torch.manual_seed(9)
+        mode = _LargestAllocation()
+        with torch.no_grad(), mode:
+            init(w)
+        _assert_ragged(w, full)
+        _same_stream_after(after)
+        # local-sized temporaries (trunc_normal_'s element-wise steps) and the scratch only
+        assert mode.largest <= max(local_bytes, 64 * 4) < full_bytes, (name, mode.largest)
+    likes = [("rand_like", torch.rand_like), ("randn_like", torch.randn_like),
+             ("randint_like(high)", lambda t: torch.randint_like(t, 10)),
+             ("randint_like(low, high)", lambda t: torch.randint_like(t, -3, 10)),
+             ("rand_like(generator)", lambda t: torch.rand_like(t, generator=_gen()))]
+    for name, like in likes:
+        torch.manual_seed(9)
+        full = like(torch.empty(shape))
+        after = torch.rand(3)
+        torch.manual_seed(9)
+        mode = _LargestAllocation()
+        with mode:
+            out = like(w)
+        _assert_ragged(out, full, w.placements[0])
+        _same_stream_after(after)
+        assert mode.largest <= max(local_bytes, 64 * 4) < full_bytes, (name, mode.largest)
+    return True
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_random_fills_on_the_cpu_generator_draw_no_whole_tensor(worlds, ws):
+    assert worlds(ws).run(_no_whole_temporary_body) == [True] * ws

@@ -249,6 +249,97 @@ def test_replica_all_reduce_waits_on_a_side_stream(monkeypatch):
                    "all-reduce (async=True)", "exit side"]
 
 
+@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16])
+def test_replica_all_reduce_with_a_wire_dtype_stays_on_the_side_stream(monkeypatch, wire):
+    """HSDP with a ``reduce_scatter_dtype`` (issue 35): the reduce-scatter's finish, the
+    all-to-all, the fp32 sum and the all-gather are all issued on the side stream at reduce
+    time; the current stream only waits for the event recorded behind them, at ``wait``.
+    Before, the current stream waited for the reduce-scatter and the all-gather was issued at
+    ``wait`` as a synchronous collective on the current stream."""
+    import lightning_vescale._dbuffer_comm as comm
+
+    log, where = [], ["cur"]
+
+    class _Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_stream(self, other) -> None:
+            log.append(f"{self.name} waits for {other.name}")
+
+        def record_event(self):
+            log.append(f"{self.name} records the event")
+            return f"event of {self.name}"
+
+        def wait_event(self, event) -> None:
+            log.append(f"{self.name} waits for the {event}")
+
+        def __enter__(self):
+            where.append(self.name)
+
+        def __exit__(self, *exc):
+            where.pop()
+
+    class _Work:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait(self) -> None:
+            log.append(f"{self.name} waited on {where[-1]}")
+
+    def collective(name):
+        def issue(*args, group=None, async_op=False, **kwargs):
+            log.append(f"{name} issued on {where[-1]} (async={async_op})")
+            return _Work(name) if async_op else None
+        return issue
+
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: _Stream("cur"))
+    monkeypatch.setattr(comm.dist, "all_to_all_single", collective("all-to-all"))
+    monkeypatch.setattr(comm, "_all_gather_flat", collective("all-gather"))
+    out = torch.ones(10, device="meta")  # an accelerator's tensor (a CPU build cannot copy
+    monkeypatch.setitem(comm._ALL_REDUCE_STREAMS, out.device, _Stream("side"))  # fake CUDA)
+    rs_work = _Work("reduce-scatter")
+    rs_alive = weakref.ref(rs_work)
+    work = comm.replica_all_reduce(rs_work, out, op=AVG, group=None, async_op=True,
+                                   wire=wire, size=2)
+    del rs_work
+    assert log == ["side waits for cur", "reduce-scatter waited on side",
+                   "all-to-all issued on side (async=True)", "all-to-all waited on side",
+                   "all-gather issued on side (async=True)", "all-gather waited on side",
+                   "side records the event"]
+    # the reduce-scatter's tensors (its finish closure) live until the current stream waits
+    assert rs_alive() is not None
+    log.clear()
+    work.wait()
+    work.wait()  # idempotent
+    assert log == ["cur waits for the event of side"]
+    assert rs_alive() is None
+
+
+def test_the_reduce_scatter_work_holds_its_input(monkeypatch):
+    """NCCL, avoiding record_stream, drops its reference to a collective's input at
+    ``Work.wait``; waited under the side stream that does not order the stream the input was
+    allocated on, so the work itself keeps it (and the side-stream work keeps the work)."""
+    import lightning_vescale._dbuffer_comm as comm
+
+    class _Work:
+        def wait(self) -> None:
+            pass
+
+    monkeypatch.setattr(comm.dist, "all_to_all_single", lambda *a, **k: _Work())
+    for wire in (torch.bfloat16, torch.float16):
+        inp = torch.ones(8)
+        out = torch.empty(4)
+        work = comm.wire_reduce_scatter_sum(out, inp, wire=wire, rank=0, world_size=2,
+                                            group=None, async_op=True, release=lambda: None)
+        sent = weakref.ref(work._keep)  # the wire-dtype copy (fp16: the scaled message)
+        del inp
+        work.wait()
+        assert sent() is not None, wire
+        del work
+        assert sent() is None, wire
+
+
 # -- the strategies shard from the CPU source: no whole-model copy on the device (issue 35) ------
 class _LiveBytes(TorchDispatchMode):
     """The peak bytes of live storages on ``device_type``, sampled at every op (storages are
