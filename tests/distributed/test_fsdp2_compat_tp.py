@@ -269,3 +269,206 @@ def test_train_parity_2d_mlp(worlds, impl):
 def test_train_parity_2d_transformer(worlds, impl):
     bad = worlds(4).run(_train_parity_2d_transformer_body, impl)
     assert not any(bad), (impl, bad)
+
+
+# -- test_fully_shard_state_dict.py ----------------------------------------------------------
+def _state_dict_correctness_body(impl: str) -> list[str]:
+    """``test_2d_state_dict_correctness``: each sharded state dict value's full tensor equals
+    the unsharded model's."""
+    mesh = _mesh()
+    torch.manual_seed(42)
+    model = nn.Sequential(*[MLP(4) for _ in range(3)])
+    model_2d = parallelize_module(copy.deepcopy(model), mesh["tp"], _mlp_plan(3))
+    fs = fully_shard_of(impl)
+    for mlp in model_2d:
+        fs(mlp, mesh=mesh["dp"])
+    fs(model_2d, mesh=mesh["dp"])
+    bad = []
+    for (k, t), d in zip(model.state_dict().items(), model_2d.state_dict().values()):
+        bad.append(None if isinstance(d, DTensor) else f"{k} is not a DTensor")
+        bad.append(_diff(d.full_tensor(), t, k))
+    return [b for b in bad if b]
+
+
+def _state_dict_save_load(model: nn.Module) -> list[str]:
+    """Upstream's ``_test_state_dict_save_load``: state dict values are DTensors sharing the
+    sharded parameters' storage; loading new DTensors writes their values into the parameters
+    (in place where the dp shard is even)."""
+    bad = [f"{n} is {type(p).__name__}" for n, p in model.named_parameters()
+           if not isinstance(p, DTensor)]
+    old, new = 1.0, 42.0 + dist.get_rank()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(old)
+    ptr = {n: p.to_local().data_ptr() for n, p in model.named_parameters()}
+    sd = model.state_dict()
+    if set(sd) != set(ptr):
+        bad.append(f"keys {sorted(sd)} != {sorted(ptr)}")
+    for n, t in sd.items():
+        if not isinstance(t, DTensor):
+            bad.append(f"state dict {n} is not a DTensor")
+        elif t.to_local().numel() and t.to_local().data_ptr() != ptr[n]:
+            bad.append(f"state dict {n} does not share the parameter's storage")
+    new_sd = {n: t.detach().clone().fill_(new) for n, t in sd.items()}
+    model.load_state_dict(new_sd)
+    for n, p in model.named_parameters():
+        local = p.to_local()
+        if not torch.equal(local, torch.full_like(local, new)):
+            bad.append(f"{n} not loaded")
+        even = local.size(0) * p.device_mesh.size() == p.size(0)
+        if even and local.numel() and local.data_ptr() != ptr[n]:
+            bad.append(f"{n}: an even shard's storage moved on load")
+    return bad
+
+
+def _save_load_body(impl: str, shape: tuple[int, ...], names: tuple[str, ...]) -> list[str]:
+    """``test_dp_tp_state_dict_save_load`` (mesh (2, 2)) and ``test_hsdp_tp_state_dict_save_load``
+    (mesh (2, 2, 1) at world 4), mlp_dim 4, 6, 8, 10."""
+    mesh = _mesh(shape, names)
+    dp = mesh[names[:-1]] if len(names) == 3 else mesh["dp"]
+    bad = []
+    for mlp_dim in (4, 6, 8, 10):
+        torch.manual_seed(42)
+        model = parallelize_module(nn.Sequential(*[MLP(mlp_dim) for _ in range(3)]),
+                                   mesh["tp"], _mlp_plan(3))
+        fs = fully_shard_of(impl)
+        for mlp in model:
+            fs(mlp, mesh=dp)
+        fs(model, mesh=dp)
+        bad += [f"mlp_dim={mlp_dim}: {b}" for b in _state_dict_save_load(model)]
+    return bad
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fully_shard_state_dict_2d_cases(worlds, impl):
+    cases = ((_state_dict_correctness_body,),
+             (_save_load_body, (2, 2), ("dp", "tp")),
+             (_save_load_body, (2, 2, 1), ("dp_replicate", "dp_shard", "tp")))
+    for body, *args in cases:
+        bad = worlds(4).run(body, impl, *args)
+        assert not any(bad), (impl, body.__name__, args, bad)
+
+
+class SimpleModel(nn.Module):
+    """Upstream's ``SimpleModel`` of ``test_fully_shard_training.py``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1, self.net2, self.net3 = nn.Linear(5, 8), nn.Linear(8, 4), nn.Linear(4, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.net1(x))
+        x = torch.relu(self.net2(x))
+        return torch.relu(self.net3(x))
+
+
+def _set_full_state_dict_body(impl: str) -> list[str]:
+    """``test_fully_shard_tp_2d_set_full_state_dict``: full model and optimizer state dicts
+    (cpu_offload, broadcast_from_rank0) set back give the same sharded state dicts."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = parallelize_module(SimpleModel(), mesh["tp"], {
+        "net1": ColwiseParallel(), "net2": RowwiseParallel(), "net3": ColwiseParallel()})
+    fully_shard_of(impl)(model, mesh=mesh["dp"])
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.rand(4, 5)).sum().backward()
+    optim.step()
+    ref_msd = copy.deepcopy(get_model_state_dict(model))
+    ref_osd = copy.deepcopy(get_optimizer_state_dict(model, optimizers=optim))
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=True)
+    full_msd = get_model_state_dict(model, options=opts)
+    full_osd = get_optimizer_state_dict(model, optimizers=optim, options=opts)
+    set_model_state_dict(model, full_msd, options=opts)
+    set_optimizer_state_dict(model, optimizers=optim, optim_state_dict=full_osd, options=opts)
+    new_msd = get_model_state_dict(model)
+    new_osd = get_optimizer_state_dict(model, optimizers=optim)
+    bad = []
+
+    def same(a, b, what: str) -> None:
+        if isinstance(a, dict):
+            if set(a) != set(b):
+                bad.append(f"{what}: keys differ")
+            for k in a:
+                same(a[k], b.get(k), f"{what}.{k}")
+        elif isinstance(a, DTensor):
+            if not isinstance(b, DTensor) or a.placements != b.placements:
+                bad.append(f"{what}: placements {a.placements} vs {getattr(b, 'placements', b)}")
+            else:
+                bad.append(_diff(b.to_local(), a.to_local(), what))
+        elif isinstance(a, torch.Tensor):
+            bad.append(_diff(b, a, what))
+        elif isinstance(a, (list, tuple)):  # (upstream's assertEqual: tuple == list)
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                same(x, y, f"{what}[{i}]")
+        elif a != b:
+            bad.append(f"{what}: {a!r} != {b!r}")
+
+    same(ref_msd, new_msd, "model")
+    same(ref_osd, new_osd, "optim")
+    return [b for b in bad if b]
+
+
+def _checkpoint_resume_body(impl: str, path: str) -> list[str]:
+    """``test_train_parity_2d_transformer_checkpoint_resume``, sub-case use_seq_parallel=True,
+    reuse_model_optim=False, AdamW: one step, DCP save of the model and optimizer state dicts,
+    a new model (other seed, one step taken) loads them in place and its next step's loss
+    equals the uninterrupted run's second."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    fs = fully_shard_of(impl)
+    mesh = _mesh()
+    args = ModelArgs(dropout_p=0.0, use_attn_mask=False)  # see the transformer case
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = Transformer.parallelize(Transformer(args), mesh["tp"], True)
+        for layer in model.layers:
+            fs(layer, mesh=mesh["dp"])
+        fs(model, mesh=mesh["dp"])
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(model, optim, x) -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.MATH):
+            loss = model(x).sum()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        return loss.detach()
+
+    model, optim = build(42)
+    torch.manual_seed(42 + mesh["dp"].get_local_rank() + 1)
+    x = torch.randint(0, args.vocab_size, (3, 16))
+    loss1, loss2 = step(model, optim, x), step(model, optim, x)
+    model, optim = build(42)
+    bad = [_diff(step(model, optim, x), loss1, "first step")]
+    dcp.save({"model": get_model_state_dict(model),
+              "optim": get_optimizer_state_dict(model, optim)}, checkpoint_id=path)
+    model, optim = build(43)  # other values; a step creates the optimizer state to load into
+    if torch.equal(step(model, optim, x), loss2):
+        bad.append("a model of another seed gave the same loss")
+    # DCP loads in place: the state dicts' tensors are the parameters' and optimizer's storage
+    dcp.load({"model": get_model_state_dict(model),
+              "optim": get_optimizer_state_dict(model, optim)}, checkpoint_id=path)
+    bad.append(None if optim.state_dict()["state"] else "no optimizer state")
+    bad.append(_diff(step(model, optim, x), loss2, "resumed step"))
+    return [b for b in bad if b]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fully_shard_2d_optimizer_state_dicts(worlds, impl, tmp_path):
+    bad = worlds(4).run(_set_full_state_dict_body, impl)
+    assert not any(bad), (impl, bad)
+    bad = worlds(4).run(_checkpoint_resume_body, impl, str(tmp_path / "ckpt"))
+    assert not any(bad), (impl, bad)
