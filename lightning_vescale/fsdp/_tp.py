@@ -26,9 +26,11 @@ objects of design note [fsdp-param-objects] become:
 Supported: a 1-D data-parallel mesh or a 2-D HSDP one (named sub-meshes of the root mesh the
 tp mesh is a sub-mesh of: the composed mesh is built from the *dp* mesh's root, since DTensor's
 sharding caches may hand back an equal tp mesh object that hangs under an earlier root of
-another shape), 1-D tp meshes, ``Shard(k)``/``Replicate()`` TP placements (sequence-parallel norms included),
-AdamW/SGD-style optimizers (element-wise on the local shards), mixed precision,
-``lightning_vescale.precision.clip_grad_norm_``, full state dicts and DCP checkpoints.
+another shape), 1-D tp meshes, ``Shard(k)``/``Replicate()`` TP placements (sequence-parallel
+norms included), AdamW/SGD-style optimizers (element-wise on the local shards), mixed
+precision, ``lightning_vescale.precision.clip_grad_norm_``, full state dicts (with
+``broadcast_from_rank0`` too) and DCP checkpoints. torch's own FSDP2 + TP tests run on both
+engines in ``tests/distributed/test_fsdp2_compat_tp.py``.
 Refused with a message (:func:`refuse_unsupported` and the optimizers'/writers' own checks):
 CPU offload, ``comm_policy``, ``shard_placement_fn``/``dp_mesh_dims``,
 ``reshard_after_forward=<int>``, meta-device TP parameters, AdamW8bit/Muon/SOAP/Shampoo/
