@@ -86,8 +86,11 @@ def _group(args: tuple) -> tuple[str | None, int]:
             except (RuntimeError, TypeError):
                 continue
             return pg.group_name, pg.size()
-        if isinstance(a, str):
-            return a, _resolve_process_group(a).size()
+        if isinstance(a, str):  # functional all_reduce's reduce op ("sum") comes first
+            try:
+                return a, _resolve_process_group(a).size()
+            except RuntimeError:
+                continue
     return None, 1
 
 

@@ -21,9 +21,9 @@ conventions, so that a LightningModule written for it runs on ours unchanged:
 * Defaults: ``tensor_parallel_size=None`` and ``data_parallel_size="auto"`` keep the 1-D
   (or ``device_mesh``) data-parallel mesh of design note [strategy-mesh]: a default of
   ``"auto"`` as Lightning's would turn every existing multi-GPU run into TP runs without a plan.
-* ``device_mesh`` together with either size is refused (a ``ValueError`` at construction): HSDP
-  with TP (a 3-D mesh) is not supported yet by ``fully_shard`` (design note [fsdp-tp]), and a
-  ``DeviceMesh`` given as ``device_mesh`` is already the whole layout.
+* ``device_mesh`` together with either size is refused (a ``ValueError`` at construction): the
+  strategies do not build HSDP + TP (3-D) meshes yet (``fully_shard`` takes them, design note
+  [fsdp-tp]), and a ``DeviceMesh`` given as ``device_mesh`` is already the whole layout.
 
 Checks run as early as the facts are known, as for ``device_mesh``: types and positivity at
 construction (a YAML mistake fails before any process starts); ``dp * tp`` against
@@ -125,8 +125,9 @@ def validate_parallel_sizes(data_parallel_size: Any, tensor_parallel_size: Any,
             f"device_mesh={device_mesh!r} cannot be combined with data_parallel_size="
             f"{data_parallel_size!r} / tensor_parallel_size={tensor_parallel_size!r}: the sizes "
             f"build the (data_parallel, tensor_parallel) mesh themselves, and HSDP with tensor "
-            f"parallelism (a 3-D mesh) is not supported yet. Drop device_mesh for FSDP + TP, or "
-            f"drop the sizes for FSDP/HSDP without TP.")
+            f"parallelism (a 3-D mesh) is not built by the strategies yet (lightning_vescale.fully_shard "
+            f"takes one). Drop device_mesh for FSDP + TP, or drop the sizes for FSDP/HSDP "
+            f"without TP.")
     return ParallelSizes(data_parallel_size=dp, tensor_parallel_size=tp)
 
 

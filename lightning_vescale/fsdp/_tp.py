@@ -14,27 +14,35 @@ objects of design note [fsdp-param-objects] become:
 * ``sharded``: a DTensor on the 2-D ``(dp, tp)`` mesh with placements
   ``(RaggedShard, <tp placement>)``, the strided form of design note [ragged-tp]
   (``full_tensor()`` and ``redistribute`` go through it); its local tensor is the DBuffer shard.
+  With HSDP (``fully_shard(..., mesh=mesh["dp_replicate", "dp_shard"])``, torchtitan's 3-D
+  mesh) it is a DTensor on the 3-D ``(dp_replicate, dp_shard, tp)`` mesh with placements
+  ``(Replicate(), RaggedShard, <tp placement>)``: the group's HSDP engine (reduce-scatter over
+  dp_shard, all-reduce over dp_replicate) runs on the TP-local tensors unchanged.
 * ``unsharded``: a DTensor on the tp mesh with the TP placements, whose local tensor is the
   DBuffer's unsharded view: the module sees exactly what TP gave it, so TP's hooks work
   unchanged. Its ``.grad`` is pre-set to a DTensor over the grad buffer's view, so
   ``AccumulateGrad`` adds in place into the buffer (zero-copy, as for plain tensors).
 
-Supported: a 1-D data-parallel mesh (a sub-mesh of the same root mesh as the tp mesh), 1-D tp
-meshes, ``Shard(k)``/``Replicate()`` TP placements (sequence-parallel norms included),
-AdamW/SGD-style optimizers (element-wise on the local shards), ``AdamW8bit`` (its blocks cut
-from each rank's TP-local tensor: ``optim/_base.py``'s TP layout; the default granularity of
-a TP parameter is decided on its global shape, :func:`tp_default_granularity`), Muon/SOAP/
-Shampoo (each matrix gathered whole to an owner over both dims: design note
-[tp-matrix-optim]), ``comm_policy`` on the dp dim (the quantized buffers hold TP-local
-tensors, so blocks never cross a tp rank), mixed precision,
-``lightning_vescale.precision.clip_grad_norm_``, full state dicts, DCP checkpoints,
-``save_safetensors``/``load_safetensors`` (each rank its runs of its TP-local box:
-``placement._ragged_tp.tp_flat_runs``), activation checkpointing and ``torch.compile`` per
-block. Refused with a message (:func:`refuse_unsupported` and the optimizers' own checks):
-HSDP (3-D meshes), CPU offload, ``shard_placement_fn``/``dp_mesh_dims``,
-``reshard_after_forward=<int>``, meta-device TP parameters, FlatParamOptimizer, and a TP plan
-applied after ``fully_shard`` (:func:`check_not_ragged`; ``distribute_tensor`` of a
-RaggedShard DTensor).
+Supported: a 1-D data-parallel mesh or a 2-D HSDP one (named sub-meshes of the root mesh the
+tp mesh is a sub-mesh of: the composed mesh is built from the *dp* mesh's root, since DTensor's
+sharding caches may hand back an equal tp mesh object that hangs under an earlier root of
+another shape), 1-D tp meshes, ``Shard(k)``/``Replicate()`` TP placements (sequence-parallel
+norms included), AdamW/SGD-style optimizers (element-wise on the local shards), ``AdamW8bit``
+(its blocks cut from each rank's TP-local tensor: ``optim/_base.py``'s TP layout; the default
+granularity of a TP parameter is decided on its global shape, :func:`tp_default_granularity`),
+Muon/SOAP/Shampoo on (dp, tp) meshes (each matrix gathered whole to an owner over both dims:
+design note [tp-matrix-optim]), ``comm_policy`` on the dp dim (the quantized buffers hold
+TP-local tensors, so blocks never cross a tp rank), mixed precision,
+``lightning_vescale.precision.clip_grad_norm_``, full state dicts (with ``broadcast_from_rank0``
+too), DCP checkpoints, ``save_safetensors``/``load_safetensors`` (each rank its runs of its
+TP-local box: ``placement._ragged_tp.tp_flat_runs``), activation checkpointing and
+``torch.compile`` per block. torch's own FSDP2 + TP tests run on both engines in
+``tests/distributed/test_fsdp2_compat_tp.py``. Refused with a message
+(:func:`refuse_unsupported` and the optimizers' own checks): CPU offload,
+``shard_placement_fn``/``dp_mesh_dims``, ``reshard_after_forward=<int>``, meta-device TP
+parameters, FlatParamOptimizer, Muon/SOAP/Shampoo on HSDP + TP (3-D) meshes, and a TP plan
+applied after ``fully_shard`` (:func:`check_not_ragged`; ``distribute_tensor`` of a RaggedShard
+DTensor).
 """
 
 from __future__ import annotations
@@ -57,7 +65,8 @@ __all__ = ["TPSpec", "refuse_unsupported", "tp_default_granularity", "tp_param_s
 class TPSpec:
     """How a parameter was tensor-parallel before ``fully_shard`` (design note [fsdp-tp])."""
 
-    mesh: DeviceMesh  #: the 2-D ``(dp, tp)`` mesh of the sharded parameter
+    #: the ``(dp, tp)`` mesh of the sharded parameter (``(dp_replicate, dp_shard, tp)``: HSDP)
+    mesh: DeviceMesh
     tp_mesh: DeviceMesh  #: the tp mesh of the unsharded parameter
     placements: tuple[Placement, ...]  #: the TP placements (one per tp mesh dim)
     shape: tuple[int, ...]  #: the global shape
@@ -84,9 +93,10 @@ def tp_param_spec(name: str, param: nn.Parameter, dp: DeviceMesh | None) -> TPSp
     """The :class:`TPSpec` of a DTensor parameter (``None`` for a plain tensor).
 
     Raises:
-        ValueError: a RaggedShard DTensor, no ``mesh=``, a tp mesh that is not a named 1-D
-            sub-mesh of the dp mesh's root, or a ``Partial``/other placement.
-        NotImplementedError: HSDP (a 2-D dp mesh) with TP, a meta-device TP parameter.
+        ValueError: a RaggedShard DTensor, no ``mesh=``, a dp mesh of more than 2 dims, a tp
+            mesh that is not a named 1-D sub-mesh of the dp mesh's root, or a
+            ``Partial``/other placement.
+        NotImplementedError: a meta-device TP parameter.
     """
     if not isinstance(param, DTensor):
         return None
@@ -98,11 +108,11 @@ def tp_param_spec(name: str, param: nn.Parameter, dp: DeviceMesh | None) -> TPSp
             f"parameter {name!r} is a tensor-parallel DTensor on {tp_mesh}; pass fully_shard("
             "..., mesh=device_mesh['dp']) the data-parallel sub-mesh of the same (dp, tp) mesh "
             "(FSDP2 + TP's convention).")
-    if dp.ndim != 1:
-        raise NotImplementedError(
-            f"parameter {name!r}: tensor parallelism with HSDP (a {dp.ndim}-D data-parallel "
-            "mesh, i.e. a 3-D mesh) is not supported yet; use a 1-D data-parallel mesh "
-            "(dp, tp).")
+    if dp.ndim not in (1, 2):
+        raise ValueError(
+            f"parameter {name!r}: the data-parallel mesh must be 1-D (dp) or 2-D (dp_replicate, "
+            f"dp_shard: HSDP), got a {dp.ndim}-D mesh {dp}; pass mesh=device_mesh['dp'] or "
+            "device_mesh['dp_replicate', 'dp_shard'], not the mesh with the tp dim.")
     if tp_mesh.ndim != 1 or any(not isinstance(p, (Shard, Replicate)) or
                                 isinstance(p, RaggedShard) for p in placements):
         raise ValueError(
@@ -111,19 +121,23 @@ def tp_param_spec(name: str, param: nn.Parameter, dp: DeviceMesh | None) -> TPSp
     if type(placements[0]) is not Shard and not isinstance(placements[0], Replicate):
         raise ValueError(f"parameter {name!r}: unsupported TP placement {placements[0]!r} "
                          "(strided or custom shards); use Shard(k) or Replicate().")
-    root = _root(tp_mesh)
-    names = (dp.mesh_dim_names or (None,))[0], (tp_mesh.mesh_dim_names or (None,))[0]
-    if None in names or _root(dp) != root or names[0] == names[1]:
+    # dp's root, not tp_mesh's: DTensor's sharding caches may hand back an equal tp mesh
+    # (same ranks and name) that hangs under an earlier root mesh of another shape
+    root = _root(dp)
+    names = (*(dp.mesh_dim_names or (None,) * dp.ndim), *(tp_mesh.mesh_dim_names or (None,)))
+    if (None in names or len(set(names)) != len(names)
+            or not set(names) <= set(root.mesh_dim_names or ()) or root[names[-1]] != tp_mesh):
         raise ValueError(
             f"parameter {name!r}: the tp mesh {tp_mesh} and the data-parallel mesh {dp} must be "
-            "named sub-meshes of one (dp, tp) DeviceMesh (init_device_mesh(..., "
-            "mesh_dim_names=('dp', 'tp'))).")
+            "named sub-meshes of one DeviceMesh; pass mesh=device_mesh['dp'] (HSDP: "
+            "device_mesh['dp_replicate', 'dp_shard']) of the mesh whose 'tp' dim the TP plan "
+            "used (init_device_mesh(..., mesh_dim_names=('dp', 'tp'))).")
     if param.device.type == "meta":
         raise NotImplementedError(
             f"parameter {name!r}: tensor-parallel parameters on the meta device are not "
             "supported yet by fully_shard; materialise the model before fully_shard.")
-    mesh2d = root if tuple(root.mesh_dim_names or ()) == names else root[names]
-    return TPSpec(mesh=mesh2d, tp_mesh=tp_mesh, placements=placements,
+    mesh = root if tuple(root.mesh_dim_names or ()) == names else root[names]
+    return TPSpec(mesh=mesh, tp_mesh=tp_mesh, placements=placements,
                   shape=tuple(param.shape), stride=tuple(param.stride()))
 
 

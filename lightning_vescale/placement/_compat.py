@@ -18,7 +18,9 @@ Two torch entry points cut a full tensor into DTensor shards by placement type, 
   broadcast_from_rank0=True))``) cuts each broadcast full tensor with
   ``compute_local_shape_and_global_offset``, a box, which a ragged range is not.
   :func:`wrap_distribute_tensors` copies the ragged entries' ranges straight into the existing
-  local tensors (for sharded parameters: the DBuffer shard) and leaves the rest to torch. torch
+  local tensors (for sharded parameters: the DBuffer shard; for FSDP + TP's ``(..., RaggedShard,
+  Shard(k))`` the ranges of the TP-local box, design note [ragged-tp]) and leaves the rest to
+  torch. torch
   broadcasts one full tensor at a time, so a rank holds at most one full tensor beside its
   shards, as with FSDP2.
 
@@ -80,6 +82,20 @@ def _the_ragged(placements: Sequence[Any], mesh: DeviceMesh, what: str
             f"{tuple(mesh.shape)}; pass one placement per mesh dim.")
     dim = ragged_mesh_dim(placements, f"{what} with a RaggedShard placement")
     return dim, placements[dim]
+
+
+def _local_piece(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Any, ...]
+                 ) -> torch.Tensor:
+    """This rank's flat range of ``full`` under ragged ``placements``: of the TP-local region
+    for ``(..., RaggedShard, Shard(k))`` (design note [ragged-tp]), else of ``full``."""
+    if len(placements) == mesh.ndim and is_tp_layout(placements, placements):
+        dim = next(d for d, p in enumerate(placements) if isinstance(p, RaggedShard))
+        region, offset = tp_local_box(tuple(full.shape), mesh, placements, dim)
+        full = full[tuple(slice(o, o + n) for o, n in zip(offset, region))]
+        placement = placements[dim]
+    else:
+        dim, placement = _the_ragged(placements, mesh, "set_model_state_dict")
+    return local_slice(full, placement, mesh.get_local_rank(dim))
 
 
 def distribute_ragged(tensor: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Any], *,
@@ -172,8 +188,7 @@ def wrap_distribute_tensors(original: Callable[..., None]) -> Callable[..., None
                 continue
             local_state, full = entry
             mesh = local_state.device_mesh
-            dim, placement = _the_ragged(local_state.placements, mesh, "set_model_state_dict")
-            piece = local_slice(full, placement, mesh.get_local_rank(dim))
+            piece = _local_piece(full, mesh, tuple(local_state.placements))
             if local_state.is_meta:
                 local_state_dict[key] = ragged_from_local(
                     piece.detach().clone(), mesh, local_state._spec.placements,

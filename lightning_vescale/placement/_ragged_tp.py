@@ -6,7 +6,9 @@ FSDP over tensor parallelism (design note [fsdp-tp] in ``fsdp/_tp.py``) lays eac
 *TP-local* tensor out on the data-parallel mesh dim: a DTensor on a ``(dp, tp)`` mesh with
 placements ``(RaggedShard, Shard(k))`` (or ``Replicate()`` on tp) whose RaggedShard ranges are
 those of the TP-local shape, i.e. of the local shape under the same placements with the ragged
-dim read as ``Replicate()``. This is the strided form of FSDP2's ``_StridedShard``: the TP
+dim read as ``Replicate()``. With HSDP the mesh is ``(dp_replicate, dp_shard, tp)`` and the
+placements ``(Replicate(), RaggedShard, Shard(k))``: the Replicate dim is one of the "other
+dims" below (torch's step). This is the strided form of FSDP2's ``_StridedShard``: the TP
 shard is cut first, the data-parallel split applies inside it. All ranks of one data-parallel
 group share the tp coordinate, hence the TP-local shape (uneven TP shards included).
 

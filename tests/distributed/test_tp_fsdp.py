@@ -287,12 +287,12 @@ def _refusals_case() -> list[str]:
         refused(NotImplementedError, what, fully_shard, tp_block(), mesh=mesh["dp"], **kw)
     # no mesh: the default (whole-world) mesh is not the data-parallel sub-mesh
     refused(ValueError, "mesh=device_mesh\\['dp'\\]", fully_shard, tp_block())
-    # 3-D meshes (HSDP + TP)
+    # a data-parallel mesh that is not beside the tp mesh in one DeviceMesh
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh3 = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("rep", "dp", "tp"))
-    block3 = parallelize_module(_build().blocks[0], mesh3["tp"], _tp_plan())
-    refused(NotImplementedError, "HSDP", fully_shard, block3, mesh=mesh3["rep", "dp"])
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    refused(ValueError, "named sub-meshes of one DeviceMesh", fully_shard, tp_block(),
+            mesh=other["dp"])
     # a TP plan applied after our sharding
     block = fully_shard(_build().blocks[0], mesh=mesh["dp"])
     refused((ValueError, RuntimeError), "before fully_shard", parallelize_module, block,
