@@ -114,7 +114,7 @@ def tp_param_spec(name: str, param: nn.Parameter, dp: DeviceMesh | None) -> TPSp
         raise NotImplementedError(
             f"parameter {name!r}: tensor-parallel parameters on the meta device are not "
             "supported yet by fully_shard; materialise the model before fully_shard.")
-    mesh2d = root if tuple(root.mesh_dim_names or ()) == names else root[names]
+    mesh2d = _mesh_2d(root, names, dp, tp_mesh)
     return TPSpec(mesh=mesh2d, tp_mesh=tp_mesh, placements=placements,
                   shape=tuple(param.shape), stride=tuple(param.stride()))
 
@@ -155,3 +155,16 @@ def tp_grad(view: torch.Tensor, spec: TPSpec) -> DTensor:
     """A tp-mesh DTensor over a grad buffer view (the unsharded parameter's ``.grad``)."""
     return DTensor.from_local(view, spec.tp_mesh, spec.placements, run_check=False,
                               shape=torch.Size(spec.shape), stride=spec.stride).detach()
+
+
+def _mesh_2d(root: DeviceMesh, names: tuple, dp: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The 2-D ``(dp, tp)`` mesh: the root's, sliced by name, or, for sub-meshes of a mesh
+    unflattened from the root (torchtitan's ``("efsdp", "ep")`` sparse mesh, design note
+    [fsdp-param-mesh]), the two concatenated (what FSDP2's ``_init_sharded_dtensor_param``
+    does)."""
+    if tuple(root.mesh_dim_names or ()) == names:
+        return root
+    try:
+        return root[names]
+    except KeyError:
+        return DeviceMesh._concatenate([dp, tp_mesh])
