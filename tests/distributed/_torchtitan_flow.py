@@ -62,12 +62,17 @@ def _sdpa(config: Any, seen: set[int] | None = None) -> None:
 
 
 def _spec(model: str) -> Any:
+    """torchtitan's ``debugmodel`` spec of ``model``; ``"deepseek_v3:<n>"``: its first ``n``
+    layers only (layer 0 dense, the others MoE), a cheaper run of the same code."""
+    model, _, layers = model.partition(":")
     if model == "llama3":
         from torchtitan.models.llama3 import model_registry
     else:
         from torchtitan.models.deepseek_v3 import model_registry
     spec = model_registry("debugmodel")
     _sdpa(spec.model)
+    if layers:
+        spec.model.layers = spec.model.layers[:int(layers)]
     return spec
 
 
@@ -170,7 +175,10 @@ def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial
             losses.append(mean.item() / world)
         params = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
                   for n, p in net.named_parameters()}
-        return {"losses": losses, "params": params}
+        layouts = {n: (tuple(p.device_mesh.mesh_dim_names or ()),
+                       tuple(type(pl).__name__ for pl in p.placements))
+                   for n, p in net.named_parameters() if hasattr(p, "device_mesh")}
+        return {"losses": losses, "params": params, "layouts": layouts}
     finally:
         torchtitan.distributed.fsdp.fully_shard = theirs
 

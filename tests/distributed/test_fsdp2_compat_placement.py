@@ -122,15 +122,18 @@ def _refusals_body():
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp._fully_shard._fsdp_common import (
         FSDPMeshInfo,
+        HSDPMeshInfo,
         ShardPlacementResult,
     )
 
-    from lightning_vescale.fsdp import fully_shard
+    from lightning_vescale.fsdp import CommPolicy, fully_shard
 
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     other = DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu")  # its own group
     own, foreign = FSDPMeshInfo(mesh, shard_mesh_dim=0), FSDPMeshInfo(other, shard_mesh_dim=0)
+    hsdp = HSDPMeshInfo(init_device_mesh("cpu", (1, world), mesh_dim_names=("r", "s")),
+                        shard_mesh_dim=1, replicate_mesh_dim=0)
     out = {
         "bad_dim": expect_raises(lambda: fully_shard(nn.Linear(4, 4), mesh=mesh,
                                                      shard_placement_fn=lambda p: Shard(2)),
@@ -138,11 +141,26 @@ def _refusals_body():
         "replicate": expect_raises(lambda: fully_shard(nn.Linear(4, 4), mesh=mesh,
                                                        shard_placement_fn=lambda p: Replicate()),
                                    ValueError, "'weight'", "Replicate"),
-        "foreign_mesh": expect_raises(
+        # a mesh of its own (design note [fsdp-param-mesh]): HSDP and comm_policy refused
+        "foreign_hsdp": expect_raises(
             lambda: fully_shard(nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p:
-                                ShardPlacementResult(placement=Shard(0), mesh_info=foreign)),
-            NotImplementedError, "'weight'", "per-parameter meshes"),
+                                ShardPlacementResult(placement=Shard(0), mesh_info=hsdp)),
+            NotImplementedError, "'weight'", "HSDP mesh of its own"),
+        "foreign_comm": expect_raises(
+            lambda: fully_shard(nn.Linear(4, 4), mesh=mesh, comm_policy=CommPolicy(
+                all_gather="int8"), shard_placement_fn=lambda p:
+                ShardPlacementResult(placement=Shard(0), mesh_info=foreign)),
+            NotImplementedError, "'bias'", "comm_policy", "mesh of their own"),
     }
+    lin = nn.Linear(4, 6)
+    fully_shard(lin, mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(
+        placement=Shard(0), mesh_info=foreign if p.ndim == 2 else own))
+    from lightning_vescale.fsdp import iter_param_groups
+
+    (_, group), = iter_param_groups(lin)
+    out["foreign_mesh"] = (lin.weight.device_mesh is other and lin.bias.device_mesh is mesh
+                           and any("mesh" in k for k in group.buffers) and len(group.buffers) == 2
+                           or (lin.weight.device_mesh, list(group.buffers)))
     lin = nn.Linear(4, 6)
     fully_shard(lin, mesh=mesh, shard_placement_fn=lambda p:
                 ShardPlacementResult(placement=Shard(0) if p.ndim == 2 else None, mesh_info=own))
