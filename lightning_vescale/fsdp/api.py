@@ -259,8 +259,10 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             the last group of the recorded forward order gathered into backward (design note
             [fsdp-reshard-policy]); a :class:`ReshardPolicy` is taken as it is.
         shard_placement_fn: FSDP2's: ``None`` -> the default layout, ``Shard(d)`` -> rank
-            ranges keep ``prod(shape[d+1:])``-element slices whole; another mesh is refused
-            (design note [fsdp-shard-placement]).
+            ranges keep ``prod(shape[d+1:])``-element slices whole (design note
+            [fsdp-shard-placement]); a ``ShardPlacementResult`` on another 1-D mesh gives the
+            parameter a DBuffer on that mesh (expert parallelism, design note
+            [fsdp-param-mesh]).
         mp_policy: mixed precision (:class:`MixedPrecisionPolicy`; FSDP2's is accepted too).
         offload_policy: ``CPUOffloadPolicy`` (ours or FSDP2's) keeps sharded parameters,
             gradients and optimizer states in CPU memory; ``None``/FSDP2's ``OffloadPolicy()``:
