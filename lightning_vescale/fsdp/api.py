@@ -259,10 +259,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             the last group of the recorded forward order gathered into backward (design note
             [fsdp-reshard-policy]); a :class:`ReshardPolicy` is taken as it is.
         shard_placement_fn: FSDP2's: ``None`` -> the default layout, ``Shard(d)`` -> rank
-            ranges keep ``prod(shape[d+1:])``-element slices whole (design note
-            [fsdp-shard-placement]); a ``ShardPlacementResult`` on another 1-D mesh gives the
-            parameter a DBuffer on that mesh (expert parallelism, design note
-            [fsdp-param-mesh]).
+            ranges keep ``prod(shape[d+1:])``-element slices whole; another 1-D mesh: a DBuffer
+            on it (design notes [fsdp-shard-placement], [fsdp-param-mesh]).
         mp_policy: mixed precision (:class:`MixedPrecisionPolicy`; FSDP2's is accepted too).
         offload_policy: ``CPUOffloadPolicy`` (ours or FSDP2's) keeps sharded parameters,
             gradients and optimizer states in CPU memory; ``None``/FSDP2's ``OffloadPolicy()``:
@@ -290,8 +288,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     offload = as_offload_policy(offload_policy)
     collected, sources, mesh, tp, placed = _collect(modules, ignored_params, mesh,
                                                     dp_mesh_dims, shard_placement_fn)
-    label = type(modules[0]).__name__ if len(modules) == 1 else \
-        "[" + ", ".join(type(m).__name__ for m in modules) + "]"
+    label = _label(modules)
     mesh_info = _mesh_info(mesh)
     device = _device_for(mesh_info, _params_device(collected, label))
     reshard = reshard_policy(reshard_after_forward, mesh_info.shard_size)
@@ -303,15 +300,21 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             collected, sources, tp, placed, comm_policy, granularity,
             refuse=(offload, dp_mesh_dims, reshard_after_forward))
         group = ParamGroup(
-            params=[_managed(c, tp.get(c.name), sources[c.name], placed.meshes.get(c.name))
-                    for c in collected], mesh_info=mesh_info, mp_policy=policy,
-            granularity=grans, reshard_policy=reshard, fqn=label, offload=offload,
-            comm_policy=comm, quantized=quantized)
+            params=[_managed(c, tp, sources, placed) for c in collected], mesh_info=mesh_info,
+            mp_policy=policy, granularity=grans, reshard_policy=reshard, fqn=label,
+            offload=offload, comm_policy=comm, quantized=quantized)
         _build_group(group, modules, collected, sources, device, label)
     FSDPState(modules, group, mp_policy=policy)
     for m in modules:
         _wrap_class(m)
     return module
+
+
+def _label(modules: list[nn.Module]) -> str:
+    """The group's label: its module's class name, or a list group's ``[A, B]``."""
+    if len(modules) == 1:
+        return type(modules[0]).__name__
+    return "[" + ", ".join(type(m).__name__ for m in modules) + "]"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -413,14 +416,15 @@ def _comm_layout(comm_policy: Any, granularity: GranularityArg,
                                                     user_given=user_given)
 
 
-def _managed(c: CollectedParam, tp: TPSpec | None, source: torch.Tensor,
-             mesh_info: MeshInfo | None) -> ManagedParam:
+def _managed(c: CollectedParam, tps: dict[str, TPSpec], sources: dict[str, torch.Tensor],
+             placed: _Placed) -> ManagedParam:
     """The group's entry for a collected parameter (a TP parameter is planned by its
-    TP-local shape: design note [fsdp-tp]; ``mesh_info``: its own mesh, design note
+    TP-local shape: design note [fsdp-tp]; one on a mesh of its own carries it: design note
     [fsdp-param-mesh])."""
-    shape = tuple(c.param.shape) if tp is None else tuple(source.shape)
+    tp = tps.get(c.name)
+    shape = tuple(c.param.shape) if tp is None else tuple(sources[c.name].shape)
     return ManagedParam(name=c.name, owners=list(c.owners), shape=shape, tp=tp,
-                        mesh_info=mesh_info,
+                        mesh_info=placed.meshes.get(c.name),
                         requires_grad=c.param.requires_grad, aliases=list(c.aliases),
                         scoped_aliases=list(c.scoped_aliases),
                         original_weakref=weakref.ref(c.param))
