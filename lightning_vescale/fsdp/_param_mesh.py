@@ -24,9 +24,10 @@ their block when it runs forward and reduce with it at the end of its backward.
 A parameter of another mesh that is a DTensor on a further mesh (the experts on ``"ep"``) is a
 tensor-parallel parameter of design note [fsdp-tp] whose data-parallel mesh is its own: its
 ep-local tensor is planned and sharded on ``"efsdp"``; the sharded parameter is a DTensor on the
-2-D ``("efsdp", "ep")`` mesh with placements ``(RaggedShard, Shard(0))`` (``full_tensor()``,
-state dicts and DCP see the composed placement, [ragged-tp]); the unsharded one is the ``"ep"``
-DTensor the model expects.
+2-D ``("efsdp", "ep")`` mesh (FSDP2's ``DeviceMesh._concatenate`` of the two when the root
+mesh has no such dims: torchtitan unflattens them) with placements ``(RaggedShard, Shard(0))``
+(``full_tensor()`` composes both, [ragged-tp]); the unsharded one is the ``"ep"`` DTensor the
+model expects.
 
 Gradients are reduced per buffer on its own mesh: ``AVG`` over it by default (as each of
 FSDP2's per-mesh groups does), ``set_force_sum_reduction_for_comms`` divides by its own mesh's
