@@ -117,6 +117,41 @@ def test_expert_stack_shard1_like_torchtitan(worlds, impl):
         assert grans["w1"] == 6 and grans["w2"] == 9 and grans["router.weight"] == 1, grans
 
 
+# -- a mesh of its own (expert parallelism's ShardPlacementResult; design note [fsdp-param-mesh])
+def _own_mesh_body(impl: str):
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        ShardPlacementResult,
+    )
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    other = FSDPMeshInfo(DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu"),
+                         shard_mesh_dim=0)
+    torch.manual_seed(0)
+    model = _Experts()
+    ref = copy.deepcopy(model)
+    experts = {model.w1, model.w2}
+
+    def placement(p: nn.Parameter):  # the experts on their own mesh, FSDP2's per-param mesh
+        return ShardPlacementResult(placement=Shard(0), mesh_info=other) if p in experts \
+            else None
+
+    fully_shard_of(impl)(model, mesh=mesh, shard_placement_fn=placement)
+    on_other = model.w1.device_mesh is other.mesh and model.router.weight.device_mesh is mesh
+    got, want = train_pair(model, ref, 3, _xs(6), _sq)
+    return got, want, on_other
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_parameters_on_a_mesh_of_their_own_train_like_one_process(worlds, impl):
+    """Before design note [fsdp-param-mesh] ours refused the experts' mesh."""
+    got, want, on_other = worlds(2).run(_own_mesh_body, impl)[0]
+    _close(got, want, impl)
+    assert on_other
+
+
 # -- what cannot be expressed is refused, naming the parameter ----------------------------------
 def _refusals_body():
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
