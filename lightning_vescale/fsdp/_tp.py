@@ -114,7 +114,7 @@ def tp_param_spec(name: str, param: nn.Parameter, dp: DeviceMesh | None) -> TPSp
         raise NotImplementedError(
             f"parameter {name!r}: tensor-parallel parameters on the meta device are not "
             "supported yet by fully_shard; materialise the model before fully_shard.")
-    mesh2d = _mesh_2d(root, names, dp, tp_mesh)
+    mesh2d = _mesh_2d(name, root, names, dp, tp_mesh)
     return TPSpec(mesh=mesh2d, tp_mesh=tp_mesh, placements=placements,
                   shape=tuple(param.shape), stride=tuple(param.stride()))
 
@@ -157,14 +157,29 @@ def tp_grad(view: torch.Tensor, spec: TPSpec) -> DTensor:
                               shape=torch.Size(spec.shape), stride=spec.stride).detach()
 
 
-def _mesh_2d(root: DeviceMesh, names: tuple, dp: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+def _mesh_2d(name: str, root: DeviceMesh, names: tuple, dp: DeviceMesh,
+             tp_mesh: DeviceMesh) -> DeviceMesh:
     """The 2-D ``(dp, tp)`` mesh: the root's, sliced by name, or, for sub-meshes of a mesh
     unflattened from the root (torchtitan's ``("efsdp", "ep")`` sparse mesh, design note
     [fsdp-param-mesh]), the two concatenated (what FSDP2's ``_init_sharded_dtensor_param``
-    does)."""
+    does).
+
+    Raises:
+        ValueError: the two meshes share ranks (e.g. expert DTensors on ``"ep"`` sharded on the
+            dense ``"fsdp"`` mesh instead of the ``"efsdp"`` one), naming the parameter.
+    """
     if tuple(root.mesh_dim_names or ()) == names:
         return root
     try:
         return root[names]
     except KeyError:
+        pass
+    try:
         return DeviceMesh._concatenate([dp, tp_mesh])
+    except RuntimeError as e:
+        raise ValueError(
+            f"parameter {name!r} is a DTensor on {tp_mesh}, which shares ranks with its "
+            f"data-parallel mesh {dp} ({e}); shard it over the complementary dim: for expert "
+            "parallelism, return ShardPlacementResult(placement, FSDPMeshInfo(mesh['efsdp'], "
+            "shard_mesh_dim=0)) for it from shard_placement_fn (torchtitan's "
+            "apply_fsdp_to_decoder does).") from e

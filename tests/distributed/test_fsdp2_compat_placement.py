@@ -186,6 +186,8 @@ def _refusals_body():
                 all_gather="int8"), shard_placement_fn=lambda p:
                 ShardPlacementResult(placement=Shard(0), mesh_info=foreign)),
             NotImplementedError, "'bias'", "comm_policy", "mesh of their own"),
+        "ep_on_dense": expect_raises(lambda: _ep_experts_on_dense_mesh(world), ValueError,
+                                     "'w'", "shares ranks", "efsdp"),
     }
     lin = nn.Linear(4, 6)
     fully_shard(lin, mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(
@@ -201,6 +203,23 @@ def _refusals_body():
                 ShardPlacementResult(placement=Shard(0) if p.ndim == 2 else None, mesh_info=own))
     out["own_mesh"] = _granularities(lin) == {"weight": 4, "bias": 1} or _granularities(lin)
     return out
+
+
+def _ep_experts_on_dense_mesh(world: int) -> None:
+    """Expert DTensors on "ep" handed to fully_shard on the dense mesh, which holds the same
+    ranks (torchtitan's flow without its shard_placement_fn)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from lightning_vescale.fsdp import fully_shard
+
+    root = init_device_mesh("cpu", (world,), mesh_dim_names=("world",))
+    dense = root._unflatten(0, (world,), ("fsdp",))
+    sparse = root._unflatten(0, (1, world), ("efsdp", "ep"))
+    m = nn.Module()
+    m.w = nn.Parameter(distribute_tensor(torch.randn(2 * world, 3), sparse["ep"], [Shard(0)]))
+    m.forward = lambda x: x
+    fully_shard(m, mesh=dense["fsdp"])
 
 
 def test_shard_placement_refusals_name_the_parameter(worlds):
