@@ -23,6 +23,7 @@ Design notes of layer 3 (the package's convention and the other layers' notes:
   ``dp_mesh_dims``)
 * ``_managed_param.py``: [fsdp-param-objects] (the two parameter objects, swapping)
 * ``_tp.py``: [fsdp-tp] (tensor-parallel parameters: FSDP2 + TP's contract)
+* ``_param_mesh.py``: [fsdp-param-mesh] (parameters on a mesh of their own: expert parallelism)
 * ``_param_group.py``: [fsdp-buffer-order] (matrices first; frozen parameters apart)
 * ``_param_group_grads.py``: [fsdp-grads] (grad buffer, reduce-scatter, publication)
   [fsdp-post-acc-grad-hooks] (optimizer in backward: the sharded parameters' hooks)
@@ -40,7 +41,7 @@ Modules import one way: ``api`` -> ``_module`` / ``_collect`` / ``_state_dict`` 
 -> ``_materialize`` -> ``_state`` -> ``_root`` -> ``_param_group`` -> ``_param_group_grads`` ->
 ``_managed_param``; below them ``_comm_policy`` / ``_policy`` / ``_reshard`` /
 ``_training_state`` / ``_tree`` / ``_replaced`` / ``_subgroups`` / ``_collective_check`` /
-``_shard_placement`` / ``_outside_call`` / ``_extensions``.
+``_shard_placement`` / ``_param_mesh`` / ``_outside_call`` / ``_extensions``.
 """
 
 from lightning_vescale.fsdp._training_state import TrainingState

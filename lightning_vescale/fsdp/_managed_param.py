@@ -75,6 +75,10 @@ class ManagedParam:
     #: a tensor-parallel parameter's :class:`~lightning_vescale.fsdp._tp.TPSpec` (``shape`` is
     #: then its TP-local shape, what the group plans: design note [fsdp-tp]); ``None`` otherwise
     tp: Any = None
+    #: the :class:`~lightning_vescale.mesh.MeshInfo` of a parameter that
+    #: ``shard_placement_fn`` gave a mesh of its own (its DBuffer shards over it: design note
+    #: [fsdp-param-mesh]); ``None``: the group's
+    mesh_info: Any = None
 
     def dtensor_meta(self, mesh: Any) -> tuple[Any, tuple[int, ...], Any]:
         """``(mesh, global shape, global stride or None)`` of the sharded DTensor and its

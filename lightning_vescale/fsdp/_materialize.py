@@ -178,6 +178,10 @@ def _rebuild(group: ParamGroup, locals_: dict[str, torch.Tensor], *, from_meta: 
         device = next(iter(group.buffers.values())).device  # offloaded: compute device stays
     if device.type != "meta" and device.type != group.mesh_info.device_type:
         group.mesh_info = MeshInfo.from_mesh(_on_device_type(group.mesh_info.mesh, device.type))
+        for mp in group.params:  # parameters on meshes of their own ([fsdp-param-mesh])
+            if mp.mesh_info is not None:
+                mp.mesh_info = MeshInfo.from_mesh(_on_device_type(mp.mesh_info.mesh,
+                                                                  device.type))
     group.build(locals_, device, local_sources=True)  # meta sources: nothing is copied
 
 

@@ -48,6 +48,7 @@ from lightning_vescale.fsdp._collective_check import enabled as collective_check
 from lightning_vescale.fsdp._training_state import TrainingState
 from lightning_vescale.fsdp._managed_param import ManagedParam, Owner, set_param
 from lightning_vescale.fsdp._param_group_grads import BackwardRoot, GroupGradients
+from lightning_vescale.fsdp._param_mesh import param_mesh_keys
 from lightning_vescale.fsdp._policy import CPUOffloadPolicy, MixedPrecisionPolicy
 from lightning_vescale.fsdp._replaced import mark_replaced
 from lightning_vescale.fsdp._reshard import ReshardPolicy
@@ -153,7 +154,7 @@ class ParamGroup(GroupGradients):
                 pdt = rdt = dtype
             label = (f"{dtype}{'' if trainable else ', frozen'}{', quantized' if quantized else ''}"
                      f"{''.join(f', {part}' for part in suffix)}")
-            buf = DBuffer(plan, dtype=dtype, device=device, mesh_info=self.mesh_info,
+            buf = DBuffer(plan, dtype=dtype, device=device, mesh_info=self.mesh_of(mps[0]),
                           param_dtype=pdt, reduce_dtype=rdt,
                           name=f"{self.fqn or '<root>'}[{label}]",
                           offload=self.offload is not None,
@@ -192,19 +193,27 @@ class ParamGroup(GroupGradients):
         (its whole-matrix parameters together, suffix ``("matrix",)``, or one buffer each,
         ``("matrix", name)``) when :func:`~lightning_vescale.planner.plan_buckets` says so
         (design note [plan-buckets])."""
-        buckets: dict[tuple[torch.dtype, bool, bool], list[ManagedParam]] = {}
+        buckets: dict[tuple, list[ManagedParam]] = {}
+        mesh_keys = param_mesh_keys(self.params)  # design note [fsdp-param-mesh]
         for mp in self.params:
-            key = (sources[mp.name].dtype, mp.requires_grad, self.quantized.get(mp.name, False))
+            key = (sources[mp.name].dtype, mp.requires_grad, self.quantized.get(mp.name, False),
+                   mesh_keys.get(mp.name, ()))
             buckets.setdefault(key, []).append(mp)
         out = []
-        for key, mps in buckets.items():
+        for (*key, mesh_key), mps in buckets.items():
             mps = sorted(mps, key=lambda mp: len(mp.shape) < 2)  # [fsdp-buffer-order]
             specs = [(mp.name, mp.shape, self.granularity[mp.name]) for mp in mps]
             by_name = {mp.name: mp for mp in mps}
-            decided = plan_buckets(specs, self.mesh_info.shard_size)
+            decided = plan_buckets(specs, self.mesh_of(mps[0]).shard_size)
             for suffix, plan in zip(decided.suffixes, decided.plans, strict=True):
-                out.append((key, suffix, [by_name[n] for n in plan.names], plan))
+                out.append((tuple(key), (*mesh_key, *suffix),
+                            [by_name[n] for n in plan.names], plan))
         return out
+
+    def mesh_of(self, mp: ManagedParam) -> MeshInfo:
+        """The mesh ``mp``'s DBuffer shards over: its own (design note [fsdp-param-mesh]) or
+        the group's."""
+        return self.mesh_info if mp.mesh_info is None else mp.mesh_info
 
     def _make_param_objects(self, mp: ManagedParam) -> None:
         buf = mp.buffer
@@ -213,10 +222,11 @@ class ParamGroup(GroupGradients):
             mark_replaced(mp.sharded, f"{self.fqn}.{mp.name}" if self.fqn else mp.name,
                           original=False)
         local = buf.local_view(mp.name)
-        mp.placements = self.mesh_info.placements(buf.placement(mp.name))
+        mesh_info = self.mesh_of(mp)
+        mp.placements = mesh_info.placements(buf.placement(mp.name))
         if mp.tp is not None:  # (RaggedShard, <tp placement>): design note [fsdp-tp]
             mp.placements = (*mp.placements, *mp.tp.placements)
-        mesh, shape, stride = mp.dtensor_meta(self.mesh_info.mesh)
+        mesh, shape, stride = mp.dtensor_meta(mesh_info.mesh)
         dt = ragged_from_local(local, mesh, mp.placements, shape, stride,
                                autograd=False, check=False)
         mp.sharded = nn.Parameter(dt, requires_grad=mp.requires_grad)

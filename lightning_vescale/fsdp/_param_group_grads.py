@@ -107,6 +107,7 @@ class GroupGradients:
     _num_trainable: int
     prefetch_backward_once: Callable[[], None]  # ParamGroup's methods
     check_collective: Callable[[str], None]
+    mesh_of: Callable[[ManagedParam], MeshInfo]
 
     def trainable(self) -> list[ManagedParam]:
         """The parameters that take part in reduce-scatters (a fixed order on every rank)."""
@@ -254,7 +255,7 @@ class GroupGradients:
         g = mp.sharded.grad
         if g is None or not self._is_our_grad(mp, g):
             view = mp.buffer.grad_local_view(mp.name)
-            mesh, shape, stride = mp.dtensor_meta(self.mesh_info.mesh)
+            mesh, shape, stride = mp.dtensor_meta(self.mesh_of(mp).mesh)
             g = mp.sharded.grad = ragged_from_local(
                 view, mesh, mp.placements, shape, stride, autograd=False, check=False)
         return g
@@ -286,11 +287,12 @@ class GroupGradients:
         assert self._reduce is None, "a reduce-scatter is already in flight"
         self.check_collective("reduce-scatter")
         scale = None
+        sum_then_divide = False  # set_force_sum_reduction_for_comms: by each buffer's mesh
         if op is None:
             if self.gradient_divide_factor is not None:  # set_gradient_divide_factor
                 op, scale = "sum", 1.0 / self.gradient_divide_factor
             elif self.force_sum_reduction:  # set_force_sum_reduction_for_comms
-                op, scale = "sum", 1.0 / self.mesh_info.data_parallel_size
+                op, sum_then_divide = "sum", True
             else:
                 op = "avg"
         # HSDP, set_requires_all_reduce(False): the shard group only; the sharded gradients
@@ -309,8 +311,10 @@ class GroupGradients:
                              for mp in mps)
             if accumulate and not partial:
                 self._prepare_accumulate(mps)
+            # the buffer's own mesh: a parameter's mesh may be narrower ([fsdp-param-mesh])
+            buf_scale = 1.0 / buf.mesh_info.data_parallel_size if sum_then_divide else scale
             handles.append(buf.reduce_scatter(async_op=async_op, op=op, accumulate=accumulate,
-                                              scale=scale, all_reduce=not partial))
+                                              scale=buf_scale, all_reduce=not partial))
         self._reduce = handles
         self.reduced = True
         self.reduced_partially = partial

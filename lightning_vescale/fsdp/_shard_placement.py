@@ -18,10 +18,8 @@ with the ``granularity`` argument by least common multiple, so both promises hol
 granularity's 256-element alignment for ``AdamW8bit`` included); ``None`` leaves the default.
 The values never depend on the layout: only where rank ranges begin and end.
 
-A ``ShardPlacementResult`` whose mesh is the group's own is its placement. A different mesh (a
-per-parameter mesh, expert parallelism) is refused, naming the parameter: a group's DBuffers
-live on one mesh here, and under expert parallelism torchtitan hands ``fully_shard`` expert
-weights that are already DTensors on the expert mesh, which this engine does not compose with.
+A ``ShardPlacementResult`` whose mesh is the group's own is its placement. Another mesh is
+that parameter's own mesh (expert parallelism): design note [fsdp-param-mesh].
 A placement that is not a ``Shard`` (``Replicate``, ``RaggedShard``) or a ``Shard`` of a 0-D
 parameter cannot be expressed and is refused, naming the parameter.
 
@@ -46,7 +44,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-__all__ = ["dp_mesh", "local_value", "placement_units"]
+__all__ = ["dp_mesh", "local_value", "placement_results", "placement_units", "shard_units"]
 
 
 def _shard_placement_result_cls() -> type | None:
@@ -62,28 +60,43 @@ def placement_units(shard_placement_fn: Callable[[nn.Parameter], Any] | None,
                     mesh: DeviceMesh) -> dict[str, int]:
     """Elements each parameter's rank ranges must keep whole because ``shard_placement_fn``
     returned ``Shard(d)`` for it (design note [fsdp-shard-placement]); parameters for which it
-    returned ``None`` are absent. ``fn`` is called once per parameter, with the parameter
-    object the user registered (``param in expert_params`` works).
+    returned ``None`` are absent. The meshes it returned are :func:`placement_results`'."""
+    dims = placement_results(shard_placement_fn, named, mesh)[0]
+    shapes = dict((n, tuple(p.shape)) for n, p in named)
+    return {n: shard_units(n, shapes[n], d) for n, d in dims.items()}
+
+
+def placement_results(shard_placement_fn: Callable[[nn.Parameter], Any] | None,
+                      named: Sequence[tuple[str, nn.Parameter]], mesh: DeviceMesh | None
+                      ) -> tuple[dict[str, int], dict[str, DeviceMesh]]:
+    """``(dims, meshes)``: the dim ``d`` of each ``Shard(d)`` returned (the units to keep whole
+    are :func:`shard_units` of the shape the group plans), and the parameters for which
+    ``shard_placement_fn`` returned a ``ShardPlacementResult`` on another mesh than ``mesh``
+    (the group's), with that mesh (design note [fsdp-param-mesh]). ``fn`` is called once per
+    parameter, with the parameter object the user registered (``param in expert_params``
+    works).
 
     Raises:
         TypeError: ``shard_placement_fn`` is not callable.
         ValueError: a result that is not ``None``, a ``Shard`` or a ``ShardPlacementResult``; a
             ``Shard`` of a 0-D parameter or of a dim it does not have; a placement that is not
             a ``Shard``.
-        NotImplementedError: a ``ShardPlacementResult`` on another mesh than the group's.
+        NotImplementedError: a ``ShardPlacementResult`` on an HSDP mesh other than the group's.
     """
     if shard_placement_fn is None:
-        return {}
+        return {}, {}
     if not callable(shard_placement_fn):
         raise TypeError(f"fully_shard(shard_placement_fn=...) must be a callable "
                         f"param -> None | Shard | ShardPlacementResult, got "
                         f"{type(shard_placement_fn).__name__}")
     result_cls = _shard_placement_result_cls()
-    out = {}
+    dims, meshes = {}, {}
     for name, param in named:
         result = shard_placement_fn(param)
         if result_cls is not None and isinstance(result, result_cls):
-            _check_same_mesh(name, result.mesh_info, mesh)
+            other = _other_mesh(name, result.mesh_info, mesh)
+            if other is not None:
+                meshes[name] = other
             result = result.placement
         if result is None:
             continue
@@ -92,11 +105,18 @@ def placement_units(shard_placement_fn: Callable[[nn.Parameter], Any] | None,
                 f"shard_placement_fn returned {result!r} for parameter {name!r}; fully_shard "
                 "takes None (the default layout), Shard(dim) or a ShardPlacementResult with "
                 "one of them (FSDP2's types).")
-        out[name] = _unit(name, tuple(param.shape), result.dim)
-    return out
+        shard_units(name, tuple(param.shape), result.dim)  # the dim exists
+        dims[name] = result.dim
+    return dims, meshes
 
 
-def _unit(name: str, shape: tuple[int, ...], dim: int) -> int:
+def shard_units(name: str, shape: tuple[int, ...], dim: int) -> int:
+    """Elements ``Shard(dim)`` keeps whole in a tensor of ``shape`` (design note
+    [fsdp-shard-placement]).
+
+    Raises:
+        ValueError: a 0-D ``shape``, or no dim ``dim``.
+    """
     if not shape:
         raise ValueError(f"shard_placement_fn returned Shard({dim}) for the 0-D parameter "
                          f"{name!r}; return None for it (a scalar is never split).")
@@ -107,16 +127,22 @@ def _unit(name: str, shape: tuple[int, ...], dim: int) -> int:
     return max(math.prod(shape[dim + 1:]), 1)
 
 
-def _check_same_mesh(name: str, mesh_info: Any, mesh: DeviceMesh) -> None:
+def _other_mesh(name: str, mesh_info: Any, mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The mesh of a ``ShardPlacementResult`` when it is not the group's (``None`` if it is)."""
     other = getattr(mesh_info, "mesh", None)
-    if other is mesh or (isinstance(other, DeviceMesh) and _same_mesh(other, mesh)):
-        return
-    raise NotImplementedError(
-        f"shard_placement_fn returned a ShardPlacementResult for parameter {name!r} on its own "
-        f"mesh ({other}), not the group's ({mesh}); per-parameter meshes (expert parallelism) "
-        "are not supported by lightning_vescale's fully_shard: a group's DBuffers live on one "
-        "mesh. Shard the experts on the group's mesh (return Shard(dim) or None), or give them "
-        "a fully_shard call of their own with mesh=<their mesh>.")
+    if not isinstance(other, DeviceMesh):
+        raise ValueError(f"shard_placement_fn returned a ShardPlacementResult for parameter "
+                         f"{name!r} whose mesh_info has no DeviceMesh ({mesh_info!r}); build it "
+                         "with torch's FSDPMeshInfo(mesh, shard_mesh_dim=0).")
+    if other is mesh or (isinstance(mesh, DeviceMesh) and _same_mesh(other, mesh)):
+        return None
+    if other.ndim != 1 or getattr(mesh_info, "replicate_mesh_dim", None) is not None:
+        raise NotImplementedError(
+            f"shard_placement_fn returned a ShardPlacementResult for parameter {name!r} on an "
+            f"HSDP mesh of its own ({other}); lightning_vescale's fully_shard takes per-parameter "
+            "meshes that are 1-D (FSDP over the expert-data-parallel dim, e.g. torchtitan's "
+            "'efsdp' with dp_replicate=1). Use dp_replicate=1, or return the group's mesh.")
+    return other
 
 
 def _same_mesh(a: DeviceMesh, b: DeviceMesh) -> bool:

@@ -36,10 +36,11 @@ TP-local tensors, so blocks never cross a tp rank), mixed precision,
 ``lightning_vescale.precision.clip_grad_norm_``, full state dicts (with ``broadcast_from_rank0``
 too), DCP checkpoints, ``save_safetensors``/``load_safetensors`` (each rank its runs of its
 TP-local box: ``placement._ragged_tp.tp_flat_runs``), activation checkpointing and
-``torch.compile`` per block. torch's own FSDP2 + TP tests run on both engines in
-``tests/distributed/test_fsdp2_compat_tp.py``. Refused with a message
+``torch.compile`` per block, ``shard_placement_fn`` (units of the TP-local shape; a mesh of
+its own for expert parallelism: design note [fsdp-param-mesh]). torch's own FSDP2 + TP tests
+run on both engines in ``tests/distributed/test_fsdp2_compat_tp.py``. Refused with a message
 (:func:`refuse_unsupported` and the optimizers' own checks): CPU offload,
-``shard_placement_fn``/``dp_mesh_dims``, ``reshard_after_forward=<int>``, meta-device TP
+``dp_mesh_dims``, ``reshard_after_forward=<int>``, meta-device TP
 parameters, FlatParamOptimizer, Muon/SOAP/Shampoo on HSDP + TP (3-D) meshes, and a TP plan
 applied after ``fully_shard`` (:func:`check_not_ragged`; ``distribute_tensor`` of a RaggedShard
 DTensor).
@@ -125,8 +126,7 @@ def tp_param_spec(name: str, param: nn.Parameter, dp: DeviceMesh | None) -> TPSp
     # (same ranks and name) that hangs under an earlier root mesh of another shape
     root = _root(dp)
     names = (*(dp.mesh_dim_names or (None,) * dp.ndim), *(tp_mesh.mesh_dim_names or (None,)))
-    if (None in names or len(set(names)) != len(names)
-            or not set(names) <= set(root.mesh_dim_names or ()) or root[names[-1]] != tp_mesh):
+    if None in names or len(set(names)) != len(names) or not _same_root(root, tp_mesh, names[-1]):
         raise ValueError(
             f"parameter {name!r}: the tp mesh {tp_mesh} and the data-parallel mesh {dp} must be "
             "named sub-meshes of one DeviceMesh; pass mesh=device_mesh['dp'] (HSDP: "
@@ -136,8 +136,8 @@ def tp_param_spec(name: str, param: nn.Parameter, dp: DeviceMesh | None) -> TPSp
         raise NotImplementedError(
             f"parameter {name!r}: tensor-parallel parameters on the meta device are not "
             "supported yet by fully_shard; materialise the model before fully_shard.")
-    mesh = root if tuple(root.mesh_dim_names or ()) == names else root[names]
-    return TPSpec(mesh=mesh, tp_mesh=tp_mesh, placements=placements,
+    mesh2d = _mesh_2d(name, root, names, dp, tp_mesh)
+    return TPSpec(mesh=mesh2d, tp_mesh=tp_mesh, placements=placements,
                   shape=tuple(param.shape), stride=tuple(param.stride()))
 
 
@@ -191,3 +191,42 @@ def tp_grad(view: torch.Tensor, spec: TPSpec) -> DTensor:
     """A tp-mesh DTensor over a grad buffer view (the unsharded parameter's ``.grad``)."""
     return DTensor.from_local(view, spec.tp_mesh, spec.placements, run_check=False,
                               shape=torch.Size(spec.shape), stride=spec.stride).detach()
+
+
+def _same_root(root: DeviceMesh, tp_mesh: DeviceMesh, tp_name: str) -> bool:
+    """Whether ``tp_mesh`` hangs under ``root`` (the dp mesh's root), or is an equal mesh that
+    DTensor's sharding caches handed back from an earlier root of another shape."""
+    if _root(tp_mesh) == root:
+        return True
+    try:
+        return root[tp_name] == tp_mesh
+    except KeyError:
+        return False
+
+
+def _mesh_2d(name: str, root: DeviceMesh, names: tuple, dp: DeviceMesh,
+             tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The 2-D ``(dp, tp)`` mesh: the root's, sliced by name, or, for sub-meshes of a mesh
+    unflattened from the root (torchtitan's ``("efsdp", "ep")`` sparse mesh, design note
+    [fsdp-param-mesh]), the two concatenated (what FSDP2's ``_init_sharded_dtensor_param``
+    does).
+
+    Raises:
+        ValueError: the two meshes share ranks (e.g. expert DTensors on ``"ep"`` sharded on the
+            dense ``"fsdp"`` mesh instead of the ``"efsdp"`` one), naming the parameter.
+    """
+    if tuple(root.mesh_dim_names or ()) == names:
+        return root
+    try:
+        return root[names]
+    except KeyError:
+        pass
+    try:
+        return DeviceMesh._concatenate([dp, tp_mesh])
+    except RuntimeError as e:
+        raise ValueError(
+            f"parameter {name!r} is a DTensor on {tp_mesh}, which shares ranks with its "
+            f"data-parallel mesh {dp} ({e}); shard it over the complementary dim: for expert "
+            "parallelism, return ShardPlacementResult(placement, FSDPMeshInfo(mesh['efsdp'], "
+            "shard_mesh_dim=0)) for it from shard_placement_fn (torchtitan's "
+            "apply_fsdp_to_decoder does).") from e

@@ -83,10 +83,13 @@ from lightning_vescale.fsdp._policy import (
 )
 from lightning_vescale.fsdp._replaced import install_optimizer_check
 from lightning_vescale.fsdp._reshard import ReshardPolicy, reshard_policy
+from lightning_vescale.fsdp._param_mesh import own_mesh_info
+from lightning_vescale.fsdp._param_mesh import refuse_unsupported as refuse_mesh_unsupported
 from lightning_vescale.fsdp._shard_placement import (
     dp_mesh,
     local_value,
-    placement_units,
+    placement_results,
+    shard_units,
     with_units,
 )
 from lightning_vescale.fsdp._state import FSDPState, get_state
@@ -261,8 +264,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             the last group of the recorded forward order gathered into backward (design note
             [fsdp-reshard-policy]); a :class:`ReshardPolicy` is taken as it is.
         shard_placement_fn: FSDP2's: ``None`` -> the default layout, ``Shard(d)`` -> rank
-            ranges keep ``prod(shape[d+1:])``-element slices whole; another mesh is refused
-            (design note [fsdp-shard-placement]).
+            ranges keep ``prod(shape[d+1:])``-element slices whole; another 1-D mesh: a DBuffer
+            on it (design notes [fsdp-shard-placement], [fsdp-param-mesh]).
         mp_policy: mixed precision (:class:`MixedPrecisionPolicy`; FSDP2's is accepted too).
         offload_policy: ``CPUOffloadPolicy`` (ours or FSDP2's) keeps sharded parameters,
             gradients and optimizer states in CPU memory; ``None``/FSDP2's ``OffloadPolicy()``:
@@ -288,9 +291,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         _check_not_wrapped(m)
     policy = as_policy(mp_policy)
     offload = as_offload_policy(offload_policy)
-    collected, sources, mesh, tp = _collect(modules, ignored_params, mesh, dp_mesh_dims)
-    label = type(modules[0]).__name__ if len(modules) == 1 else \
-        "[" + ", ".join(type(m).__name__ for m in modules) + "]"
+    collected, sources, mesh, tp, placed = _collect(modules, ignored_params, mesh,
+                                                    dp_mesh_dims, shard_placement_fn)
+    label = _label(modules)
     mesh_info = _mesh_info(mesh)
     device = _device_for(mesh_info, _params_device(collected, label))
     reshard = reshard_policy(reshard_after_forward, mesh_info.shard_size)
@@ -299,12 +302,12 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     group = None
     if collected:
         comm, quantized, grans = _group_layout(
-            collected, sources, tp, mesh_info, shard_placement_fn, comm_policy, granularity,
+            collected, sources, tp, placed, comm_policy, granularity,
             refuse=(offload, dp_mesh_dims, reshard_after_forward))
         group = ParamGroup(
-            params=[_managed(c, tp.get(c.name), sources[c.name]) for c in collected], mesh_info=mesh_info, mp_policy=policy,
-            granularity=grans, reshard_policy=reshard, fqn=label, offload=offload,
-            comm_policy=comm, quantized=quantized)
+            params=[_managed(c, tp, sources, placed) for c in collected], mesh_info=mesh_info,
+            mp_policy=policy, granularity=grans, reshard_policy=reshard, fqn=label,
+            offload=offload, comm_policy=comm, quantized=quantized)
         _build_group(group, modules, collected, sources, device, label)
     FSDPState(modules, group, mp_policy=policy)
     for m in modules:
@@ -312,21 +315,45 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     return module
 
 
+def _label(modules: list[nn.Module]) -> str:
+    """The group's label: its module's class name, or a list group's ``[A, B]``."""
+    if len(modules) == 1:
+        return type(modules[0]).__name__
+    return "[" + ", ".join(type(m).__name__ for m in modules) + "]"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Placed:
+    """What ``shard_placement_fn`` said of the call's parameters (design notes
+    [fsdp-shard-placement], [fsdp-param-mesh])."""
+
+    units: dict[str, int]  #: elements ``Shard(d)`` keeps whole, per parameter
+    meshes: dict[str, MeshInfo]  #: the parameters on a mesh of their own, with it
+
+
 def _collect(modules: list[nn.Module], ignored_params: set[nn.Parameter] | None,
-             mesh: DeviceMesh | None, dp_mesh_dims: Any
-             ) -> tuple[list[CollectedParam], dict[str, torch.Tensor], DeviceMesh | None,
-                        dict[str, TPSpec]]:
+             mesh: DeviceMesh | None, dp_mesh_dims: Any, shard_placement_fn: Any
+             ) -> tuple[list[CollectedParam], dict[str, torch.Tensor], DeviceMesh,
+                        dict[str, TPSpec], _Placed]:
     """The call's parameters (checked), each one's full value (a tensor-parallel parameter's:
-    its TP-local tensor, with its :class:`TPSpec`: design note [fsdp-tp]), and the
-    data-parallel mesh (``dp_mesh_dims`` resolved: design note [fsdp-shard-placement])."""
+    its TP-local tensor, with its :class:`TPSpec`: design note [fsdp-tp]), the data-parallel
+    mesh (``dp_mesh_dims`` resolved: design note [fsdp-shard-placement]) and what
+    ``shard_placement_fn`` returned for them (called once per parameter, with the user's
+    parameter object; a TP parameter's units from its TP-local shape; a parameter on a mesh
+    of its own is TP-planned over that mesh: design note [fsdp-param-mesh])."""
     ignored = {id(p) for p in (ignored_params or ())}
     collected = [c for c in collect_params(modules) if id(c.param) not in ignored]
     spmd_mesh = mesh if dp_mesh_dims is not None else None
-    dp = dp_mesh(mesh, dp_mesh_dims)
+    given = dp_mesh(mesh, dp_mesh_dims)
+    # no mesh: the default data-parallel mesh ([mesh-device]; TP parameters refuse it)
+    dp = given if given is not None else init_mesh(default_device_type())
+    dims, own = placement_results(shard_placement_fn, [(c.name, c.param) for c in collected],
+                                  dp)
+    meshes = {n: own_mesh_info(n, m, dp) for n, m in own.items()}
     tp: dict[str, TPSpec] = {}
     if spmd_mesh is None:
         for c in collected:
-            spec = tp_param_spec(c.name, c.param, dp)
+            spec = tp_param_spec(c.name, c.param, own.get(c.name, given))
             if spec is not None:
                 tp[c.name] = spec
     else:
@@ -337,7 +364,8 @@ def _collect(modules: list[nn.Module], ignored_params: set[nn.Parameter] | None,
     for c in collected:
         check_param(c.name, sources[c.name] if spmd_mesh is not None or c.name in tp
                     else c.param)
-    return collected, sources, dp, tp
+    units = {n: shard_units(n, tuple(sources[n].shape), d) for n, d in dims.items()}
+    return collected, sources, dp, tp, _Placed(units=units, meshes=meshes)
 
 
 def _build_group(group: ParamGroup, modules: list[nn.Module], collected: list[CollectedParam],
@@ -352,20 +380,23 @@ def _build_group(group: ParamGroup, modules: list[nn.Module], collected: list[Co
 
 
 def _group_layout(collected: list[CollectedParam], sources: dict[str, torch.Tensor],
-                  tp: dict[str, TPSpec], mesh_info: MeshInfo, shard_placement_fn: Any,
-                  comm_policy: Any, granularity: GranularityArg, *, refuse: tuple
+                  tp: dict[str, TPSpec], placed: _Placed, comm_policy: Any,
+                  granularity: GranularityArg, *, refuse: tuple
                   ) -> tuple[CommPolicy | None, dict[str, bool], dict[str, int]]:
     """:func:`_comm_layout` of the call's parameters, a tensor-parallel one by its TP-local
     tensor (design note [fsdp-tp]), ``shard_placement_fn``'s units folded in; the options not
-    supported with TP parameters yet are refused (``refuse``: ``(offload, dp_mesh_dims,
-    reshard_after_forward)``)."""
+    supported with TP parameters or parameters on meshes of their own yet are refused
+    (``refuse``: ``(offload, dp_mesh_dims, reshard_after_forward)``)."""
     named = [(c.name, sources[c.name] if c.name in tp else c.param) for c in collected]
-    units = placement_units(shard_placement_fn, named, mesh_info.mesh)
     granularity = tp_default_granularity(granularity, tp)
-    comm, quantized, grans = _comm_layout(comm_policy, granularity, named, units)
+    comm, quantized, grans = _comm_layout(comm_policy, granularity, named, placed.units)
     offload, dp_mesh_dims, reshard_after_forward = refuse
-    refuse_tp_unsupported(sorted(tp), offload, comm, shard_placement_fn, dp_mesh_dims,
+    # shard_placement_fn itself works with TP parameters (units of the TP-local shape)
+    refuse_tp_unsupported(sorted(tp), offload, comm, None, dp_mesh_dims,
                           reshard_after_forward)
+    refuse_mesh_unsupported(sorted(placed.meshes), offload=offload, comm=comm,
+                            dp_mesh_dims=dp_mesh_dims,
+                            reshard_after_forward=reshard_after_forward)
     return comm, quantized, grans
 
 
@@ -391,11 +422,15 @@ def _comm_layout(comm_policy: Any, granularity: GranularityArg,
                                                     user_given=user_given)
 
 
-def _managed(c: CollectedParam, tp: TPSpec | None, source: torch.Tensor) -> ManagedParam:
+def _managed(c: CollectedParam, tps: dict[str, TPSpec], sources: dict[str, torch.Tensor],
+             placed: _Placed) -> ManagedParam:
     """The group's entry for a collected parameter (a TP parameter is planned by its
-    TP-local shape: design note [fsdp-tp])."""
-    shape = tuple(c.param.shape) if tp is None else tuple(source.shape)
+    TP-local shape: design note [fsdp-tp]; one on a mesh of its own carries it: design note
+    [fsdp-param-mesh])."""
+    tp = tps.get(c.name)
+    shape = tuple(c.param.shape) if tp is None else tuple(sources[c.name].shape)
     return ManagedParam(name=c.name, owners=list(c.owners), shape=shape, tp=tp,
+                        mesh_info=placed.meshes.get(c.name),
                         requires_grad=c.param.requires_grad, aliases=list(c.aliases),
                         scoped_aliases=list(c.scoped_aliases),
                         original_weakref=weakref.ref(c.param))

@@ -62,12 +62,17 @@ def _sdpa(config: Any, seen: set[int] | None = None) -> None:
 
 
 def _spec(model: str) -> Any:
+    """torchtitan's ``debugmodel`` spec of ``model``; ``"deepseek_v3:<n>"``: its first ``n``
+    layers only (layer 0 dense, the others MoE), a cheaper run of the same code."""
+    model, _, layers = model.partition(":")
     if model == "llama3":
         from torchtitan.models.llama3 import model_registry
     else:
         from torchtitan.models.deepseek_v3 import model_registry
     spec = model_registry("debugmodel")
     _sdpa(spec.model)
+    if layers:
+        spec.model.layers = spec.model.layers[:int(layers)]
     return spec
 
 
@@ -81,12 +86,38 @@ def use_vescale_fully_shard() -> None:
     torchtitan.distributed.fsdp.fully_shard = fully_shard
 
 
+def _expert_parallel(spec: Any, spmd_backend: str, world: int, ep: int) -> Any:
+    """What torchtitan's trainer does before building a model (``trainer.py``,
+    ``Trainer.__init__``): ``dist_utils.set_spmd_backend`` and
+    ``model_config.update_from_config`` (which sets the MoE sharding configs that
+    ``model.parallelize`` reads: the experts become ``Shard(0)`` DTensors on ``"ep"``), with a
+    config-like object holding the ``ParallelismConfig`` (what ``Decoder.Config.
+    update_from_config`` documents for non-trainer callers). Returns that config. Done for
+    ``ep > 1`` only, so the ``ep=1`` flows stay the ones measured before."""
+    import types
+
+    import torchtitan.distributed.utils as dist_utils
+    from torchtitan.config import ParallelismConfig
+
+    parallelism = ParallelismConfig(spmd_backend=spmd_backend, expert_parallel_degree=ep,
+                                    data_parallel_shard_degree=world)
+    dist_utils.set_spmd_backend(spmd_backend)
+    spec.model.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
+    return parallelism
+
+
+def _batches(world: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB_USED, (2 * world, SEQ + 1), generator=g) for _ in range(2)]
+
+
 def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial_dtensor",
-          steps: int = 20) -> dict[str, Any]:
+          steps: int = 20, ep: int = 1) -> dict[str, Any]:
     """``steps`` AdamW steps of torchtitan's ``model`` debug config at this world (every rank
-    its half of a global batch), sharded by ``impl``'s ``fully_shard`` through torchtitan's
+    its part of a global batch), sharded by ``impl``'s ``fully_shard`` through torchtitan's
     ``parallelize_fn``; ``flow``: ``"cpu"`` (built and initialised on CPU, then sharded) or
-    ``"meta"`` (torchtitan's trainer: meta, parallelize, ``to_empty``, ``init_weights``).
+    ``"meta"`` (torchtitan's trainer: meta, parallelize, ``to_empty``, ``init_weights``);
+    ``ep``: torchtitan's expert-parallel degree (``dp_shard=world``, so ``efsdp=world/ep``).
     Returns the global-mean losses and the final full parameters."""
     _cpu_shims()
     import torchtitan.distributed.fsdp
@@ -99,8 +130,10 @@ def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         spec = _spec(model)
-        dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1,
+        dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep,
                             world_size=world, spmd_backend=spmd_backend)
+        parallelism = ParallelismConfig(spmd_backend=spmd_backend) if ep == 1 else \
+            _expert_parallel(spec, spmd_backend, world, ep)
         torch.manual_seed(0)
         with torch.device("meta" if flow == "meta" else "cpu"):
             net = spec.model.build()
@@ -113,7 +146,7 @@ def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial
                 net, parallel_dims=dims,
                 training=TrainingConfig(mixed_precision_param="float32", local_batch_size=2,
                                         seq_len=SEQ),
-                parallelism=ParallelismConfig(spmd_backend=spmd_backend),
+                parallelism=parallelism,
                 compile_config=CompileConfig(), ac_config=None, dump_folder=dump)
         if impl == "torch":  # gloo has no PREMUL_SUM
             for m in net.modules():
@@ -126,8 +159,7 @@ def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial
                 net.init_weights(buffer_device=None)
         net.train()
         opt = torch.optim.AdamW(net.parameters(), lr=8e-4)
-        g = torch.Generator().manual_seed(1)
-        data = [torch.randint(0, VOCAB_USED, (2 * world, SEQ + 1), generator=g) for _ in range(2)]
+        data = _batches(world)
         positions = torch.arange(SEQ).expand(2, SEQ)
         losses = []
         for step in range(steps):
@@ -143,6 +175,39 @@ def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial
             losses.append(mean.item() / world)
         params = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
                   for n, p in net.named_parameters()}
-        return {"losses": losses, "params": params}
+        layouts = {n: (tuple(p.device_mesh.mesh_dim_names or ()),
+                       tuple(type(pl).__name__ for pl in p.placements))
+                   for n, p in net.named_parameters() if hasattr(p, "device_mesh")}
+        return {"losses": losses, "params": params, "layouts": layouts}
     finally:
         torchtitan.distributed.fsdp.fully_shard = theirs
+
+
+def train_one_process(model: str, world: int, steps: int) -> list[float]:
+    """The reference of :func:`train`: the same model, seed, global batches and AdamW in one
+    process, without ``parallelize_fn``. torchtitan's ``set_gradient_divide_factor(1.0)``
+    makes the sharded gradient the *sum* of the ranks' mean-loss gradients, i.e. ``world``
+    times the gradient of the mean over the global batch (every rank has as many tokens), so
+    the loss here is scaled by ``world`` before ``backward``. Returns the (unscaled) losses."""
+    _cpu_shims()
+    spec = _spec(model)
+    torch.manual_seed(0)
+    net = spec.model.build()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        net.init_weights(buffer_device=None)
+    net.train()
+    opt = torch.optim.AdamW(net.parameters(), lr=8e-4)
+    data = _batches(world)
+    positions = torch.arange(SEQ).expand(2 * world, SEQ)
+    losses = []
+    for step in range(steps):
+        tokens = data[step % len(data)]
+        logits = net(tokens[:, :-1], positions=positions)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                 tokens[:, 1:].flatten())
+        (loss * world).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -117,20 +117,58 @@ def test_expert_stack_shard1_like_torchtitan(worlds, impl):
         assert grans["w1"] == 6 and grans["w2"] == 9 and grans["router.weight"] == 1, grans
 
 
-# -- what cannot be expressed is refused, naming the parameter ----------------------------------
-def _refusals_body():
+# -- a mesh of its own (expert parallelism's ShardPlacementResult; design note [fsdp-param-mesh])
+def _own_mesh_body(impl: str):
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp._fully_shard._fsdp_common import (
         FSDPMeshInfo,
         ShardPlacementResult,
     )
 
-    from lightning_vescale.fsdp import fully_shard
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    other = FSDPMeshInfo(DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu"),
+                         shard_mesh_dim=0)
+    torch.manual_seed(0)
+    model = _Experts()
+    ref = copy.deepcopy(model)
+    experts = {model.w1, model.w2}
+
+    def placement(p: nn.Parameter):  # the experts on their own mesh, FSDP2's per-param mesh
+        return ShardPlacementResult(placement=Shard(0), mesh_info=other) if p in experts \
+            else None
+
+    fully_shard_of(impl)(model, mesh=mesh, shard_placement_fn=placement)
+    on_other = model.w1.device_mesh is other.mesh and model.router.weight.device_mesh is mesh
+    got, want = train_pair(model, ref, 3, _xs(6), _sq)
+    return got, want, on_other
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_parameters_on_a_mesh_of_their_own_train_like_one_process(worlds, impl):
+    """Before design note [fsdp-param-mesh] ours refused the experts' mesh."""
+    got, want, on_other = worlds(2).run(_own_mesh_body, impl)[0]
+    _close(got, want, impl)
+    assert on_other
+
+
+# -- what cannot be expressed is refused, naming the parameter ----------------------------------
+def _refusals_body():
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        HSDPMeshInfo,
+        ShardPlacementResult,
+    )
+
+    from lightning_vescale.fsdp import CommPolicy, fully_shard
 
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     other = DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu")  # its own group
     own, foreign = FSDPMeshInfo(mesh, shard_mesh_dim=0), FSDPMeshInfo(other, shard_mesh_dim=0)
+    hsdp = HSDPMeshInfo(init_device_mesh("cpu", (1, world), mesh_dim_names=("r", "s")),
+                        shard_mesh_dim=1, replicate_mesh_dim=0)
     out = {
         "bad_dim": expect_raises(lambda: fully_shard(nn.Linear(4, 4), mesh=mesh,
                                                      shard_placement_fn=lambda p: Shard(2)),
@@ -138,16 +176,50 @@ def _refusals_body():
         "replicate": expect_raises(lambda: fully_shard(nn.Linear(4, 4), mesh=mesh,
                                                        shard_placement_fn=lambda p: Replicate()),
                                    ValueError, "'weight'", "Replicate"),
-        "foreign_mesh": expect_raises(
+        # a mesh of its own (design note [fsdp-param-mesh]): HSDP and comm_policy refused
+        "foreign_hsdp": expect_raises(
             lambda: fully_shard(nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p:
-                                ShardPlacementResult(placement=Shard(0), mesh_info=foreign)),
-            NotImplementedError, "'weight'", "per-parameter meshes"),
+                                ShardPlacementResult(placement=Shard(0), mesh_info=hsdp)),
+            NotImplementedError, "'weight'", "HSDP mesh of its own"),
+        "foreign_comm": expect_raises(
+            lambda: fully_shard(nn.Linear(4, 4), mesh=mesh, comm_policy=CommPolicy(
+                all_gather="int8"), shard_placement_fn=lambda p:
+                ShardPlacementResult(placement=Shard(0), mesh_info=foreign)),
+            NotImplementedError, "'bias'", "comm_policy", "mesh of their own"),
+        "ep_on_dense": expect_raises(lambda: _ep_experts_on_dense_mesh(world), ValueError,
+                                     "'w'", "shares ranks", "efsdp"),
     }
+    lin = nn.Linear(4, 6)
+    fully_shard(lin, mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(
+        placement=Shard(0), mesh_info=foreign if p.ndim == 2 else own))
+    from lightning_vescale.fsdp import iter_param_groups
+
+    (_, group), = iter_param_groups(lin)
+    out["foreign_mesh"] = (lin.weight.device_mesh is other and lin.bias.device_mesh is mesh
+                           and any("mesh" in k for k in group.buffers) and len(group.buffers) == 2
+                           or (lin.weight.device_mesh, list(group.buffers)))
     lin = nn.Linear(4, 6)
     fully_shard(lin, mesh=mesh, shard_placement_fn=lambda p:
                 ShardPlacementResult(placement=Shard(0) if p.ndim == 2 else None, mesh_info=own))
     out["own_mesh"] = _granularities(lin) == {"weight": 4, "bias": 1} or _granularities(lin)
     return out
+
+
+def _ep_experts_on_dense_mesh(world: int) -> None:
+    """Expert DTensors on "ep" handed to fully_shard on the dense mesh, which holds the same
+    ranks (torchtitan's flow without its shard_placement_fn)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from lightning_vescale.fsdp import fully_shard
+
+    root = init_device_mesh("cpu", (world,), mesh_dim_names=("world",))
+    dense = root._unflatten(0, (world,), ("fsdp",))
+    sparse = root._unflatten(0, (1, world), ("efsdp", "ep"))
+    m = nn.Module()
+    m.w = nn.Parameter(distribute_tensor(torch.randn(2 * world, 3), sparse["ep"], [Shard(0)]))
+    m.forward = lambda x: x
+    fully_shard(m, mesh=dense["fsdp"])
 
 
 def test_shard_placement_refusals_name_the_parameter(worlds):

@@ -1,0 +1,115 @@
+"""Parameters on a mesh of their own inside one ``fully_shard`` group (expert parallelism).
+
+Design note [fsdp-param-mesh]
+-----------------------------
+FSDP2's ``shard_placement_fn`` may return ``ShardPlacementResult(placement, mesh_info)`` on
+another mesh than the call's; FSDP2 then keeps one ``FSDPParamGroup`` per mesh in the module's
+state. torchtitan does so under expert parallelism
+(``torchtitan/distributed/fsdp.py::apply_fsdp_to_decoder``, ``ep_degree > 1``): the routed
+experts, already DTensors ``Shard(0)`` on the ``"ep"`` mesh (``model.parallelize``), go to the
+``"efsdp"`` mesh (the expert-data-parallel complement of ``ep``), the rest of the block to the
+dense ``"fsdp"`` mesh.
+
+Here the call stays *one* :class:`~lightning_vescale.fsdp._param_group.ParamGroup` with one
+DBuffer per (bucket, mesh): the parameters of another mesh are bucketed apart (the buffer key
+gains ``("mesh", <that mesh's dim names>)``, the same on every rank), planned for that mesh's
+size, and their DBuffer runs its all-gather and reduce-scatter on that mesh's process group
+(each DBuffer already carries its :class:`~lightning_vescale.mesh.MeshInfo`). One group rather
+than FSDP2's group per mesh because everything else is per call here and stays right: the
+hooks, the backward completion ([fsdp-backward-completion]), the prefetch orders and the
+``FSDPModule`` setters torchtitan calls (``set_gradient_divide_factor``,
+``set_modules_to_forward_prefetch``, ...). The schedule is FSDP2's: the experts gather with
+their block when it runs forward and reduce with it at the end of its backward.
+
+A parameter of another mesh that is a DTensor on a further mesh (the experts on ``"ep"``) is a
+tensor-parallel parameter of design note [fsdp-tp] whose data-parallel mesh is its own: its
+ep-local tensor is planned and sharded on ``"efsdp"``; the sharded parameter is a DTensor on the
+2-D ``("efsdp", "ep")`` mesh (FSDP2's ``DeviceMesh._concatenate`` of the two when the root
+mesh has no such dims: torchtitan unflattens them) with placements ``(RaggedShard, Shard(0))``
+(``full_tensor()`` composes both, [ragged-tp]); the unsharded one is the ``"ep"`` DTensor the
+model expects.
+
+Gradients are reduced per buffer on its own mesh: ``AVG`` over it by default (as each of
+FSDP2's per-mesh groups does), ``set_force_sum_reduction_for_comms`` divides by its own mesh's
+size, ``set_gradient_divide_factor(f)`` divides every buffer by ``f`` (torchtitan sets 1.0 and
+scales the loss itself). The gradient-flag all-reduce of the root spans the group's own
+(widest) mesh, which holds every parameter's structural position on every rank.
+
+Refused, naming the parameter (:func:`refuse_unsupported`, :func:`own_mesh_info`): an HSDP mesh
+of its own (torchtitan's ``dp_replicate > 1``), a mesh of another device type, and together
+with ``comm_policy``, ``offload_policy``, ``reshard_after_forward=<int>`` or ``dp_mesh_dims``
+(torchtitan's ``full_dtensor`` backend with ``ep > 1``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_vescale.mesh import MeshInfo
+
+__all__ = ["own_mesh_info", "param_mesh_keys", "refuse_unsupported"]
+
+
+def own_mesh_info(name: str, mesh: DeviceMesh, group_mesh: DeviceMesh) -> MeshInfo:
+    """The :class:`MeshInfo` of parameter ``name``'s own 1-D ``mesh``.
+
+    Raises:
+        NotImplementedError: ``mesh`` is not 1-D or has another device type than the group's.
+    """
+    if mesh.ndim != 1:
+        raise NotImplementedError(
+            f"parameter {name!r}: shard_placement_fn gave it a {mesh.ndim}-D mesh of its own "
+            f"({mesh}); lightning_vescale's fully_shard takes 1-D per-parameter meshes.")
+    if mesh.device_type != group_mesh.device_type:
+        raise NotImplementedError(
+            f"parameter {name!r}: its mesh from shard_placement_fn is on "
+            f"{mesh.device_type!r}, the group's on {group_mesh.device_type!r}; build both "
+            "meshes on one device type.")
+    return MeshInfo.from_mesh(mesh)
+
+
+def refuse_unsupported(names: Sequence[str], *, offload: Any, comm: Any, dp_mesh_dims: Any,
+                       reshard_after_forward: Any) -> None:
+    """Refuse the options not supported with parameters ``names`` on meshes of their own
+    (design note [fsdp-param-mesh]); ``comm``: the resolved comm policy (``None``:
+    inactive)."""
+    if not names:
+        return
+    what = None
+    if offload is not None:
+        what = "offload_policy=CPUOffloadPolicy (CPU offload)"
+    elif comm is not None:
+        what = "comm_policy (quantized all-gather / gradient wire dtype)"
+    elif dp_mesh_dims is not None:
+        what = "dp_mesh_dims"
+    elif isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        what = f"reshard_after_forward={reshard_after_forward}"
+    if what is not None:
+        raise NotImplementedError(
+            f"fully_shard: {what} is not supported yet with parameters on a mesh of their own "
+            f"from shard_placement_fn ({names[0]!r}{' and others' if len(names) > 1 else ''}: "
+            "expert parallelism); drop the option, or return the group's mesh for them.")
+
+
+def param_mesh_keys(params: Sequence[Any]) -> dict[str, tuple[str, str]]:
+    """``name -> ("mesh", label)`` for the parameters on a mesh of their own: the buffer-key
+    suffix of their DBuffer. ``label`` is the mesh's dim names (the same on every rank, unlike
+    its ranks), or ``#k`` in the order the meshes are first met; distinct meshes get distinct
+    labels."""
+    labels: dict[tuple, str] = {}
+    out = {}
+    for mp in params:
+        info = mp.mesh_info
+        if info is None:
+            continue
+        key = (info.mesh.mesh_dim_names, tuple(info.mesh.mesh.flatten().tolist()))
+        if key not in labels:
+            label = "/".join(info.mesh.mesh_dim_names or ()) or f"#{len(labels)}"
+            if label in labels.values():
+                label = f"{label}#{len(labels)}"
+            labels[key] = label
+        out[mp.name] = ("mesh", labels[key])
+    return out
