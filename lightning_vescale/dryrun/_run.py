@@ -42,7 +42,7 @@ from lightning_vescale.dryrun._tracker import StepTracker
 __all__ = ["EngineReport", "OPTIMIZERS", "make_optimizer", "run_step"]
 
 #: name -> what builds it (the strategies' optimizers plus torch's AdamW)
-OPTIMIZERS = ("adamw", "adamw8bit", "muon")
+OPTIMIZERS = ("adamw", "adamw8bit", "muon", "soap", "shampoo")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,7 +70,8 @@ class EngineReport:
 
 
 def make_optimizer(name: str, params: list[nn.Parameter], lr: float = 1e-3) -> Any:
-    """``"adamw"`` (torch), ``"adamw8bit"`` or ``"muon"`` (``lightning_vescale.optim``)."""
+    """``"adamw"`` (torch), ``"adamw8bit"``, ``"muon"``, ``"soap"`` or ``"shampoo"``
+    (``lightning_vescale.optim``, default hyper-parameters)."""
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, foreach=False)
     if name == "adamw8bit":
@@ -79,6 +80,12 @@ def make_optimizer(name: str, params: list[nn.Parameter], lr: float = 1e-3) -> A
     if name == "muon":
         from lightning_vescale.optim import Muon
         return Muon(params, lr=lr)
+    if name == "soap":
+        from lightning_vescale.optim import SOAP
+        return SOAP(params, lr=lr)
+    if name == "shampoo":
+        from lightning_vescale.optim import Shampoo
+        return Shampoo(params, lr=lr)
     raise ValueError(f"optimizer={name!r} is not supported; choose one of {OPTIMIZERS}")
 
 

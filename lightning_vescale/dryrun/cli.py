@@ -17,6 +17,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from lightning_vescale.dryrun._run import OPTIMIZERS
 from lightning_vescale.planner.cli import _granularity_arg
 from lightning_vescale.planner.presets import PRESETS
 
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=1, help="HSDP replicas (default 1: FSDP)")
     p.add_argument("--batch-size", type=int, default=1, help="micro-batch per rank")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
-    p.add_argument("--optimizer", choices=("adamw", "adamw8bit", "muon"), default="adamw")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     p.add_argument("--granularity", type=_granularity_arg, default=None,
                    help="fully_shard's granularity (ours only)")
     p.add_argument("--reshard-after-forward", choices=("default", "true", "false"),
