@@ -13,7 +13,10 @@ its bytes. The category figures (sharded and unsharded parameters, gradients, op
 communication buffers) are the MemoryProfiler's own accounting
 (``collect_training_tensors`` + ``engine_tensors`` + ``account``), sampled at every block
 boundary (the maximum of each) and after the step. The same step runs with torch's FSDP2
-(``torch.distributed.fsdp.fully_shard``) on a fresh copy of the model under the same group.
+(``torch.distributed.fsdp.fully_shard``) on a fresh copy of the model under the same group,
+placed as torchtitan places it: stacked experts ``(E, ...)`` are split along dim 1 when there
+are more shards than experts (FSDP2's default ``Shard(0)`` would pad them to N rows, a cost no
+MoE trainer accepts, so comparing with it would overstate our lead).
 
 :func:`run_step` is also what a real run calls (real tensors, a real group): the test that
 checks the dry run against gloo runs it in a forked world and compares the figures.
@@ -100,11 +103,24 @@ def _shard(engine: str, model: nn.Module, blocks: list[nn.Module], mesh: Any,
         from torch.distributed.fsdp import fully_shard as fsdp2
         opts = {k: v for k, v in options.items()
                 if k in ("reshard_after_forward", "mp_policy")}
+        opts["shard_placement_fn"] = functools.partial(_fsdp2_placement,
+                                                       shards=mesh.size(mesh.ndim - 1))
         for b in blocks:
             fsdp2(b, mesh=mesh, **opts)
         fsdp2(model, mesh=mesh, **opts)
     else:
         raise ValueError(f"engine={engine!r}: choose 'vescale' or 'fsdp2'")
+
+
+def _fsdp2_placement(param: nn.Parameter, *, shards: int) -> Any:
+    """FSDP2's placement as torchtitan sets it for MoE models: stacked experts ``(E, ...)``
+    split along dim 1 when there are more shards than experts (``Shard(0)`` would leave
+    ranks with padded, empty chunks: torchtitan/distributed/fsdp.py), else FSDP2's default."""
+    from torch.distributed.tensor import Shard
+
+    if param.dim() >= 3 and param.shape[0] < shards:
+        return Shard(1)
+    return None
 
 
 def _allocate(model: nn.Module, device: str) -> None:
@@ -126,7 +142,8 @@ def _allocate(model: nn.Module, device: str) -> None:
 
 def _padding(model: nn.Module, engine: str, world: int) -> int:
     """Bytes this rank holds beyond ``param_bytes / world`` (rounded up per parameter for
-    FSDP2, whose dim-0 chunks are padded to equal size; DBuffer padding for ours)."""
+    FSDP2, whose chunks along the sharded dim are padded to equal size; DBuffer padding for
+    ours)."""
     if engine == "vescale":
         from lightning_vescale.fsdp.api import dbuffers
         pad = 0
@@ -137,9 +154,10 @@ def _padding(model: nn.Module, engine: str, world: int) -> int:
     pad = 0
     for p in model.parameters():
         local = getattr(p, "_local_tensor", p)
+        dim = getattr(getattr(p, "placements", [None])[-1], "dim", 0)  # Shard(d); else 0
         if p.shape and p.dim():
-            rows = -(-p.shape[0] // world)
-            padded = rows * world * (p.numel() // max(p.shape[0], 1))
+            rows = -(-p.shape[dim] // world)
+            padded = rows * world * (p.numel() // max(p.shape[dim], 1))
             pad += (padded - p.numel()) * local.element_size()
     return pad // max(world, 1)
 
