@@ -115,11 +115,15 @@ def _shard(engine: str, model: nn.Module, blocks: list[nn.Module], mesh: Any,
 def _fsdp2_placement(param: nn.Parameter, *, shards: int) -> Any:
     """FSDP2's placement as torchtitan sets it for MoE models: stacked experts ``(E, ...)``
     split along dim 1 when there are more shards than experts (``Shard(0)`` would leave
-    ranks with padded, empty chunks: torchtitan/distributed/fsdp.py), else FSDP2's default."""
+    ranks with padded, empty chunks: torchtitan/distributed/fsdp.py), else FSDP2's default.
+    FSDP2 shards a dim other than 0 only evenly: when dim 1 does not divide, the next dim
+    that does, else ``Shard(0)`` (GPT-OSS's 2,880 and 5,760 at 1,024 ranks: none does)."""
     from torch.distributed.tensor import Shard
 
     if param.dim() >= 3 and param.shape[0] < shards:
-        return Shard(1)
+        for d in range(1, param.dim()):
+            if param.shape[d] % shards == 0:
+                return Shard(d)
     return None
 
 
