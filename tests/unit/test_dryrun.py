@@ -226,3 +226,20 @@ def test_fsdp2_splits_stacked_experts_as_torchtitan_does():
     ours, theirs = (rep.engines[n] for n in ("vescale", "fsdp2"))
     assert theirs.after_step["params_sharded"] < 1.1 * ours.after_step["params_sharded"]
     assert theirs.padding_bytes < 0.1 * theirs.after_step["params_sharded"]
+
+
+def test_fsdp2_expert_placement_only_splits_evenly():
+    """FSDP2 refuses uneven ``Shard(d > 0)``: GPT-OSS's ``(128, 2880, 5760)`` stacks at 1,024
+    ranks keep ``Shard(0)`` (no dim divides), DeepSeek-V3's split along dim 1."""
+    from torch.distributed.tensor import Shard
+
+    from lightning_vescale.dryrun._run import _fsdp2_placement
+
+    def place(shape, shards):
+        return _fsdp2_placement(torch.empty(shape, device="meta"), shards=shards)
+
+    assert place((128, 2880, 5760), 1024) is None
+    assert place((256, 7168, 4096), 1024) == Shard(1)
+    assert place((8, 40, 192), 32) == Shard(2)
+    assert place((256, 7168, 4096), 64) is None  # as many experts as shards: Shard(0) is even
+    assert place((4096, 7168), 1024) is None  # not a stack
