@@ -106,8 +106,9 @@ def dry_run(model: Any = "llama3-70b", *, world_size: int, rank: int = 0, replic
         engines: ``"vescale"`` (ours) and/or ``"fsdp2"`` (torch's).
         batch_size: the micro-batch's sequences of token ids.
         seq_len: their length.
-        optimizer: ``"adamw"``, ``"adamw8bit"`` or ``"muon"`` (ours only for the last two:
-            FSDP2 runs AdamW8bit/Muon as well when they accept its ``Shard(0)`` DTensors).
+        optimizer: ``"adamw"``, ``"adamw8bit"``, ``"muon"``, ``"soap"`` or ``"shampoo"``
+            (FSDP2 runs the last four as well when they accept its ``Shard(0)`` DTensors;
+            otherwise ``skipped`` says why).
         granularity: ``fully_shard``'s argument.
         reshard_after_forward: ``fully_shard``'s argument.
         comm_policy: ``fully_shard``'s argument (a ``CommPolicy``).

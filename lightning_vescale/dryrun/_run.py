@@ -13,7 +13,10 @@ its bytes. The category figures (sharded and unsharded parameters, gradients, op
 communication buffers) are the MemoryProfiler's own accounting
 (``collect_training_tensors`` + ``engine_tensors`` + ``account``), sampled at every block
 boundary (the maximum of each) and after the step. The same step runs with torch's FSDP2
-(``torch.distributed.fsdp.fully_shard``) on a fresh copy of the model under the same group.
+(``torch.distributed.fsdp.fully_shard``) on a fresh copy of the model under the same group,
+placed as torchtitan places it: stacked experts ``(E, ...)`` are split along dim 1 when there
+are more shards than experts (FSDP2's default ``Shard(0)`` would pad them to N rows, a cost no
+MoE trainer accepts, so comparing with it would overstate our lead).
 
 :func:`run_step` is also what a real run calls (real tensors, a real group): the test that
 checks the dry run against gloo runs it in a forked world and compares the figures.
@@ -42,7 +45,7 @@ from lightning_vescale.dryrun._tracker import StepTracker
 __all__ = ["EngineReport", "OPTIMIZERS", "make_optimizer", "run_step"]
 
 #: name -> what builds it (the strategies' optimizers plus torch's AdamW)
-OPTIMIZERS = ("adamw", "adamw8bit", "muon")
+OPTIMIZERS = ("adamw", "adamw8bit", "muon", "soap", "shampoo")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,7 +73,8 @@ class EngineReport:
 
 
 def make_optimizer(name: str, params: list[nn.Parameter], lr: float = 1e-3) -> Any:
-    """``"adamw"`` (torch), ``"adamw8bit"`` or ``"muon"`` (``lightning_vescale.optim``)."""
+    """``"adamw"`` (torch), ``"adamw8bit"``, ``"muon"``, ``"soap"`` or ``"shampoo"``
+    (``lightning_vescale.optim``, default hyper-parameters)."""
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, foreach=False)
     if name == "adamw8bit":
@@ -79,6 +83,12 @@ def make_optimizer(name: str, params: list[nn.Parameter], lr: float = 1e-3) -> A
     if name == "muon":
         from lightning_vescale.optim import Muon
         return Muon(params, lr=lr)
+    if name == "soap":
+        from lightning_vescale.optim import SOAP
+        return SOAP(params, lr=lr)
+    if name == "shampoo":
+        from lightning_vescale.optim import Shampoo
+        return Shampoo(params, lr=lr)
     raise ValueError(f"optimizer={name!r} is not supported; choose one of {OPTIMIZERS}")
 
 
@@ -93,11 +103,28 @@ def _shard(engine: str, model: nn.Module, blocks: list[nn.Module], mesh: Any,
         from torch.distributed.fsdp import fully_shard as fsdp2
         opts = {k: v for k, v in options.items()
                 if k in ("reshard_after_forward", "mp_policy")}
+        opts["shard_placement_fn"] = functools.partial(_fsdp2_placement,
+                                                       shards=mesh.size(mesh.ndim - 1))
         for b in blocks:
             fsdp2(b, mesh=mesh, **opts)
         fsdp2(model, mesh=mesh, **opts)
     else:
         raise ValueError(f"engine={engine!r}: choose 'vescale' or 'fsdp2'")
+
+
+def _fsdp2_placement(param: nn.Parameter, *, shards: int) -> Any:
+    """FSDP2's placement as torchtitan sets it for MoE models: stacked experts ``(E, ...)``
+    split along dim 1 when there are more shards than experts (``Shard(0)`` would leave
+    ranks with padded, empty chunks: torchtitan/distributed/fsdp.py), else FSDP2's default.
+    FSDP2 shards a dim other than 0 only evenly: when dim 1 does not divide, the next dim
+    that does, else ``Shard(0)`` (GPT-OSS's 2,880 and 5,760 at 1,024 ranks: none does)."""
+    from torch.distributed.tensor import Shard
+
+    if param.dim() >= 3 and param.shape[0] < shards:
+        for d in range(1, param.dim()):
+            if param.shape[d] % shards == 0:
+                return Shard(d)
+    return None
 
 
 def _allocate(model: nn.Module, device: str) -> None:
@@ -119,7 +146,8 @@ def _allocate(model: nn.Module, device: str) -> None:
 
 def _padding(model: nn.Module, engine: str, world: int) -> int:
     """Bytes this rank holds beyond ``param_bytes / world`` (rounded up per parameter for
-    FSDP2, whose dim-0 chunks are padded to equal size; DBuffer padding for ours)."""
+    FSDP2, whose chunks along the sharded dim are padded to equal size; DBuffer padding for
+    ours)."""
     if engine == "vescale":
         from lightning_vescale.fsdp.api import dbuffers
         pad = 0
@@ -130,9 +158,10 @@ def _padding(model: nn.Module, engine: str, world: int) -> int:
     pad = 0
     for p in model.parameters():
         local = getattr(p, "_local_tensor", p)
+        dim = getattr(getattr(p, "placements", [None])[-1], "dim", 0)  # Shard(d); else 0
         if p.shape and p.dim():
-            rows = -(-p.shape[0] // world)
-            padded = rows * world * (p.numel() // max(p.shape[0], 1))
+            rows = -(-p.shape[dim] // world)
+            padded = rows * world * (p.numel() // max(p.shape[dim], 1))
             pad += (padded - p.numel()) * local.element_size()
     return pad // max(world, 1)
 

@@ -17,6 +17,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from lightning_vescale.dryrun._run import OPTIMIZERS
 from lightning_vescale.planner.cli import _granularity_arg
 from lightning_vescale.planner.presets import PRESETS
 
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=1, help="HSDP replicas (default 1: FSDP)")
     p.add_argument("--batch-size", type=int, default=1, help="micro-batch per rank")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence")
-    p.add_argument("--optimizer", choices=("adamw", "adamw8bit", "muon"), default="adamw")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     p.add_argument("--granularity", type=_granularity_arg, default=None,
                    help="fully_shard's granularity (ours only)")
     p.add_argument("--reshard-after-forward", choices=("default", "true", "false"),
@@ -52,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engines", default="vescale,fsdp2",
                    help="comma-separated: vescale, fsdp2 (default both)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--chart", metavar="PNG", help="also write a bar chart of memory per rank "
+                   "by category, ours vs FSDP2 (needs matplotlib: the 'plot' extra)")
     return p
 
 
@@ -63,6 +66,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if sum(sources) != 1:
         print("error: give exactly one of --preset, --hf-config, --model", file=sys.stderr)
         return 2
+    if args.chart:  # before the dry run: a missing matplotlib must not cost its minutes
+        from lightning_vescale.dryrun._chart import require_matplotlib
+        try:
+            require_matplotlib()
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     overrides = json.loads(args.config) if args.config else None
     comm = None
     if args.comm_policy:
@@ -82,4 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(report.as_dict(), indent=1, default=str))
     else:
         print(format_report(report))
+    if args.chart:
+        from lightning_vescale.dryrun._chart import write_chart
+        print(f"chart: {write_chart(report, args.chart)}", file=sys.stderr)
     return 0

@@ -62,6 +62,8 @@ def _gradient_family(coll: dict) -> list[int]:
     pytest.param("adamw", False, False, marks=pytest.mark.slow),
     pytest.param("adamw8bit", True, False, marks=pytest.mark.slow),
     pytest.param("muon", True, False, marks=pytest.mark.slow),
+    pytest.param("soap", True, False, marks=pytest.mark.slow),
+    pytest.param("shampoo", True, False, marks=pytest.mark.slow),
     pytest.param("adamw", True, True, marks=pytest.mark.slow)])
 def test_dry_run_bytes_equal_a_real_gloo_run(worlds, optimizer, mixed, comm):
     from lightning_vescale.dryrun import dry_run

@@ -35,6 +35,7 @@ SCREENSHOTS = ROOT / "out" / "docs_site"
 FIGURE_SOURCES = {
     "docs/concepts/img/": "docs/draw_figures.py",
     "docs/memory/": "examples/memory_profile.py",  # --out docs/memory (RESULTS_memory.md)
+    "docs/guides/img/": "benchmarks/dryrun_chart.py",  # the dry run's chart (guides/dryrun.md)
     "benchmarks/figures/": "benchmarks/*.py",       # each names its file; checked below
 }
 

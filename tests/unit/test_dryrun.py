@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -189,3 +190,56 @@ def test_dry_run_of_a_lightning_module_built_on_meta():
                              "n_kv_heads": 2, "ffn_dim": 96})
     ours = rep.engines["vescale"]
     assert ours.collectives["all_gather"][0] == 5 and ours.after_step["params_sharded"] > 0
+
+
+@pytest.mark.slow  # matplotlib's import and both engines: ~10 s on a busy machine
+def test_cli_chart_writes_a_png_of_both_engines(tmp_path, capsys, monkeypatch):
+    """``--chart out.png``: grouped bars of the report's categories (a real PNG); without
+    matplotlib the CLI stops before the dry run with the extra to install."""
+    from lightning_vescale.dryrun.cli import main
+
+    small = json.dumps({"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 96,
+                        "vocab": 500})
+    out = tmp_path / "chart.png"
+    assert main(["--preset", "llama3-70b", "--config", small, "--world-size", "4",
+                 "--seq-len", "8", "--chart", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert "chart:" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    assert main(["--preset", "llama3-70b", "--world-size", "4", "--chart",
+                 str(tmp_path / "no.png")]) == 2
+    assert "lightning_vescale[plot]" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # both engines on a 2-layer MoE: ~10 s on a busy machine
+def test_fsdp2_splits_stacked_experts_as_torchtitan_does():
+    """More ranks than experts: FSDP2 runs with torchtitan's placement (``Shard(1)`` for the
+    ``(E, ...)`` stacks), not ``Shard(0)``, which would leave 3 of 4 ranks a padded, empty
+    chunk of each stack (4x the expert bytes per rank here) and overstate our lead."""
+    import dataclasses
+
+    from lightning_vescale.dryrun import dry_run
+
+    cfg = dataclasses.replace(PRESETS["gpt-oss-120b"], layers=2, hidden=64, heads=4,
+                              kv_heads=2, head_dim=16, ffn=96, moe_ffn=96, vocab=500, experts=8)
+    rep = dry_run(cfg, world_size=32, seq_len=16)
+    ours, theirs = (rep.engines[n] for n in ("vescale", "fsdp2"))
+    assert theirs.after_step["params_sharded"] < 1.1 * ours.after_step["params_sharded"]
+    assert theirs.padding_bytes < 0.1 * theirs.after_step["params_sharded"]
+
+
+def test_fsdp2_expert_placement_only_splits_evenly():
+    """FSDP2 refuses uneven ``Shard(d > 0)``: GPT-OSS's ``(128, 2880, 5760)`` stacks at 1,024
+    ranks keep ``Shard(0)`` (no dim divides), DeepSeek-V3's split along dim 1."""
+    from torch.distributed.tensor import Shard
+
+    from lightning_vescale.dryrun._run import _fsdp2_placement
+
+    def place(shape, shards):
+        return _fsdp2_placement(torch.empty(shape, device="meta"), shards=shards)
+
+    assert place((128, 2880, 5760), 1024) is None
+    assert place((256, 7168, 4096), 1024) == Shard(1)
+    assert place((8, 40, 192), 32) == Shard(2)
+    assert place((256, 7168, 4096), 64) is None  # as many experts as shards: Shard(0) is even
+    assert place((4096, 7168), 1024) is None  # not a stack
