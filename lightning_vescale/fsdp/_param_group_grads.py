@@ -56,7 +56,7 @@ from typing import Any, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.profiler import record_function
+from lightning_vescale._labels import label
 
 from lightning_vescale.dbuffer import CommHandle, DBuffer
 from lightning_vescale.fsdp._managed_param import ManagedParam
@@ -169,7 +169,7 @@ class GroupGradients:
             if self.root is not None:
                 self.root.queue_final_callback()
             return
-        with record_function("vescale::grad_arrival"):
+        with label("vescale::grad_arrival"):
             if self.reduced:
                 name = f"{self.fqn}.{mp.name}" if self.fqn else mp.name
                 raise RuntimeError(

@@ -122,7 +122,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.profiler import record_function
+from lightning_vescale._labels import label
 
 from lightning_vescale.fsdp._training_state import TrainingState, in_backward
 from lightning_vescale.fsdp._param_group import ParamGroup
@@ -275,7 +275,7 @@ class FSDPState:
 
     # -- forward ---------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        with record_function("vescale::pre_forward"):
+        with label("vescale::pre_forward"):
             self._lazy_init()
             if in_backward():
                 # forward re-run inside backward (activation checkpointing recompute):
@@ -358,7 +358,7 @@ class FSDPState:
         if in_backward() or self._forward_depth > 1:
             # recompute inside backward, or a re-entrant call: the outer call does the rest
             return output
-        with record_function("vescale::post_forward"):
+        with label("vescale::post_forward"):
             grad = torch.is_grad_enabled()
             group = self.group
             last = not self._pending  # list groups: the last of their modules to run
@@ -395,7 +395,7 @@ class FSDPState:
 
     # -- backward --------------------------------------------------------------------------------
     def _pre_backward(self, grad: torch.Tensor, use: int | None = None) -> None:
-        with record_function("vescale::pre_backward"):
+        with label("vescale::pre_backward"):
             self.ctx.queue_final_callback()
             if use is not None:
                 self._open_uses.add(use)
@@ -435,7 +435,7 @@ class FSDPState:
         group = self.group
         if group is None or not group.reshard_after_backward or not group.is_unsharded:
             return
-        with record_function("vescale::reshard_between_uses"):
+        with label("vescale::reshard_between_uses"):
             group.reshard()
             self.training_state = TrainingState.IDLE  # the next use's pre-backward re-gathers
 
@@ -444,7 +444,7 @@ class FSDPState:
         group = self.group
         if group is None or group.training_state is TrainingState.POST_BACKWARD:
             return
-        with record_function("vescale::post_backward"):
+        with label("vescale::post_backward"):
             group.post_backward()
             if group.should_reduce():
                 self.ctx.reduce_scatter(group)
