@@ -154,7 +154,8 @@ def wall_table(groups_list: list[int], width: int, steps: int, warmup: int,
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     ratios = {}
     for groups in groups_list:
-        r = run_distributed(_wall_body, world_size, groups, width, steps, warmup,
+        n = max(steps, 1600 // groups)  # small models: more steps, the same total time
+        r = run_distributed(_wall_body, world_size, groups, width, n, warmup,
                             timeout=3600)[0]
         ov, of = r["vescale"] - r["plain"], r["fsdp2"] - r["plain"]
         ratios[groups] = ov / of

@@ -39,9 +39,12 @@ class Owner(NamedTuple):
     attr: str
 
 
+_MODULE_SETATTR = nn.Module.__setattr__
+
+
 def set_param(module: nn.Module, attr: str, param: nn.Parameter) -> None:
     """Register ``param`` as ``module.<attr>`` without nn.Module.__setattr__'s checks."""
-    if getattr(module.__setattr__, "__func__", None) is nn.Module.__setattr__:
+    if type(module).__setattr__ is _MODULE_SETATTR:
         module._parameters[attr] = param
     else:  # a module overriding __setattr__: honour it
         setattr(module, attr, param)
