@@ -98,7 +98,14 @@ Every hook and collective runs under a ``record_function("vescale::...")`` label
 ``grad_arrival``, ``post_backward``, ``post_backward_final_callback``,
 ``grad_flags_all_reduce``, and in the DBuffer ``all_gather`` / ``reduce_scatter`` /
 ``comm_wait``), as FSDP2's ``FSDP::...`` labels, so a profiler trace shows the engine's phases
-(``benchmarks/hook_overhead.py`` sums their self CPU time).
+(``benchmarks/hook_overhead.py`` sums their self CPU time). The labels are entered only while a
+profiler records (``lightning_vescale._labels.label``): ``record_function`` itself dispatches
+two operators whether or not anyone records, several per group and step. The hooks are the
+host's cost per step on many small groups (issue 36; pytorch#173680 for FSDP2), so their common
+paths avoid per-step scans and Python calls: the recorded orders' positions are indexed once,
+the gradient hooks' common case is inlined in the hook closures, ``requires_grad`` is synced
+by one compare per parameter. ``tests/distributed/test_hook_work.py`` pins the Python calls
+of one forward + backward.
 
 Design note [fsdp-compile]
 --------------------------
