@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections import defaultdict
 from typing import Any
@@ -143,6 +144,54 @@ def _wall_body(groups: int, width: int, steps: int, warmup: int) -> dict[str, An
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _calls_body(groups: int, width: int) -> dict[str, int]:
+    """Python calls of one steady-state forward + backward (``sys.setprofile``) per model: a
+    measure of the hooks' host work that load on the machine does not change."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _, data = _data({"groups": groups, "width": width}, 1, rank, world)
+    x, y = data[0]
+    torch.manual_seed(0)
+    models = {"plain": SmallLayers(groups, width)}
+    for engine in PREFIXES:
+        models[engine] = shard_layers(engine, groups, width)
+    out = {}
+    for k, m in models.items():
+        opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+        for _ in range(3):
+            m(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        count = [0]
+
+        def prof(frame, event, arg, count=count):
+            if event == "call":
+                count[0] += 1
+
+        sys.setprofile(prof)
+        try:
+            m(x, y).backward()
+        finally:
+            sys.setprofile(None)
+        opt.zero_grad()
+        out[k] = count[0]
+    return out
+
+
+def calls_table(groups_list: list[int], width: int, world_size: int = 1) -> str:
+    """Python calls per forward + backward above the plain model's, per engine and group count."""
+    from tests.harness import run_distributed
+
+    lines = ["| groups | plain calls | vescale calls above plain (per group) | FSDP2 calls above "
+             "plain (per group) | ratio |", "| ---: | ---: | ---: | ---: | ---: |"]
+    for groups in groups_list:
+        r = run_distributed(_calls_body, world_size, groups, width, timeout=3600)[0]
+        v, f = r["vescale"] - r["plain"], r["fsdp2"] - r["plain"]
+        lines.append(f"| {groups} | {r['plain']} | {v} ({v / groups:.0f}) | {f} "
+                     f"({f / groups:.0f}) | {v / f:.3f} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def wall_table(groups_list: list[int], width: int, steps: int, warmup: int,
                world_size: int = 1) -> tuple[str, dict[int, float]]:
     """The engines' host overhead per step (engine step - plain step, medians) per group count,
@@ -242,12 +291,17 @@ def main(argv: list[str] | None = None) -> None:
                    help="sweep the small-layers model over these group counts (e.g. 8 64 256) "
                         "instead of the GPT")
     p.add_argument("--width", type=int, default=16, help="the small layers' width")
+    p.add_argument("--calls", action="store_true",
+                   help="with --groups: Python calls per forward + backward (load-independent)")
     p.add_argument("--wall", action="store_true",
                    help="with --groups: the host time per step without a profiler (engine "
                         "step - plain step, interleaved medians) instead of the labels")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     a = p.parse_args(argv)
+    if a.groups and a.calls:
+        print(calls_table(a.groups, a.width, a.world_size))
+        return
     if a.groups and a.wall:
         table, _ = wall_table(a.groups, a.width, a.steps, a.warmup, a.world_size)
         print(table)
