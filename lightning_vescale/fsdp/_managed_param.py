@@ -78,6 +78,9 @@ class ManagedParam:
     #: a tensor-parallel parameter's :class:`~lightning_vescale.fsdp._tp.TPSpec` (``shape`` is
     #: then its TP-local shape, what the group plans: design note [fsdp-tp]); ``None`` otherwise
     tp: Any = None
+    #: the ``DTensorSpec`` of its sharded gradient, from the first publication: later ones wrap
+    #: the new gradient view with it directly (a gradient per parameter per step, issue 36)
+    grad_spec: Any = None
 
     def dtensor_meta(self, mesh: Any) -> tuple[Any, tuple[int, ...], Any]:
         """``(mesh, global shape, global stride or None)`` of the sharded DTensor and its

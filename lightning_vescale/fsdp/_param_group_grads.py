@@ -66,6 +66,10 @@ from lightning_vescale.placement import ragged_from_local
 
 __all__ = ["BackwardRoot", "GroupGradients"]
 
+#: ``ragged_from_local``'s own constructor: a DTensor over a local tensor and a known spec
+#: (``DTensor.__new__`` without ``__init__``'s checks; the spec came from ``ragged_from_local``)
+_new_dtensor = DTensor.__new__
+
 
 class BackwardRoot(Protocol):
     """What a group's gradient hooks ask of the root (``_state.RootContext`` implements it)."""
@@ -261,9 +265,14 @@ class GroupGradients:
         g = mp.sharded.grad
         if g is None or not self._is_our_grad(mp, g):
             view = mp.buffer.grad_local_view(mp.name)
+            if mp.grad_spec is not None:  # every publication after the first: no lookups
+                g = mp.sharded.grad = _new_dtensor(DTensor, view, mp.grad_spec,
+                                                   requires_grad=False)
+                return g
             mesh, shape, stride = mp.dtensor_meta(self.mesh_info.mesh)
             g = mp.sharded.grad = ragged_from_local(
                 view, mesh, mp.placements, shape, stride, autograd=False, check=False)
+            mp.grad_spec = g._spec
         return g
 
     def discard_gradients(self) -> None:

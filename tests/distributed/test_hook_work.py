@@ -68,7 +68,7 @@ def test_hook_work_is_pinned(worlds):
 
 #: Our Python calls and all Python calls of one forward + backward, 8 small groups (torch
 #: 2.13, CPU, 2 ranks, the slowest rank). Before issue 36's changes: PINNED_BEFORE.
-PINNED = {"ours": 1810, "calls": 2501}
+PINNED = {"ours": 1714, "calls": 2251}
 PINNED_BEFORE = {"ours": 2090, "calls": 4048}  # and 77 labels entered
 #: a cache warmed by an earlier test in the same forked rank may save or cost a few calls;
 #: a regression costs a call per group and parameter (tens here)
