@@ -11,6 +11,13 @@ Run from the repository root::
 
     python -m benchmarks.hook_overhead                         # world 2, 24 blocks of width 80
     python -m benchmarks.hook_overhead --n-layer 4 --n-embd 256
+    # issue 36: 8, 64 and 256 groups of small layers at world 1, ours against FSDP2
+    python -m benchmarks.hook_overhead --world-size 1 --groups 8 64 256           # labels
+    python -m benchmarks.hook_overhead --world-size 1 --groups 8 64 256 --wall    # host time
+    python -m benchmarks.hook_overhead --world-size 1 --groups 8 64 256 --calls   # Python calls
+
+``--wall`` prints the ratio the issue's target is about: the host time of forward + backward
+above the unsharded model's (interleaved medians, no profiler), ours / FSDP2.
 
 Results: ``benchmarks/RESULTS_fsdp.md``.
 """
