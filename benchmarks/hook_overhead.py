@@ -205,7 +205,8 @@ def wall_table(groups_list: list[int], width: int, steps: int, warmup: int,
     and the ratio vescale / FSDP2 (the issue's target: <= 0.5)."""
     from tests.harness import run_distributed
 
-    lines = ["| groups | plain fwd+bwd ms | vescale fwd+bwd ms | FSDP2 fwd+bwd ms | vescale overhead "
+    lines = ["| groups | plain fwd+bwd ms | vescale fwd+bwd ms | FSDP2 fwd+bwd ms "
+             "| vescale overhead "
              "ms (us/group) | FSDP2 overhead ms (us/group) | ratio |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     ratios = {}
