@@ -73,6 +73,40 @@ def _report(out: Path, rank: int, times: list[float], loss: float, a: argparse.N
         "loss": loss}))
 
 
+#: ``--profile``: where rank 0's step time goes, by the file (or builtin) that spent it (cProfile
+#: self time). First match wins; builtins (C functions) are classified by their name.
+CATEGORIES = (
+    ("collectives (waits + calls)", ("distributed_c10d", "torch/distributed/distributed_c10d",
+                                     "c10d", "Work", "ProcessGroup")),
+    ("engine (lightning_vescale fsdp/dbuffer/placement)",
+     ("lightning_vescale/fsdp", "lightning_vescale/dbuffer", "lightning_vescale/_dbuffer",
+      "lightning_vescale/placement", "lightning_vescale/_labels", "lightning_vescale/mesh")),
+    ("strategy (lightning_vescale strategy, precision, optim)", ("lightning_vescale/",)),
+    ("DDP wrapper (torch/nn/parallel)", ("torch/nn/parallel",)),
+    ("Lightning loop + hooks", ("lightning/", "lightning_utilities")),
+    ("optimizer (torch/optim)", ("torch/optim",)),
+    ("DTensor dispatch (torch/distributed/tensor)", ("torch/distributed/tensor", "_dtensor")),
+    ("model Python (transformers, torch.nn)", ("transformers/", "torch/nn/")),
+)
+
+
+def _category(filename: str, name: str) -> str:
+    key = filename if filename != "~" else name
+    for cat, needles in CATEGORIES:
+        if any(n in key for n in needles):
+            return cat
+    return "operators + other (aten kernels, autograd engine, Python builtins)"
+
+
+def _profile_breakdown(stats: Any, steps: int) -> dict[str, float]:
+    """Self time per category, ms per step, from a ``pstats.Stats``."""
+    out: dict[str, float] = {}
+    for (filename, _, name), (_, _, tottime, _, _) in stats.stats.items():
+        cat = _category(filename, name)
+        out[cat] = out.get(cat, 0.0) + 1e3 * tottime / steps
+    return out
+
+
 def _trainer_worker(a: argparse.Namespace, out: Path) -> None:
     import lightning.pytorch as pl
     import torch
@@ -93,14 +127,21 @@ def _trainer_worker(a: argparse.Namespace, out: Path) -> None:
             return loss
 
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            if profiler is not None and batch_idx >= a.warmup:
+                profiler.enable()
             self._start = time.perf_counter()
 
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
             self.times.append(time.perf_counter() - self._start)
+            if profiler is not None:
+                profiler.disable()
 
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
+    import cProfile
+
+    profiler = cProfile.Profile() if a.profile else None
     pl.seed_everything(0, verbose=False)
     module = Module()
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_tokens(a, 2)),
@@ -110,6 +151,13 @@ def _trainer_worker(a: argparse.Namespace, out: Path) -> None:
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, data)
     _report(out, trainer.global_rank, module.times, module.loss, a)
+    if profiler is not None and trainer.global_rank == 0:
+        import pstats
+
+        with (out / "profile.txt").open("w") as f:
+            stats = pstats.Stats(profiler, stream=f)
+            stats.sort_stats("tottime").print_stats(40)
+        (out / "profile.json").write_text(json.dumps(_profile_breakdown(stats, a.steps)))
 
 
 def _fabric_worker(a: argparse.Namespace, out: Path) -> None:
@@ -156,12 +204,40 @@ def _once(a: argparse.Namespace, model: str, strategy: str, out: Path) -> list[d
             "--model", model, "--strategy", strategy, "--steps", str(a.steps),
             "--warmup", str(a.warmup), "--hidden", str(a.hidden), "--layers", str(a.layers),
             "--vocab", str(a.vocab), "--seq", str(a.seq), "--batch", str(a.batch)]
+    if a.profile:
+        argv.append("--profile")
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=a.timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{model} {strategy} failed:\n"
                            f"{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _profile_main(a: argparse.Namespace) -> None:
+    """``--profile``: one run per side per Trainer model; per category, ms/step DDP vs ours."""
+    import tempfile
+
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in [m for m in a.models.split(",") if m and m != "litgpt"]:
+            got = {}
+            for strategy in ("ddp", "vescale_fsdp"):
+                out = Path(tmp) / f"{model}_{strategy}"
+                ranks = _once(a, model, strategy, out)
+                got[strategy] = (ranks[0]["step_ms"],
+                                 json.loads((out / "profile.json").read_text()))
+                if a.keep_profiles:
+                    print((out / "profile.txt").read_text())
+            print(f"\n{model}: rank 0, cProfile self time, ms/step (step median under the "
+                  f"profiler: DDP {got['ddp'][0]:.1f}, ours {got['vescale_fsdp'][0]:.1f})")
+            print("| category | DDP | ours | ours - DDP |\n| --- | ---: | ---: | ---: |")
+            cats = sorted(set(got["ddp"][1]) | set(got["vescale_fsdp"][1]),
+                          key=lambda c: -got["vescale_fsdp"][1].get(c, 0.0))
+            for cat in cats:
+                d, v = got["ddp"][1].get(cat, 0.0), got["vescale_fsdp"][1].get(cat, 0.0)
+                print(f"| {cat} | {d:.2f} | {v:.2f} | {v - d:+.2f} |", flush=True)
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 def _available(model: str) -> bool:
@@ -187,9 +263,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--strategy", help=argparse.SUPPRESS)
+    p.add_argument("--keep-profiles", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--profile", action="store_true",
+                   help="one run per side (Trainer models): rank 0's step time by category "
+                        "(cProfile self time, ms/step; the profiler slows Python, both sides)")
     a = p.parse_args(argv)
     if a.worker:
         (_fabric_worker if a.model == "litgpt" else _trainer_worker)(a, Path(a.worker))
+        return
+    if a.profile:
+        _profile_main(a)
         return
 
     import tempfile

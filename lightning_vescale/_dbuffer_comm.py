@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
+from lightning_vescale._labels import label
 
 if TYPE_CHECKING:
     from lightning_vescale.mesh import MeshInfo
@@ -140,7 +140,7 @@ class CommHandle:
         if self._done:
             return
         if self._work is not None:
-            with record_function("vescale::comm_wait"):  # waiting, not engine work
+            with label("vescale::comm_wait"):  # waiting, not engine work
                 self._work.wait()
         self._work = None
         if self._epilogue is not None:
@@ -445,9 +445,9 @@ def replica_all_reduce(rs_work: Any, out: torch.Tensor, *, op: dist.ReduceOp, gr
     """
     if out.device.type == "cpu" or not async_op:
         if rs_work is not None:
-            with record_function("vescale::comm_wait"):
+            with label("vescale::comm_wait"):
                 rs_work.wait()
-        with record_function("vescale::all_reduce"):
+        with label("vescale::all_reduce"):
             if wire is not None:
                 return wire_all_reduce_sum(out, wire, group=group, size=size, async_op=async_op)
             return dist.all_reduce(out, op=op, group=group, async_op=async_op)
@@ -455,7 +455,7 @@ def replica_all_reduce(rs_work: Any, out: torch.Tensor, *, op: dist.ReduceOp, gr
     if stream is None:
         stream = _ALL_REDUCE_STREAMS[out.device] = torch.Stream(device=out.device)
     stream.wait_stream(torch.accelerator.current_stream(out.device))
-    with stream, record_function("vescale::all_reduce"):
+    with stream, label("vescale::all_reduce"):
         if rs_work is not None:
             rs_work.wait()  # orders the side stream after the reduce-scatter (and its sum)
         if wire is None:

@@ -67,7 +67,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
+from lightning_vescale._labels import label
 
 from lightning_vescale._dbuffer_comm import (
     CommHandle,
@@ -406,7 +406,7 @@ class DBuffer:
         unless ``async_op``).
         """
         self._check_collective()
-        with record_function("vescale::all_gather"):
+        with label("vescale::all_gather"):
             return self._all_gather(async_op)
 
     def _all_gather(self, async_op: bool) -> CommHandle:
@@ -467,7 +467,7 @@ class DBuffer:
         """
         self._check_collective()
         rop = _resolve_op(op)
-        with record_function("vescale::reduce_scatter"):
+        with label("vescale::reduce_scatter"):
             return self._reduce_scatter(async_op, rop, accumulate, scale, all_reduce)
 
     def _on_gloo(self) -> bool:
@@ -576,7 +576,7 @@ class DBuffer:
             # the micro-batches reduced without the all-reduce join this one before it (an
             # accelerator's current stream waits for this reduce-scatter: last micro-batch only)
             if work is not None:
-                with record_function("vescale::comm_wait"):
+                with label("vescale::comm_wait"):
                     work.wait()
                 work = None
             out.add_(self.grad_partial)

@@ -59,6 +59,7 @@ of this module's helpers, which ask :func:`collective_device` where it must run:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -139,7 +140,7 @@ class MeshInfo:
         """The process group collectives of a sharding group run in."""
         return self.mesh.get_group(self.shard_mesh_dim)
 
-    @property
+    @functools.cached_property  # read by every hook; a mesh's sizes never change
     def shard_size(self) -> int:
         return self.mesh.size(self.shard_mesh_dim)
 
@@ -154,7 +155,7 @@ class MeshInfo:
             return None
         return self.mesh.get_group(self.replicate_mesh_dim)
 
-    @property
+    @functools.cached_property  # read by every hook; a mesh's sizes never change
     def replicate_size(self) -> int:
         return 1 if self.replicate_mesh_dim is None else self.mesh.size(self.replicate_mesh_dim)
 
@@ -164,7 +165,7 @@ class MeshInfo:
         return 0 if self.replicate_mesh_dim is None else self.mesh.get_local_rank(
             self.replicate_mesh_dim)
 
-    @property
+    @functools.cached_property  # read by every hook; a mesh's sizes never change
     def is_hsdp(self) -> bool:
         """True when gradients are all-reduced across more than one replica."""
         return self.replicate_size > 1
@@ -188,7 +189,7 @@ class MeshInfo:
             return None
         return self.mesh._flatten().get_group()
 
-    @property
+    @functools.cached_property  # read by every hook; a mesh's sizes never change
     def data_parallel_size(self) -> int:
         """Ranks that see different data: ``replicate_size * shard_size``."""
         return self.replicate_size * self.shard_size

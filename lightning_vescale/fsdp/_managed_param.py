@@ -39,9 +39,12 @@ class Owner(NamedTuple):
     attr: str
 
 
+_MODULE_SETATTR = nn.Module.__setattr__
+
+
 def set_param(module: nn.Module, attr: str, param: nn.Parameter) -> None:
     """Register ``param`` as ``module.<attr>`` without nn.Module.__setattr__'s checks."""
-    if getattr(module.__setattr__, "__func__", None) is nn.Module.__setattr__:
+    if type(module).__setattr__ is _MODULE_SETATTR:
         module._parameters[attr] = param
     else:  # a module overriding __setattr__: honour it
         setattr(module, attr, param)
@@ -79,6 +82,9 @@ class ManagedParam:
     #: ``shard_placement_fn`` gave a mesh of its own (its DBuffer shards over it: design note
     #: [fsdp-param-mesh]); ``None``: the group's
     mesh_info: Any = None
+    #: the ``DTensorSpec`` of its sharded gradient, from the first publication: later ones wrap
+    #: the new gradient view with it directly (a gradient per parameter per step, issue 36)
+    grad_spec: Any = None
 
     def dtensor_meta(self, mesh: Any) -> tuple[Any, tuple[int, ...], Any]:
         """``(mesh, global shape, global stride or None)`` of the sharded DTensor and its

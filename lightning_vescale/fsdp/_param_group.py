@@ -46,7 +46,7 @@ from lightning_vescale.fsdp._collective_check import check_collective
 from lightning_vescale.fsdp._comm_policy import CommPolicy
 from lightning_vescale.fsdp._collective_check import enabled as collective_check_on
 from lightning_vescale.fsdp._training_state import TrainingState
-from lightning_vescale.fsdp._managed_param import ManagedParam, Owner, set_param
+from lightning_vescale.fsdp._managed_param import _MODULE_SETATTR, ManagedParam, Owner, set_param
 from lightning_vescale.fsdp._param_group_grads import BackwardRoot, GroupGradients
 from lightning_vescale.fsdp._param_mesh import param_mesh_keys
 from lightning_vescale.fsdp._policy import CPUOffloadPolicy, MixedPrecisionPolicy
@@ -239,17 +239,22 @@ class ParamGroup(GroupGradients):
             self._register_grad_hooks(mp)
 
     def sync_requires_grad(self) -> None:
-        """Follow ``requires_grad_`` calls users made on the sharded parameters."""
+        """Follow ``requires_grad_`` calls users made on the sharded parameters (every root
+        pre-forward: one attribute compare per parameter while nothing changed)."""
+        changed = False
         for mp in self.params:
-            assert mp.sharded is not None and mp.unsharded is not None
-            rg = mp.sharded.requires_grad
+            sharded = mp.sharded
+            assert sharded is not None and mp.unsharded is not None
+            rg = sharded.requires_grad
             if rg != mp.requires_grad:
+                changed = True
                 mp.requires_grad = rg
                 mp.unsharded.requires_grad_(rg)
                 self._remove_grad_hooks(mp)
                 if rg:
                     self._register_grad_hooks(mp)
-        self._count_trainable()
+        if changed:
+            self._count_trainable()
 
     def adopt_replaced_params(self) -> None:
         """Make parameters the user replaced on the modules since ``fully_shard`` the group's
@@ -270,6 +275,7 @@ class ParamGroup(GroupGradients):
             if mp.name in replaced:
                 news[mp.name] = self._replacement_data(mp, replaced[mp.name])
                 mp.requires_grad = replaced[mp.name].requires_grad
+        self._count_trainable()
         if any(buf.is_meta for buf in self.buffers.values()):
             left = [mp.name for mp in self.params if mp.name not in news]
             if left:
@@ -354,11 +360,14 @@ class ParamGroup(GroupGradients):
     # -- unshard / reshard ----------------------------------------------------------------------
     def swap(self, *, sharded: bool) -> None:
         """Register the sharded (or the unsharded) parameter objects in every owner module."""
-        for mp in self.params:
+        for mp in self.params:  # set_param inlined: four calls per group and step
             p = mp.sharded if sharded else mp.unsharded
             assert p is not None
-            for owner in mp.owners:
-                set_param(owner.module, owner.attr, p)
+            for module, attr in mp.owners:
+                if type(module).__setattr__ is _MODULE_SETATTR:
+                    module._parameters[attr] = p
+                else:
+                    set_param(module, attr, p)
         self.modules_hold_unsharded = not sharded
 
     @property

@@ -56,7 +56,7 @@ from typing import Any, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.profiler import record_function
+from lightning_vescale._labels import label
 
 from lightning_vescale.dbuffer import CommHandle, DBuffer
 from lightning_vescale.fsdp._managed_param import ManagedParam
@@ -66,11 +66,16 @@ from lightning_vescale.placement import ragged_from_local
 
 __all__ = ["BackwardRoot", "GroupGradients"]
 
+#: ``ragged_from_local``'s own constructor: a DTensor over a local tensor and a known spec
+#: (``DTensor.__new__`` without ``__init__``'s checks; the spec came from ``ragged_from_local``)
+_new_dtensor = DTensor.__new__
+
 
 class BackwardRoot(Protocol):
     """What a group's gradient hooks ask of the root (``_state.RootContext`` implements it)."""
 
     groups: list[Any]  # every group of the tree, in the order of their ``index``
+    final_callback_queued: bool  # read by the gradient hooks' fast path
 
     def queue_final_callback(self) -> None:
         """Make sure the end-of-backward callback runs after this backward."""
@@ -149,8 +154,15 @@ class GroupGradients:
 
         def hook(grad: torch.Tensor) -> None:
             group = group_weakref()
-            if group is not None:
-                group._on_gradient(mp)
+            if group is None:
+                return
+            if group._grads_ready and not group.reduced and not torch.is_grad_enabled():
+                # :meth:`_on_gradient`'s fast path, inlined: runs for every parameter and step
+                root = group.root
+                if root is not None and not root.final_callback_queued:
+                    root.queue_final_callback()
+                return
+            group._on_gradient(mp)
         return hook
 
     def _make_grad_post_hook(self, mp: ManagedParam) -> Callable[[torch.Tensor], None]:
@@ -158,8 +170,16 @@ class GroupGradients:
 
         def hook(param: torch.Tensor) -> None:
             group, entry = group_weakref(), mp_weakref()
-            if group is not None and entry is not None:
-                group._on_gradient_accumulated(entry)
+            if group is None or entry is None:
+                return
+            # the gradient was accumulated: count it (it times the backward prefetch only).
+            # Once half of the trainable parameters have one: late enough not to coincide with
+            # the activation peak at the start of the group's backward, early enough to
+            # overlap its second half. Timing only, never a reduce.
+            entry.got_grad = True
+            group._arrived += 1
+            if group._arrived == max(1, group._num_trainable // 2):
+                group.prefetch_backward_once()
         return hook
 
     def _on_gradient(self, mp: ManagedParam) -> None:
@@ -170,7 +190,7 @@ class GroupGradients:
             if self.root is not None:
                 self.root.queue_final_callback()
             return
-        with record_function("vescale::grad_arrival"):
+        with label("vescale::grad_arrival"):
             if self.reduced:
                 name = f"{self.fqn}.{mp.name}" if self.fqn else mp.name
                 raise RuntimeError(
@@ -191,15 +211,6 @@ class GroupGradients:
             self.prepare_grads()
             if self.root is not None:
                 self.root.queue_final_callback()
-
-    def _on_gradient_accumulated(self, mp: ManagedParam) -> None:
-        """``mp``'s gradient was accumulated: count it (it times the backward prefetch only)."""
-        mp.got_grad = True
-        self._arrived += 1
-        if self._arrived == max(1, self._num_trainable // 2):
-            # Late enough not to coincide with the activation peak at the start of the group's
-            # backward, early enough to overlap its second half. Timing only, never a reduce.
-            self.prefetch_backward_once()
 
     def prepare_grads(self) -> None:
         """Materialise (zeroed) ``grad_full`` and point unsharded ``.grad``s at it."""
@@ -231,7 +242,7 @@ class GroupGradients:
             return  # still in flight; the root calls again after its wait
         hooked = [mp for mp in self.trainable()
                   if (mp.got_grad or self.grads_for_unused) and not mp.hooks_ran
-                  and _post_acc_hooks(mp.sharded)]
+                  and getattr(mp.sharded, "_post_accumulate_grad_hooks", None)]
         if not hooked:
             return
         for mp in hooked:
@@ -255,9 +266,14 @@ class GroupGradients:
         g = mp.sharded.grad
         if g is None or not self._is_our_grad(mp, g):
             view = mp.buffer.grad_local_view(mp.name)
+            if mp.grad_spec is not None:  # every publication after the first: no lookups
+                g = mp.sharded.grad = _new_dtensor(DTensor, view, mp.grad_spec,
+                                                   requires_grad=False)
+                return g
             mesh, shape, stride = mp.dtensor_meta(self.mesh_of(mp).mesh)
             g = mp.sharded.grad = ragged_from_local(
                 view, mesh, mp.placements, shape, stride, autograd=False, check=False)
+            mp.grad_spec = g._spec
         return g
 
     def discard_gradients(self) -> None:
@@ -409,7 +425,7 @@ class GroupGradients:
                     published[mp.buffer][id(mp.sharded)] = g
                 continue
             published[mp.buffer][id(mp.sharded)] = self._publish_one(mp)
-            if _post_acc_hooks(mp.sharded):
+            if getattr(mp.sharded, "_post_accumulate_grad_hooks", None):  # _post_acc_hooks
                 late.append(mp)
         # Readers of many gradients at once check identity against this record instead of
         # every gradient's memory (design note [dbuffer-published-grads]).

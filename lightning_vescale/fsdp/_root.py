@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
-from torch.profiler import record_function
+from lightning_vescale._labels import label
 
 from lightning_vescale._dbuffer_quant import any_unread, check_gathers
 from lightning_vescale._pinned import host_source
@@ -105,11 +105,13 @@ class RootContext:
         #: the gradient-flag all-reduce of a backward whose result this rank did not need
         #: (every flag was set here): finished at the next root pre-forward, no host sync
         self.pending_flags: tuple[Any, torch.Tensor] | None = None
+        #: per recorded order (by id): (the order, its length, {id(state or group): index})
+        self._positions: dict[int, tuple[list, int, dict[int, int]]] = {}
 
     # -- lazy init and the root's forward ------------------------------------------------------
     def adopt(self, root: FSDPState) -> None:
         """Make ``root`` the root of its module tree: every state and group there uses us."""
-        with record_function("vescale::lazy_init"):
+        with label("vescale::lazy_init"):
             if len(root.modules) > 1:
                 raise RuntimeError(
                     f"fully_shard needs a single root module, but the first forward ran in a "
@@ -135,7 +137,7 @@ class RootContext:
 
     def root_pre_forward(self) -> None:
         """Start an iteration from the sharded state, whatever the last one left behind."""
-        with record_function("vescale::root_pre_forward"):
+        with label("vescale::root_pre_forward"):
             # set_post_optim_event: the optimizer ran on another stream; what is issued from
             # here on (the all-gathers, the offloaded shards' copies) waits for it (FSDP2)
             event, self.post_optim_event = self.post_optim_event, None
@@ -223,10 +225,9 @@ class RootContext:
         if self.backward_recorded and self.prefetch:
             self._unshard_next(self.backward_order, unit, skip_started=True)
 
-    @staticmethod
-    def _unshard_next(order: list[FSDPState], unit: FSDPState | ParamGroup,
+    def _unshard_next(self, order: list[FSDPState], unit: FSDPState | ParamGroup,
                       skip_started: bool) -> None:
-        pos = next((i for i, st in enumerate(order) if st is unit or st.group is unit), None)
+        pos = self._position(order, unit)
         if pos is None:
             return
         for nxt in order[pos + 1:]:
@@ -238,6 +239,21 @@ class RootContext:
                 continue  # already through its backward, or never gathered in backward
             group.unshard(async_op=True)
             return
+
+    def _position(self, order: list[FSDPState], unit: FSDPState | ParamGroup) -> int | None:
+        """The first index of ``order`` holding ``unit`` (a state, or a state's group).
+
+        A dictionary per recorded order, rebuilt only when the order grew: a scan per hook made
+        each step's prefetches quadratic in the number of groups (issue 36)."""
+        cached = self._positions.get(id(order))
+        if cached is None or cached[0] is not order or cached[1] != len(order):
+            index: dict[int, int] = {}
+            for i, st in enumerate(order):
+                index.setdefault(id(st), i)
+                if st.group is not None:
+                    index.setdefault(id(st.group), i)
+            cached = self._positions[id(order)] = (order, len(order), index)
+        return cached[2].get(id(unit))
 
     # -- backward -------------------------------------------------------------------------------
     def queue_final_callback(self) -> None:
@@ -277,7 +293,7 @@ class RootContext:
                 group.run_post_reduce_hooks()
 
     def _final_callback(self) -> None:
-        with record_function("vescale::post_backward_final_callback"):
+        with label("vescale::post_backward_final_callback"):
             self.final_callback_queued = False
             self.finish_reduce()
             for group in self.groups:  # groups without a structural completion, in tree order
@@ -339,7 +355,7 @@ class RootContext:
         mesh_info = group.mesh_info
         if mesh_info.data_parallel_size == 1:
             return local
-        with record_function("vescale::grad_flags_all_reduce"):
+        with label("vescale::grad_flags_all_reduce"):
             device = next(iter(group.buffers.values())).device
             # pinned toward an accelerator: a pageable source may make the driver synchronise
             # (design note [pinned-host])

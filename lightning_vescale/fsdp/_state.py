@@ -98,7 +98,14 @@ Every hook and collective runs under a ``record_function("vescale::...")`` label
 ``grad_arrival``, ``post_backward``, ``post_backward_final_callback``,
 ``grad_flags_all_reduce``, and in the DBuffer ``all_gather`` / ``reduce_scatter`` /
 ``comm_wait``), as FSDP2's ``FSDP::...`` labels, so a profiler trace shows the engine's phases
-(``benchmarks/hook_overhead.py`` sums their self CPU time).
+(``benchmarks/hook_overhead.py`` sums their self CPU time). The labels are entered only while a
+profiler records (``lightning_vescale._labels.label``): ``record_function`` itself dispatches
+two operators whether or not anyone records, several per group and step. The hooks are the
+host's cost per step on many small groups (issue 36; pytorch#173680 for FSDP2), so their common
+paths avoid per-step scans and Python calls: the recorded orders' positions are indexed once,
+the gradient hooks' common case is inlined in the hook closures, ``requires_grad`` is synced
+by one compare per parameter. ``tests/distributed/test_hook_work.py`` pins the Python calls
+of one forward + backward.
 
 Design note [fsdp-compile]
 --------------------------
@@ -122,7 +129,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.profiler import record_function
+from lightning_vescale._labels import label
 
 from lightning_vescale.fsdp._training_state import TrainingState, in_backward
 from lightning_vescale.fsdp._param_group import ParamGroup
@@ -275,7 +282,7 @@ class FSDPState:
 
     # -- forward ---------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        with record_function("vescale::pre_forward"):
+        with label("vescale::pre_forward"):
             self._lazy_init()
             if in_backward():
                 # forward re-run inside backward (activation checkpointing recompute):
@@ -358,7 +365,7 @@ class FSDPState:
         if in_backward() or self._forward_depth > 1:
             # recompute inside backward, or a re-entrant call: the outer call does the rest
             return output
-        with record_function("vescale::post_forward"):
+        with label("vescale::post_forward"):
             grad = torch.is_grad_enabled()
             group = self.group
             last = not self._pending  # list groups: the last of their modules to run
@@ -397,7 +404,7 @@ class FSDPState:
 
     # -- backward --------------------------------------------------------------------------------
     def _pre_backward(self, grad: torch.Tensor, use: int | None = None) -> None:
-        with record_function("vescale::pre_backward"):
+        with label("vescale::pre_backward"):
             self.ctx.queue_final_callback()
             if use is not None:
                 self._open_uses.add(use)
@@ -437,7 +444,7 @@ class FSDPState:
         group = self.group
         if group is None or not group.reshard_after_backward or not group.is_unsharded:
             return
-        with record_function("vescale::reshard_between_uses"):
+        with label("vescale::reshard_between_uses"):
             group.reshard()
             self.training_state = TrainingState.IDLE  # the next use's pre-backward re-gathers
 
@@ -446,7 +453,7 @@ class FSDPState:
         group = self.group
         if group is None or group.training_state is TrainingState.POST_BACKWARD:
             return
-        with record_function("vescale::post_backward"):
+        with label("vescale::post_backward"):
             group.post_backward()
             if group.should_reduce():
                 self.ctx.reduce_scatter(group)

@@ -361,13 +361,33 @@ def _dcp_case(path: str) -> dict:
         dcp.load(psd, checkpoint_id=path, no_dist=True)
         plain_err = max((psd[k] - want[k]).abs().max().item() for k in want)
     dist.barrier()
-    return {"err": err, "plain_err": plain_err}
+    return {"err": err, "plain_err": plain_err, "want": want if dist.get_rank() == 0 else None}
+
+
+def _dcp_load_dp1_tp2_case(path: str, want: dict[str, torch.Tensor]) -> float:
+    """The (dp 2, tp 2) checkpoint loaded at (dp 1, tp 2) on two ranks: DCP reshards the
+    (RaggedShard, Shard(k)) boxes into TP-only halves (the dp dim has one rank)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    model = _ours(_build(), mesh)
+    sd = model.state_dict()
+    dcp.load(sd, checkpoint_id=path)
+    model.load_state_dict(sd)
+    got = _full_params(model)
+    return max((got[k] - want[k]).abs().max().item() for k in want)
 
 
 def test_tp_fsdp_dcp_round_trip(worlds, tmp_path):
-    results = worlds(4).run(_dcp_case, str(tmp_path / "ckpt"))
+    """Saved at (dp 2, tp 2): loads there, at dp 4 without TP (and back), at (dp 1, tp 2) and
+    into one process, exactly."""
+    path = str(tmp_path / "ckpt")
+    results = worlds(4).run(_dcp_case, path)
     assert all(r["err"] == 0.0 for r in results), results
     assert results[0]["plain_err"] == 0.0, results[0]
+    errs = worlds(2).run(_dcp_load_dp1_tp2_case, path, results[0]["want"])
+    assert errs == [0.0, 0.0], errs
 
 
 def _mixed_precision_case() -> dict:

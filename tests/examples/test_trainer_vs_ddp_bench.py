@@ -46,3 +46,24 @@ def test_benchmark_runs_tiny():
         assert ddp_threads.strip() == ours_threads.strip(), (name, threads)  # per rank
         ddp_loss, ours_loss = (float(v) for v in losses.split(" / "))
         assert abs(ddp_loss - ours_loss) <= 1e-4 * abs(ddp_loss), (name, losses)
+
+
+def test_profile_categories():
+    """``--profile``'s breakdown: each profiled function lands in its category, the collectives
+    (C functions of c10d) and the engine included; the totals are per step."""
+    import cProfile
+    import pstats
+
+    cat = trainer_vs_ddp._category
+    assert cat("~", "<built-in method torch._C._distributed_c10d.wait>").startswith("collectives")
+    assert cat("/x/lightning_vescale/fsdp/_state.py", "_pre_forward").startswith("engine")
+    assert cat("/x/lightning_vescale/strategy.py", "f").startswith("strategy")
+    assert cat("/x/site-packages/lightning/pytorch/loops/x.py", "f").startswith("Lightning")
+    assert cat("/x/site-packages/torch/optim/adamw.py", "step").startswith("optimizer")
+    assert cat("~", "<built-in method torch.mm>").startswith("operators")
+    prof = cProfile.Profile()
+    prof.enable()
+    torch.ones(3).sum()
+    prof.disable()
+    out = trainer_vs_ddp._profile_breakdown(pstats.Stats(prof), steps=2)
+    assert out and all(v >= 0 for v in out.values())
