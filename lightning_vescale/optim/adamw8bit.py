@@ -97,6 +97,11 @@ from lightning_vescale.optim._base import (
     local_view,
     param_layout,
 )
+from lightning_vescale.optim._block_layout import (
+    BLOCK_LAYOUT_KEY,
+    block_layout_record,
+    check_block_layout,
+)
 from lightning_vescale.optim._quant import DEFAULT_BLOCK_SIZE, QuantizedMoment, num_blocks
 from lightning_vescale.placement import compact_, contiguous_runs, run_view
 
@@ -403,6 +408,9 @@ class AdamW8bit(ShardedOptimizer):
         if isinstance(p, DTensor):
             layout, _ = self._layout(p, ref.group, ref.name)
         out: dict[str, Any] = {}
+        if "exp_avg_codes" in st:  # which blocks the scales belong to, checked on load
+            lay = layout or param_layout(p, where=f"AdamW8bit: parameter {ref.name}")
+            out[BLOCK_LAYOUT_KEY] = block_layout_record(lay, group_block_size(ref.group))
         for k, v in st.items():
             if k == "step" or not isinstance(v, torch.Tensor):
                 out[k] = v
@@ -439,6 +447,10 @@ class AdamW8bit(ShardedOptimizer):
         bs = group_block_size(group)
         layout, quantized = self._layout(p, group, name)
         device = local_view(p.detach()).device
+        st = dict(st)
+        record = st.pop(BLOCK_LAYOUT_KEY, None)
+        if quantized and any(k in st for k in QUANT_KEYS):  # before any collective below
+            check_block_layout(record, layout, bs, name=name)
         out: dict[str, Any] = {}
         for k, v in st.items():
             if k == "step":
