@@ -15,7 +15,7 @@ distributed checkpoint reshards the rest (the data-parallel ranges, block-aligne
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_vescale.optim._base import ShardLayout
 
@@ -34,10 +34,18 @@ def block_grid(layout: ShardLayout, block_size: int) -> tuple[int, ...]:
     return grid
 
 
-def block_layout_record(layout: ShardLayout, block_size: int) -> torch.Tensor:
-    """The state-dict entry for a quantized parameter of ``layout`` (a plain CPU tensor: every
-    rank holds the same value, which distributed checkpoint saves once and loads in place)."""
-    return torch.tensor(block_grid(layout, block_size), dtype=torch.int64)
+def block_layout_record(layout: ShardLayout, block_size: int, *,
+                        like: torch.Tensor) -> torch.Tensor:
+    """The state-dict entry for a quantized parameter ``like`` of ``layout``: a plain CPU
+    tensor for a plain parameter, a ``Replicate()`` DTensor on its mesh (on its device) for a
+    DTensor one, as its other states (every rank holds the same value, which distributed
+    checkpoint saves once and loads in place, on any mesh)."""
+    record = torch.tensor(block_grid(layout, block_size), dtype=torch.int64)
+    if not isinstance(like, DTensor):
+        return record
+    mesh = like.device_mesh
+    return DTensor.from_local(record.to(like.to_local().device), mesh,
+                              [Replicate()] * mesh.ndim, run_check=False)
 
 
 def _describe(grid: tuple[int, ...]) -> str:

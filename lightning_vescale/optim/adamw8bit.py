@@ -410,7 +410,8 @@ class AdamW8bit(ShardedOptimizer):
         out: dict[str, Any] = {}
         if "exp_avg_codes" in st:  # which blocks the scales belong to, checked on load
             lay = layout or param_layout(p, where=f"AdamW8bit: parameter {ref.name}")
-            out[BLOCK_LAYOUT_KEY] = block_layout_record(lay, group_block_size(ref.group))
+            out[BLOCK_LAYOUT_KEY] = block_layout_record(lay, group_block_size(ref.group),
+                                                        like=p)
         for k, v in st.items():
             if k == "step" or not isinstance(v, torch.Tensor):
                 out[k] = v
