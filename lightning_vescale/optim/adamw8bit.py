@@ -38,7 +38,14 @@ reference is one process's AdamW8bit on the TP-local tensors with the same gradi
 bit-equal); it is *not* the single-process run on the full tensors, whose blocks differ where
 the TP-local rows are not a range of the full tensor (``Shard(1)``). ``min_8bit_size`` still
 reads the global numel. In the state dict the scales are a ``(tp * blocks,)`` DTensor,
-``Shard(0)`` over tp and ragged over dp (uneven TP shards: ``NotImplementedError``).
+``Shard(0)`` over tp and ragged over dp (uneven TP shards: ``NotImplementedError``). Where the
+TP-local blocks are not the global ones (a ``Shard(1)`` weight), the same number of scales
+means other blocks at another tp layout, which distributed checkpoint would reshard silently:
+each quantized parameter's state therefore carries ``block_layout``, its block grid (TP-local
+pieces per dim, all ones where the blocks are the global ones; ``_block_layout.py``), and
+:meth:`AdamW8bit.load_state_dict` refuses a saved grid that differs from the live one
+(``RuntimeError`` naming both and the fix) before touching the states; a state without the
+record (saved before it existed) is read as the global blocks.
 
 *Whole matrices.* A stacked ``(E, out, in)`` weight that the strategies shard with granularity
 ``"matrix"`` (each expert whole on one rank, design note [granularity-rules]) is marked with
@@ -55,9 +62,11 @@ the per-parameter path; the rules are design note [adamw8bit-fast-path] in ``_ad
 
 *State dict.* Per parameter: ``step`` (fp32 scalar) and either ``exp_avg_codes``,
 ``exp_avg_absmax``, ``exp_avg_sq_codes``, ``exp_avg_sq_absmax`` (uint8 codes shaped like the
-parameter, fp32 scales of shape ``(num_blocks,)``) or fp32 ``exp_avg``/``exp_avg_sq``. For a
+parameter, fp32 scales of shape ``(num_blocks,)``, and the int64 ``block_layout`` record of
+*Tensor parallelism*) or fp32 ``exp_avg``/``exp_avg_sq``. For a
 ``DTensor`` parameter, codes and fp32 moments are ``DTensor``s with the parameter's placements and
-global shape, and the scales are ``RaggedShard((0,), blocks_per_rank)`` ``DTensor``s, so
+global shape, the record a ``Replicate()`` ``DTensor``, and the scales are
+``RaggedShard((0,), blocks_per_rank)`` ``DTensor``s, so
 distributed checkpoint can save them and reshard them to another (block-aligned) world size.
 ``load_state_dict`` accepts those, local tensors, or full (single-process) tensors, which it
 slices to the rank's range. It never casts codes or scales to the parameter's dtype. It also

@@ -178,7 +178,7 @@ def _adamw8bit_other_layout_case(path: str) -> dict:
         _, opt = _stepped8(src)
         sd = opt.state_dict()
         if src == "tp":
-            out["records"] = sorted({tuple(st["block_layout"].tolist())
+            out["records"] = sorted({tuple(st["block_layout"].to_local().tolist())
                                      for st in sd["state"].values() if "block_layout" in st})
         dcp.save({"opt": sd}, checkpoint_id=f"{path}_{src}")
         _, other = _stepped8(dst)
@@ -188,7 +188,27 @@ def _adamw8bit_other_layout_case(path: str) -> dict:
         out[f"{src}->{dst} direct"] = _load_error(other, sd)
         _, same = _stepped8(src)
         out[f"{src}->{src} direct"] = _load_error(same, sd)
+    out["old checkpoint"] = _old_checkpoint_resumes(f"{path}_old")
     return out
+
+
+def _old_checkpoint_resumes(path: str) -> bool:
+    """A sharded checkpoint saved before the ``block_layout`` record existed (the entries
+    removed) still resumes at its own layout through ``load_sharded`` (which loads the entries
+    the checkpoint has), bitwise."""
+    from lightning_vescale import checkpoint as ckpt
+
+    model, opt = _stepped8("tp")
+    osd = ckpt.optimizer_state(model, opt, full=False)
+    for st in osd["state"].values():
+        st.pop("block_layout", None)
+    ckpt.save_sharded(path, {"state_dict": ckpt.model_state(model, full=False),
+                             "optimizer_0": osd}, {})
+    fresh, fresh_opt = _stepped8("tp")
+    ckpt.load_sharded(path, fresh, {"optimizer_0": fresh_opt})
+    return all(torch.equal(fresh_opt.state[q][k], v)
+               for p, q in zip(model.parameters(), fresh.parameters())
+               for k, v in opt.state[p].items())
 
 
 def test_adamw8bit_tp_states_refused_at_another_tp_layout(worlds, tmp_path):
@@ -196,6 +216,7 @@ def test_adamw8bit_tp_states_refused_at_another_tp_layout(worlds, tmp_path):
         # Shard(1) weights split dim 1 in two; colwise Shard(0) ones have the global blocks
         assert r.pop("records") == [(1,), (1, 1), (1, 2)], r
         assert r.pop("tp->tp direct") == r.pop("dp->dp direct") == "", r
+        assert r.pop("old checkpoint") is True, r
         for case, msg in r.items():
             assert "dim 1 split over 2 tp ranks (Shard(1))" in msg, (case, msg)
             assert "the global tensor's blocks" in msg, (case, msg)
