@@ -4,8 +4,9 @@ pairing codes with other blocks' scales (design note [adamw8bit], *Tensor parall
 
 The blocks of a ``fully_shard`` parameter over tensor parallelism are those of its TP-local
 tensors (``ShardLayout.region``); without TP they are the global tensor's. The record is the
-*block grid*: for each tensor dim, how many TP-local pieces split it (``shape // region``), an
-int64 tensor of shape ``(ndim,)`` (``(1,)`` for a 0-d parameter). Where the TP-local blocks are
+*block grid*: for each tensor dim, how many TP-local pieces split it (the product of the sizes
+of the tp mesh dims that ``Shard`` it: the same on every rank), an int64 tensor of shape
+``(ndim,)`` (``(1,)`` for a 0-d parameter). Where the TP-local blocks are
 exactly the global ones (no TP, ``Replicate()`` on tp, or only dim 0 split with each TP-local
 tensor a whole number of blocks, so the ``(tp * blocks,)`` scales are the global scales in
 order) the grid is canonical: all ones. Two layouts with the same grid have the same blocks;
@@ -15,7 +16,7 @@ distributed checkpoint reshards the rest (the data-parallel ranges, block-aligne
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_vescale.optim._base import ShardLayout
 
@@ -28,10 +29,16 @@ def block_grid(layout: ShardLayout, block_size: int) -> tuple[int, ...]:
     ones = (1,) * max(len(layout.shape), 1)
     if layout.region is None:
         return ones
-    grid = tuple(s // r if r else 1 for s, r in zip(layout.shape, layout.region))
-    if all(g == 1 for g in grid[1:]) and layout.region_numel % block_size == 0:
+    assert layout.mesh is not None and layout.mesh_info is not None
+    grid = list(ones)  # from the placements, not this rank's box: the same on every rank
+    for j in range(layout.mesh_info.shard_mesh_dim + 1, len(layout.placements)):
+        pl = layout.placements[j]
+        if type(pl) is Shard:
+            grid[pl.dim] *= layout.mesh.size(j)
+    even = all(s % g == 0 for s, g in zip(layout.shape, grid))
+    if all(g == 1 for g in grid[1:]) and even and layout.region_numel % block_size == 0:
         return ones  # whole TP-local row ranges of whole blocks: the global blocks, in order
-    return grid
+    return tuple(grid)
 
 
 def block_layout_record(layout: ShardLayout, block_size: int, *,
