@@ -38,7 +38,14 @@ reference is one process's AdamW8bit on the TP-local tensors with the same gradi
 bit-equal); it is *not* the single-process run on the full tensors, whose blocks differ where
 the TP-local rows are not a range of the full tensor (``Shard(1)``). ``min_8bit_size`` still
 reads the global numel. In the state dict the scales are a ``(tp * blocks,)`` DTensor,
-``Shard(0)`` over tp and ragged over dp (uneven TP shards: ``NotImplementedError``).
+``Shard(0)`` over tp and ragged over dp (uneven TP shards: ``NotImplementedError``). Where the
+TP-local blocks are not the global ones (a ``Shard(1)`` weight), the same number of scales
+means other blocks at another tp layout, which distributed checkpoint would reshard silently:
+each quantized parameter's state therefore carries ``block_layout``, its block grid (TP-local
+pieces per dim, all ones where the blocks are the global ones; ``_block_layout.py``), and
+:meth:`AdamW8bit.load_state_dict` refuses a saved grid that differs from the live one
+(``RuntimeError`` naming both and the fix) before touching the states; a state without the
+record (saved before it existed) is read as the global blocks.
 
 *Whole matrices.* A stacked ``(E, out, in)`` weight that the strategies shard with granularity
 ``"matrix"`` (each expert whole on one rank, design note [granularity-rules]) is marked with
@@ -55,9 +62,11 @@ the per-parameter path; the rules are design note [adamw8bit-fast-path] in ``_ad
 
 *State dict.* Per parameter: ``step`` (fp32 scalar) and either ``exp_avg_codes``,
 ``exp_avg_absmax``, ``exp_avg_sq_codes``, ``exp_avg_sq_absmax`` (uint8 codes shaped like the
-parameter, fp32 scales of shape ``(num_blocks,)``) or fp32 ``exp_avg``/``exp_avg_sq``. For a
+parameter, fp32 scales of shape ``(num_blocks,)``, and the int64 ``block_layout`` record of
+*Tensor parallelism*) or fp32 ``exp_avg``/``exp_avg_sq``. For a
 ``DTensor`` parameter, codes and fp32 moments are ``DTensor``s with the parameter's placements and
-global shape, and the scales are ``RaggedShard((0,), blocks_per_rank)`` ``DTensor``s, so
+global shape, the record a ``Replicate()`` ``DTensor``, and the scales are
+``RaggedShard((0,), blocks_per_rank)`` ``DTensor``s, so
 distributed checkpoint can save them and reshard them to another (block-aligned) world size.
 ``load_state_dict`` accepts those, local tensors, or full (single-process) tensors, which it
 slices to the rank's range. It never casts codes or scales to the parameter's dtype. It also
@@ -96,6 +105,11 @@ from lightning_vescale.optim._base import (
     check_block_aligned,
     local_view,
     param_layout,
+)
+from lightning_vescale.optim._block_layout import (
+    BLOCK_LAYOUT_KEY,
+    block_layout_record,
+    check_block_layout,
 )
 from lightning_vescale.optim._quant import DEFAULT_BLOCK_SIZE, QuantizedMoment, num_blocks
 from lightning_vescale.placement import compact_, contiguous_runs, run_view
@@ -403,6 +417,10 @@ class AdamW8bit(ShardedOptimizer):
         if isinstance(p, DTensor):
             layout, _ = self._layout(p, ref.group, ref.name)
         out: dict[str, Any] = {}
+        if "exp_avg_codes" in st:  # which blocks the scales belong to, checked on load
+            lay = layout or param_layout(p, where=f"AdamW8bit: parameter {ref.name}")
+            out[BLOCK_LAYOUT_KEY] = block_layout_record(lay, group_block_size(ref.group),
+                                                        like=p)
         for k, v in st.items():
             if k == "step" or not isinstance(v, torch.Tensor):
                 out[k] = v
@@ -439,6 +457,10 @@ class AdamW8bit(ShardedOptimizer):
         bs = group_block_size(group)
         layout, quantized = self._layout(p, group, name)
         device = local_view(p.detach()).device
+        st = dict(st)
+        record = st.pop(BLOCK_LAYOUT_KEY, None)
+        if quantized and any(k in st for k in QUANT_KEYS):  # before any collective below
+            check_block_layout(record, layout, bs, name=name)
         out: dict[str, Any] = {}
         for k, v in st.items():
             if k == "step":

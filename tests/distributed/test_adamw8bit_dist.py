@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_vescale.optim import AdamW8bit, num_blocks
 from lightning_vescale.placement import RaggedShard
@@ -128,7 +128,9 @@ def _same_data_body(steps: int, seed: int, flat_buffer: bool, nonfinite: bool = 
             if k == "step":
                 continue
             assert isinstance(v, DTensor), (i, k)
-            if not k.endswith("_absmax"):
+            if k == "block_layout":  # the blocks' identity, checked on load: Replicate()
+                assert v.placements == (Replicate(),) and v.to_local().tolist() == [1] * p.ndim
+            elif not k.endswith("_absmax"):
                 assert v.placements == p.placements and v.shape == p.shape
             full_eq.append(torch.equal(v.full_tensor(), ref_sd["state"][i][k]))
     out["exported_full_equal"] = full_eq
@@ -480,7 +482,7 @@ def test_replicate_works_and_unsupported_placement_is_named(worlds):
     for equal, exported, err in worlds(2).run(_placements_body):
         assert equal
         # exported states are Replicate DTensors whose local tensors have the global shape
-        assert exported == {"exp_avg_codes": ((70, 64), True), "exp_avg_absmax": ((18,), True),
-                            "exp_avg_sq_codes": ((70, 64), True),
+        assert exported == {"block_layout": ((2,), True), "exp_avg_codes": ((70, 64), True),
+                            "exp_avg_absmax": ((18,), True), "exp_avg_sq_codes": ((70, 64), True),
                             "exp_avg_sq_absmax": ((18,), True)}, exported
         assert err is not None and "parameter #0" in err and "RaggedShard" in err

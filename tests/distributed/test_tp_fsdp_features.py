@@ -134,6 +134,96 @@ def test_adamw8bit_tp_bit_equal_to_one_process_on_the_tp_local_blocks(worlds, tm
         assert r["sd_equal"] and all(r["sd_equal"]), r["sd_equal"]
 
 
+def _dp4(granularity: int) -> torch.nn.Module:
+    """The same model sharded without TP on a 1-D mesh of the 4 ranks (dp 4, tp 1)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_vescale.fsdp import fully_shard
+
+    mesh, model = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)), _build()
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh, granularity=granularity)
+    return fully_shard(model, mesh=mesh, granularity=granularity)
+
+
+def _stepped8(kind: str):
+    """A (dp 2, tp 2) or (dp 4, tp 1) model and its AdamW8bit after one step."""
+    from lightning_vescale.optim import AdamW8bit
+
+    model = _ours(_mesh(), granularity=B) if kind == "tp" else _dp4(B)
+    opt = AdamW8bit(model.parameters(), block_size=B, min_8bit_size=0, **HP)
+    _loss(model, *_data()[0]).backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def _load_error(opt, sd) -> str:
+    try:
+        opt.load_state_dict(sd)
+    except RuntimeError as err:
+        return str(err)
+    return ""
+
+
+def _adamw8bit_other_layout_case(path: str) -> dict:
+    """AdamW8bit states saved at (dp 2, tp 2) loaded at (dp 4, tp 1) and the reverse, through
+    DCP (as the same-layout round trip above) and ``load_state_dict`` of the state dict itself:
+    the rowwise (``Shard(1)``) weights' scales belong to the TP-local tensors' blocks, which are
+    not the global tensor's, so every such load must raise; the same layout still loads."""
+    import torch.distributed.checkpoint as dcp
+
+    out: dict = {}
+    for src, dst in (("tp", "dp"), ("dp", "tp")):
+        _, opt = _stepped8(src)
+        sd = opt.state_dict()
+        if src == "tp":
+            out["records"] = sorted({tuple(st["block_layout"].to_local().tolist())
+                                     for st in sd["state"].values() if "block_layout" in st})
+        dcp.save({"opt": sd}, checkpoint_id=f"{path}_{src}")
+        _, other = _stepped8(dst)
+        osd = {"opt": other.state_dict()}
+        dcp.load(osd, checkpoint_id=f"{path}_{src}")
+        out[f"{src}->{dst} dcp"] = _load_error(other, osd["opt"])
+        out[f"{src}->{dst} direct"] = _load_error(other, sd)
+        _, same = _stepped8(src)
+        out[f"{src}->{src} direct"] = _load_error(same, sd)
+    out["old checkpoint"] = _old_checkpoint_resumes(f"{path}_old")
+    return out
+
+
+def _old_checkpoint_resumes(path: str) -> bool:
+    """A sharded checkpoint saved before the ``block_layout`` record existed (the entries
+    removed) still resumes at its own layout through ``load_sharded`` (which loads the entries
+    the checkpoint has), bitwise."""
+    from lightning_vescale import checkpoint as ckpt
+
+    model, opt = _stepped8("tp")
+    osd = ckpt.optimizer_state(model, opt, full=False)
+    for st in osd["state"].values():
+        st.pop("block_layout", None)
+    ckpt.save_sharded(path, {"state_dict": ckpt.model_state(model, full=False),
+                             "optimizer_0": osd}, {})
+    fresh, fresh_opt = _stepped8("tp")
+    ckpt.load_sharded(path, fresh, {"optimizer_0": fresh_opt})
+    return all(torch.equal(fresh_opt.state[q][k], v)
+               for p, q in zip(model.parameters(), fresh.parameters())
+               for k, v in opt.state[p].items())
+
+
+def test_adamw8bit_tp_states_refused_at_another_tp_layout(worlds, tmp_path):
+    for r in worlds(4).run(_adamw8bit_other_layout_case, str(tmp_path / "opt")):
+        # Shard(1) weights split dim 1 in two; colwise Shard(0) ones have the global blocks
+        assert r.pop("records") == [(1,), (1, 1), (1, 2)], r
+        assert r.pop("tp->tp direct") == r.pop("dp->dp direct") == "", r
+        assert r.pop("old checkpoint") is True, r
+        for case, msg in r.items():
+            assert "dim 1 split over 2 tp ranks (Shard(1))" in msg, (case, msg)
+            assert "the global tensor's blocks" in msg, (case, msg)
+            assert "Resume at the same tensor-parallel layout" in msg, (case, msg)
+            assert "drop the optimizer state" in msg and "parameter #" in msg, (case, msg)
+
+
 def _train8(model, opt_cls, steps: int, **kw) -> list[float]:
     opt = opt_cls(model.parameters(), **HP, **kw)
     data = _data()
