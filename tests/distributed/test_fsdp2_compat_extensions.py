@@ -209,3 +209,27 @@ def _plain_still_trains_body():
 
 def test_plain_parameters_still_train(worlds):
     assert all(worlds(2).run(_plain_still_trains_body))
+
+
+def _torchao_float8_body():
+    """torchao's own float8 training (``convert_to_float8_training`` with
+    ``enable_fsdp_float8_all_gather=True``): its weights are ``WeightWithDynamicFloat8CastTensor``,
+    whose ``fsdp_pre_all_gather`` casts to float8 for FSDP2's all-gather. Ours refuses them by
+    name at ``fully_shard`` instead of gathering them in full precision without the hooks."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from lightning_vescale.fsdp import fully_shard
+
+    model = nn.Sequential(_MLP(16), _MLP(16))
+    convert_to_float8_training(model, config=Float8LinearConfig(
+        enable_fsdp_float8_all_gather=True))
+    cls = type(model[0].in_proj.weight).__name__
+    assert cls == "WeightWithDynamicFloat8CastTensor", cls  # torchao's subclass, not ours
+    return expect_raises(lambda: fully_shard(model[0]), ValueError, "'in_proj.weight'", cls,
+                         "fsdp_pre_all_gather / fsdp_post_all_gather")
+
+
+def test_torchao_float8_all_gather_is_refused(worlds):
+    """The ``[clients]`` extra installs torchao: its ``Float8Linear`` with float8 all-gather."""
+    pytest.importorskip("torchao.float8")
+    assert worlds(2).run(_torchao_float8_body)[0] is None
