@@ -235,6 +235,14 @@ def _cache_put(cache: dict, key: Any, value: Any) -> None:
     cache[key] = value
 
 
+def clear_flat_caches() -> None:
+    """Forget every cached layout and run split (tests that count the steady state's work start
+    from here: a cache that earlier work in the process left nearly full clears itself at the
+    next new entry, ``_cache_put``, which a count of cache misses would see)."""
+    _layouts.clear()
+    _runs_cache.clear()
+
+
 def _breaks_of(locs: Sequence[torch.Tensor], nz: Sequence[int]) -> frozenset[int]:
     """Where consecutive non-empty items (positions in ``nz``) do not follow in memory."""
     return frozenset(k for k in range(len(nz) - 1)
