@@ -93,7 +93,10 @@ def _expert_parallel(spec: Any, spmd_backend: str, world: int, ep: int) -> Any:
     ``model.parallelize`` reads: the experts become ``Shard(0)`` DTensors on ``"ep"``), with a
     config-like object holding the ``ParallelismConfig`` (what ``Decoder.Config.
     update_from_config`` documents for non-trainer callers). Returns that config. Done for
-    ``ep > 1`` only, so the ``ep=1`` flows stay the ones measured before."""
+    ``ep > 1`` and for the ``spmd_types`` backend (torchtitan's default: its modules' sharding
+    configs, which ``model.parallelize`` applies, come from here); the other flows at ``ep=1``
+    stay the ones measured before (``full_dtensor`` with these configs wants DTensor inputs,
+    which torchtitan's trainer builds from its batches)."""
     import types
 
     import torchtitan.distributed.utils as dist_utils
@@ -132,7 +135,8 @@ def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial
         spec = _spec(model)
         dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep,
                             world_size=world, spmd_backend=spmd_backend)
-        parallelism = ParallelismConfig(spmd_backend=spmd_backend) if ep == 1 else \
+        parallelism = ParallelismConfig(spmd_backend=spmd_backend) \
+            if ep == 1 and spmd_backend != "spmd_types" else \
             _expert_parallel(spec, spmd_backend, world, ep)
         torch.manual_seed(0)
         with torch.device("meta" if flow == "meta" else "cpu"):

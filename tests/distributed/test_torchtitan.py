@@ -57,10 +57,15 @@ def test_meta_flow_trains_like_the_cpu_built_model(worlds, model):
     _equal(meta, cpu, f"{model} meta vs cpu")
 
 
-def test_full_dtensor_backend_passes_dp_mesh_dims(worlds):
-    """``spmd_backend="full_dtensor"``: torchtitan passes ``dp_mesh_dims`` (its dense mesh's
-    ``dp_shard`` and ``cp`` dims); ours trains as with the plain ``fsdp`` mesh (torch's FSDP2
-    refuses this flow at ``tp=1``: the model's parameters are plain tensors, not DTensors)."""
-    full = _run(worlds, "ours", "llama3", "cpu", "full_dtensor")
+@pytest.mark.parametrize("backend", ["full_dtensor", "spmd_types"])
+def test_dtensor_backends_pass_dp_mesh_dims(worlds, backend):
+    """``spmd_backend="full_dtensor"`` and ``"spmd_types"`` (torchtitan 0.3.0's default): its
+    ``parallelize_llama`` passes ``dp_mesh_dims`` (the dense mesh's ``dp_shard`` and ``cp``
+    dims); ours trains bitwise as with the plain ``fsdp`` mesh. torch's FSDP2 refuses both flows
+    at ``tp=1`` (``ValueError: When dp_mesh_dims is provided, all parameters must be DTensors on
+    the full SPMD mesh``: ``model.parallelize`` leaves them plain tensors at ``tp=1``), so the
+    reference is our ``partial_dtensor`` run, itself bitwise FSDP2's
+    (:func:`test_parallelize_with_our_fully_shard_equals_fsdp2`)."""
+    full = _run(worlds, "ours", "llama3", "cpu", backend)
     plain = _run(worlds, "ours", "llama3", "cpu")
-    _equal(full, plain, "full_dtensor vs partial_dtensor")
+    _equal(full, plain, f"{backend} vs partial_dtensor")
