@@ -17,6 +17,9 @@ optimizer step); a run's figure is the median of its steps after ``--warmup``; t
 figure is the median over ``--runs`` fresh commands (DDP and ours alternate, so both see the
 same load). Each row also gives the runs' last losses (equal when ours computes DDP's floats)
 and every rank's ``torch.get_num_threads()``. The load average is printed before and after.
+``--one-group``: ours with ``sharding_units=[]`` (the whole model one sharding group: one
+all-gather and one reduce-scatter per step instead of one per block, at the memory cost of
+gathering every parameter at once), the recipe for models this small.
 
 Run:  python -m benchmarks.trainer_vs_ddp [--models llama,gpt2,mixtral,litgpt] [--runs 3]
 """
@@ -146,7 +149,12 @@ def _trainer_worker(a: argparse.Namespace, out: Path) -> None:
     module = Module()
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(_tokens(a, 2)),
                                        batch_size=a.batch)
-    trainer = pl.Trainer(strategy=a.strategy, accelerator="cpu", devices=2,
+    strategy: Any = a.strategy
+    if a.strategy == "vescale_fsdp" and a.one_group:
+        from lightning_vescale import VeScaleFSDPStrategy
+
+        strategy = VeScaleFSDPStrategy(sharding_units=[])
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2,
                          max_steps=a.warmup + a.steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, data)
@@ -167,7 +175,8 @@ def _fabric_worker(a: argparse.Namespace, out: Path) -> None:
 
     from lightning_vescale import VeScaleFabricStrategy
 
-    strategy = VeScaleFabricStrategy() if a.strategy == "vescale_fsdp" else a.strategy
+    units = {"sharding_units": []} if a.one_group else {}
+    strategy = VeScaleFabricStrategy(**units) if a.strategy == "vescale_fsdp" else a.strategy
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     fabric.seed_everything(0)
@@ -206,6 +215,8 @@ def _once(a: argparse.Namespace, model: str, strategy: str, out: Path) -> list[d
             "--vocab", str(a.vocab), "--seq", str(a.seq), "--batch", str(a.batch)]
     if a.profile:
         argv.append("--profile")
+    if a.one_group:
+        argv.append("--one-group")
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=a.timeout)
     if proc.returncode != 0:
@@ -260,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--keep-omp", action="store_true",
                    help="keep OMP_NUM_THREADS from this environment (default: not exported)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per command")
+    p.add_argument("--one-group", action="store_true",
+                   help="ours with sharding_units=[]: the whole model one sharding group")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--strategy", help=argparse.SUPPRESS)
@@ -284,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     print(f"OMP_NUM_THREADS: {os.environ.get('OMP_NUM_THREADS') if a.keep_omp else 'unset'}; "
           f"{a.runs} runs x {a.steps} steps (+{a.warmup} warm-up), 2 ranks, "
-          f"batch {a.batch}x{a.seq}")
+          f"batch {a.batch}x{a.seq}" + ("; ours: one sharding group" if a.one_group else ""))
     print("| model | DDP ms/step | ours ms/step | ours / DDP | last loss DDP / ours "
           "| threads per rank DDP / ours |")
     print("| --- | ---: | ---: | ---: | --- | --- |")
