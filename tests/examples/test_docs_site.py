@@ -78,6 +78,9 @@ def test_site_builds_strictly(site):
 CONTRACT_SUBMODULE_NAMES = {
     "lightning_vescale.optim": ["AdamW8bit", "Muon", "SOAP", "Shampoo", "FlatParamOptimizer"],
     "lightning_vescale.checkpoint": ["load_safetensors", "save_safetensors", "consolidate"],
+    # what fully_shard returns: "a module with FSDP2's FSDPModule methods (unshard, reshard,
+    # set_requires_gradient_sync, prefetch setters...)"; their reference is this class's
+    "lightning_vescale.fsdp": ["VeScaleFSDPModule"],
 }
 
 
