@@ -124,11 +124,11 @@ def _body(engine: str, cfg_kw: dict, steps: int, warmup: int) -> dict[str, Any]:
     return {"labels": dict(labels), "steps": steps, "groups": groups, "params": params}
 
 
-def _wall_body(groups: int, width: int, steps: int, warmup: int) -> dict[str, Any]:
-    """Median host time of forward + backward (the engine's hooks and final callback; the
-    optimizer's ``zero_grad`` runs between, untimed) of the plain model and of each engine's,
-    interleaved so that load on the machine hits all three alike; no profiler (it would add
-    its own cost to every label and operator)."""
+def _small_models(groups: int, width: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                    dict[str, torch.nn.Module]]:
+    """This rank's batch and the models that ``--wall`` and ``--calls`` compare: the plain
+    :class:`SmallLayers` and the same model (same seed) sharded by each engine of
+    :data:`PREFIXES`, in that order."""
     rank, world = dist.get_rank(), dist.get_world_size()
     _, data = _data({"groups": groups, "width": width}, 1, rank, world)
     x, y = data[0]
@@ -136,6 +136,15 @@ def _wall_body(groups: int, width: int, steps: int, warmup: int) -> dict[str, An
     models = {"plain": SmallLayers(groups, width)}
     for engine in PREFIXES:
         models[engine] = shard_layers(engine, groups, width)
+    return x, y, models
+
+
+def _wall_body(groups: int, width: int, steps: int, warmup: int) -> dict[str, Any]:
+    """Median host time of forward + backward (the engine's hooks and final callback; the
+    optimizer's ``zero_grad`` runs between, untimed) of the plain model and of each engine's,
+    interleaved so that load on the machine hits all three alike; no profiler (it would add
+    its own cost to every label and operator)."""
+    x, y, models = _small_models(groups, width)
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     # the optimizer's step is left out: it is not the hooks' cost, and SGD over sharded
     # parameters (DTensor dispatch per tensor) would dominate the difference
@@ -154,13 +163,7 @@ def _wall_body(groups: int, width: int, steps: int, warmup: int) -> dict[str, An
 def _calls_body(groups: int, width: int) -> dict[str, int]:
     """Python calls of one steady-state forward + backward (``sys.setprofile``) per model: a
     measure of the hooks' host work that load on the machine does not change."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    _, data = _data({"groups": groups, "width": width}, 1, rank, world)
-    x, y = data[0]
-    torch.manual_seed(0)
-    models = {"plain": SmallLayers(groups, width)}
-    for engine in PREFIXES:
-        models[engine] = shard_layers(engine, groups, width)
+    x, y, models = _small_models(groups, width)
     out = {}
     for k, m in models.items():
         opt = torch.optim.SGD(m.parameters(), lr=1e-3)

@@ -6,6 +6,8 @@
   ``examples/`` (no hand-made figures), and the Concepts figures come from the real planner: the
   planner output that ``docs/concepts/planner.md`` prints is what ``docs/draw_figures.py``
   computes today.
+* The troubleshooting page shows the words of the error messages users meet (issue 34's
+  checks among them), as the package writes them.
 * Headless Chromium (Debian's ``chromium`` package; ``.ci/run`` installs it) opens the index, a
   guide and an API page of the built site over HTTP; a console error or a request that fails
   (a missing image, script or stylesheet) fails the test. Screenshots go to ``out/docs_site/``.
@@ -76,6 +78,9 @@ def test_site_builds_strictly(site):
 CONTRACT_SUBMODULE_NAMES = {
     "lightning_vescale.optim": ["AdamW8bit", "Muon", "SOAP", "Shampoo", "FlatParamOptimizer"],
     "lightning_vescale.checkpoint": ["load_safetensors", "save_safetensors", "consolidate"],
+    # what fully_shard returns: "a module with FSDP2's FSDPModule methods (unshard, reshard,
+    # set_requires_gradient_sync, prefetch setters...)"; their reference is this class's
+    "lightning_vescale.fsdp": ["VeScaleFSDPModule"],
 }
 
 
@@ -97,6 +102,33 @@ def test_api_reference_covers_the_public_names():
             (ROOT / "lightning_vescale" / "dryrun.py").exists():
         text = "".join(p.read_text() for p in (DOCS / "reference").glob("*.md"))
         assert "::: lightning_vescale.dryrun" in text, "document lightning_vescale.dryrun"
+
+
+# Words of error messages that name a fix (issue 34's checks among them), each as the package
+# writes it and as docs/troubleshooting.md shows it, so that searching the page for the words of
+# a message finds its entry. A reworded message fails here until the page follows.
+TROUBLESHOOTING_MESSAGES = [
+    "mixes files of",                        # checkpoint/_hf_files.py: files of two saves
+    "No space left on",                      # checkpoint/_files.py: a full disk, every format
+    "cannot be loaded",                      # _lightning/pretrained.py: checked at construction
+    "is damaged or not a safetensors file",  # checkpoint/_safetensors_format.py: the header
+    "overlap those of tensor",
+    "appears twice",
+    "belong to no tensor",
+    "two matrices' (experts') moments",      # optim/adamw8bit.py: 'matrix' with a block
+    "did you mean",                          # _lightning/granularity_rules.py: a pattern
+    "but an earlier rule",                   # ... shadowed by an earlier one
+    "nonzero values quantize to 0",          # _dbuffer_quant.py: an outlier's block
+    "CommPolicy: reduce_scatter_dtype=",     # fsdp/_comm_policy.py: a float8 wire refused
+]
+
+
+def test_troubleshooting_shows_the_messages_users_meet():
+    source = "\n".join(p.read_text() for p in (ROOT / "lightning_vescale").rglob("*.py"))
+    page = " ".join((DOCS / "troubleshooting.md").read_text().split())  # lines rewrapped
+    for words in TROUBLESHOOTING_MESSAGES:
+        assert words in source, f"no message of the package says {words!r} any more"
+        assert words in page, f"docs/troubleshooting.md does not show {words!r}"
 
 
 def _images(text: str) -> list[str]:
