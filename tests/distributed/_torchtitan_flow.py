@@ -121,10 +121,15 @@ def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial
     ``parallelize_fn``; ``flow``: ``"cpu"`` (built and initialised on CPU, then sharded) or
     ``"meta"`` (torchtitan's trainer: meta, parallelize, ``to_empty``, ``init_weights``);
     ``ep``: torchtitan's expert-parallel degree (``dp_shard=world``, so ``efsdp=world/ep``).
+    Forward and backward run in torchtitan's ``train_context`` (``get_spmd_context``), as its
+    trainer does. ``spmd_types`` with ``ep > 1`` passes ``dp_mesh_dims`` with per-parameter
+    meshes, which our ``fully_shard`` refuses by name; on gloo that flow fails in
+    ``spmd_types``' uneven token all-to-all anyway (gloo's ``alltoall`` takes equal sizes).
     Returns the global-mean losses and the final full parameters."""
     _cpu_shims()
     import torchtitan.distributed.fsdp
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    import torchtitan.distributed.utils as dist_utils
     from torchtitan.distributed import ParallelDims
 
     theirs = torchtitan.distributed.fsdp.fully_shard
@@ -166,12 +171,16 @@ def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial
         data = _batches(world)
         positions = torch.arange(SEQ).expand(2, SEQ)
         losses = []
+        # torchtitan's Trainer.forward_backward_step runs both in its train_context (under
+        # spmd_types: the current SPMD mesh its token dispatcher reads; otherwise a no-op)
+        train_context = dist_utils.get_spmd_context(parallel_dims=dims)
         for step in range(steps):
             tokens = data[step % len(data)][2 * rank:2 * rank + 2]
-            logits = net(tokens[:, :-1], positions=positions)
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
-                                                     tokens[:, 1:].flatten())
-            loss.backward()
+            with train_context():
+                logits = net(tokens[:, :-1], positions=positions)
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                         tokens[:, 1:].flatten())
+                loss.backward()
             opt.step()
             opt.zero_grad()
             mean = loss.detach().clone()
