@@ -83,8 +83,6 @@ def refuse_unsupported(names: Sequence[str], *, offload: Any, comm: Any, dp_mesh
         what = "offload_policy=CPUOffloadPolicy (CPU offload)"
     elif comm is not None:
         what = "comm_policy (quantized all-gather / gradient wire dtype)"
-    elif dp_mesh_dims is not None:
-        what = "dp_mesh_dims"
     elif isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         what = f"reshard_after_forward={reshard_after_forward}"
     if what is not None:

@@ -40,6 +40,37 @@ def _cpu_shims() -> None:
     import torchtitan.distributed.parallel_dims as parallel_dims
 
     parallel_dims.device_type = "cpu"
+    _gloo_uneven_all_to_all()
+
+
+class _GlooDist:
+    """``torch.distributed`` for ``spmd_types`` (its own patch point, ``spmd_types._dist.
+    set_dist``) with ``all_to_all`` of uneven chunks, which gloo's ``alltoall`` refuses
+    ("invalid tensor size"): the same exchange as one ``all_to_all_single`` with split sizes
+    (gloo's alltoallv). torchtitan's token dispatcher sends each rank a different number of
+    tokens under expert parallelism; NCCL takes the list form directly."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    @staticmethod
+    def all_to_all(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group: Any = None,
+                   async_op: bool = False) -> Any:
+        assert not async_op, "spmd_types calls all_to_all synchronously"
+        out = torch.empty((sum(o.shape[0] for o in outputs), *outputs[0].shape[1:]),
+                          dtype=outputs[0].dtype, device=outputs[0].device)
+        dist.all_to_all_single(out, torch.cat(inputs), [o.shape[0] for o in outputs],
+                               [i.shape[0] for i in inputs], group=group)
+        for o, piece in zip(outputs, out.split([o.shape[0] for o in outputs])):
+            o.copy_(piece)
+        return None
+
+
+def _gloo_uneven_all_to_all() -> None:
+    import spmd_types._dist
+
+    if dist.get_backend() == "gloo":
+        spmd_types._dist.set_dist(_GlooDist())
 
 
 def _sdpa(config: Any, seen: set[int] | None = None) -> None:

@@ -27,6 +27,17 @@ def _rel(got: list[float], want: list[float]) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
 
 
+_RUNS: dict[tuple, dict] = {}
+
+
+def _ours(worlds, backend: str) -> dict:
+    """Our ``flow.train`` at world 4, ``ep=2``, on ``backend``; each run once per session."""
+    if backend not in _RUNS:
+        _RUNS[backend] = worlds(WORLD).run(flow.train, "ours", MODEL, "cpu", backend, STEPS, EP,
+                                           timeout=900)[0]
+    return _RUNS[backend]
+
+
 def test_expert_parallel_trains_like_one_process_and_like_fsdp2(worlds):
     """Losses within 1e-5 (relative) of one process (the same model, seed and global batches,
     measured 8e-8) and of torch's FSDP2 in the same flow (measured 1.3e-7; not bitwise:
@@ -34,8 +45,7 @@ def test_expert_parallel_trains_like_one_process_and_like_fsdp2(worlds):
     parameters within AdamW's reduction-order noise of FSDP2's (measured 2.2e-4 after 4 steps;
     a wrong expert slice is ~1e-2). The experts' sharded parameters are DTensors on the
     ``("efsdp", "ep")`` mesh with ``(RaggedShard, Shard(0))``; the dense ones on ``"fsdp"``."""
-    ours = worlds(WORLD).run(flow.train, "ours", MODEL, "cpu", "partial_dtensor", STEPS, EP,
-                             timeout=900)[0]
+    ours = _ours(worlds, "partial_dtensor")
     theirs = worlds(WORLD).run(flow.train, "torch", MODEL, "cpu", "partial_dtensor", STEPS, EP,
                                timeout=900)[0]
     single = run_distributed(flow.train_one_process, 1, MODEL, WORLD, STEPS, timeout=900)[0]
@@ -49,3 +59,21 @@ def test_expert_parallel_trains_like_one_process_and_like_fsdp2(worlds):
     assert len(experts) == 6, experts  # two MoE layers
     assert set(experts.values()) == {(("efsdp", "ep"), ("RaggedShard", "Shard"))}, experts
     assert ours["layouts"]["layers.1.moe.router.gate.weight"] == (("fsdp",), ("RaggedShard",))
+
+
+def test_spmd_types_backend_with_expert_parallelism(worlds):
+    """torchtitan's default ``spmd_backend="spmd_types"`` at ``ep=2``: its
+    ``parallelize_deepseekv3`` passes ``dp_mesh_dims`` together with the per-parameter meshes
+    of ``shard_placement_fn`` (``mesh_info`` built by FSDP2's ``_get_mesh_info`` from the
+    ``"efsdp"`` and ``"fsdp"`` meshes), which ``fully_shard`` refused before. The experts are
+    plain ep-local tensors under this backend, sharded on ``"efsdp"``; the losses equal the
+    ``partial_dtensor`` run's bitwise (itself within 1e-7 of one process, above). torch's FSDP2
+    cannot run this flow at ``tp=1`` (it wants DTensors on the full SPMD mesh with
+    ``dp_mesh_dims``). On gloo the token all-to-all goes through ``_torchtitan_flow``'s
+    ``_GlooDist`` (uneven chunks as gloo's alltoallv)."""
+    spmd = _ours(worlds, "spmd_types")
+    assert spmd["losses"] == _ours(worlds, "partial_dtensor")["losses"], spmd["losses"]
+    experts = {n: v for n, v in spmd["layouts"].items() if n.endswith(EXPERTS)}
+    assert len(experts) == 6, experts
+    assert {v[1] for v in experts.values()} == {("RaggedShard",)}, experts
+    assert all("efsdp" in "_".join(v[0]) for v in experts.values()), experts
