@@ -132,10 +132,6 @@ def tp_param_spec(name: str, param: nn.Parameter, dp: DeviceMesh | None) -> TPSp
             "named sub-meshes of one DeviceMesh; pass mesh=device_mesh['dp'] (HSDP: "
             "device_mesh['dp_replicate', 'dp_shard']) of the mesh whose 'tp' dim the TP plan "
             "used (init_device_mesh(..., mesh_dim_names=('dp', 'tp'))).")
-    if param.device.type == "meta":
-        raise NotImplementedError(
-            f"parameter {name!r}: tensor-parallel parameters on the meta device are not "
-            "supported yet by fully_shard; materialise the model before fully_shard.")
     mesh2d = _mesh_2d(name, root, names, dp, tp_mesh)
     return TPSpec(mesh=mesh2d, tp_mesh=tp_mesh, placements=placements,
                   shape=tuple(param.shape), stride=tuple(param.stride()))

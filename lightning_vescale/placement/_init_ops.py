@@ -48,6 +48,7 @@ from lightning_vescale.placement._ragged_shard import (
     ragged_mesh_dim,
     ragged_ranges,
 )
+from lightning_vescale.placement._ragged_tp import is_tp_layout
 
 __all__ = ["INIT_HANDLERS"]
 
@@ -67,10 +68,14 @@ def _wrap(local: torch.Tensor, x: DTensor, placements: tuple, shape: tuple[int, 
                    requires_grad=False)
 
 
-def _ragged_input(op: Any, args: tuple) -> DTensor:
+def _ragged_input(op: Any, args: tuple, *, tp: bool = False) -> DTensor:
+    """The ragged DTensor ``self``: a layout of design note [ragged-nd], or with ``tp`` also a
+    tensor-parallel one ([ragged-tp]: the factories keep or replace placements whole)."""
     x = args[0] if args else None
     if not (isinstance(x, DTensor) and has_ragged(x._spec)):
         raise unsupported(op, [getattr(x, "_spec", x)])
+    if tp and is_tp_layout(x.placements, x.placements):
+        return x
     try:
         ragged_mesh_dim(x.placements, str(op))
     except NotImplementedError as e:
@@ -80,7 +85,7 @@ def _ragged_input(op: Any, args: tuple) -> DTensor:
 
 def _new_factory(op: Any, args: tuple, kwargs: dict) -> DTensor:
     """``x.new_empty(size)`` and friends (see design note [ragged-init])."""
-    x = _ragged_input(op, args)
+    x = _ragged_input(op, args, tp=True)
     bound = bind_args(op, args, kwargs)
     shape = tuple(int(s) for s in bound["size"])
     stride = bound.get("stride")

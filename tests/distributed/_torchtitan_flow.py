@@ -112,13 +112,14 @@ def _batches(world: int) -> list[torch.Tensor]:
 
 
 def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial_dtensor",
-          steps: int = 20, ep: int = 1) -> dict[str, Any]:
+          steps: int = 20, ep: int = 1, with_init: bool = False) -> dict[str, Any]:
     """``steps`` AdamW steps of torchtitan's ``model`` debug config at this world (every rank
     its part of a global batch), sharded by ``impl``'s ``fully_shard`` through torchtitan's
     ``parallelize_fn``; ``flow``: ``"cpu"`` (built and initialised on CPU, then sharded) or
     ``"meta"`` (torchtitan's trainer: meta, parallelize, ``to_empty``, ``init_weights``);
     ``ep``: torchtitan's expert-parallel degree (``dp_shard=world``, so ``efsdp=world/ep``).
-    Returns the global-mean losses and the final full parameters."""
+    Returns the global-mean losses and the final full parameters (``with_init``: the initial
+    ones too, as ``"init"``)."""
     _cpu_shims()
     import torchtitan.distributed.fsdp
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -157,6 +158,7 @@ def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial
             torch.manual_seed(0)
             with torch.no_grad():
                 net.init_weights(buffer_device=None)
+        init = _full_params(net) if with_init else None
         net.train()
         opt = torch.optim.AdamW(net.parameters(), lr=8e-4)
         data = _batches(world)
@@ -173,14 +175,19 @@ def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             losses.append(mean.item() / world)
-        params = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-                  for n, p in net.named_parameters()}
+        params = _full_params(net)
         layouts = {n: (tuple(p.device_mesh.mesh_dim_names or ()),
                        tuple(type(pl).__name__ for pl in p.placements))
                    for n, p in net.named_parameters() if hasattr(p, "device_mesh")}
-        return {"losses": losses, "params": params, "layouts": layouts}
+        return {"losses": losses, "params": params, "layouts": layouts, "init": init}
     finally:
         torchtitan.distributed.fsdp.fully_shard = theirs
+
+
+def _full_params(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's full value (a collective for DTensors: every rank calls it)."""
+    return {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+            for n, p in net.named_parameters()}
 
 
 def train_one_process(model: str, world: int, steps: int) -> list[float]:
