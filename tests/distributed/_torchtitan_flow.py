@@ -86,21 +86,23 @@ def use_vescale_fully_shard() -> None:
     torchtitan.distributed.fsdp.fully_shard = fully_shard
 
 
-def _expert_parallel(spec: Any, spmd_backend: str, world: int, ep: int) -> Any:
+def _model_parallel(spec: Any, spmd_backend: str, world: int, ep: int, tp: int) -> Any:
     """What torchtitan's trainer does before building a model (``trainer.py``,
     ``Trainer.__init__``): ``dist_utils.set_spmd_backend`` and
-    ``model_config.update_from_config`` (which sets the MoE sharding configs that
-    ``model.parallelize`` reads: the experts become ``Shard(0)`` DTensors on ``"ep"``), with a
-    config-like object holding the ``ParallelismConfig`` (what ``Decoder.Config.
-    update_from_config`` documents for non-trainer callers). Returns that config. Done for
-    ``ep > 1`` only, so the ``ep=1`` flows stay the ones measured before."""
+    ``model_config.update_from_config`` (which sets the sharding configs that
+    ``model.parallelize`` reads: the MoE experts become ``Shard(0)`` DTensors on ``"ep"``, the
+    TP plan's weights DTensors on ``"tp"``), with a config-like object holding the
+    ``ParallelismConfig`` (what ``Decoder.Config.update_from_config`` documents for non-trainer
+    callers). Returns that config. Done for ``ep > 1`` or ``tp > 1`` only, so the ``ep=1``,
+    ``tp=1`` flows stay the ones measured before."""
     import types
 
     import torchtitan.distributed.utils as dist_utils
     from torchtitan.config import ParallelismConfig
 
     parallelism = ParallelismConfig(spmd_backend=spmd_backend, expert_parallel_degree=ep,
-                                    data_parallel_shard_degree=world)
+                                    tensor_parallel_degree=tp,
+                                    data_parallel_shard_degree=world // tp)
     dist_utils.set_spmd_backend(spmd_backend)
     spec.model.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
     return parallelism
@@ -111,13 +113,17 @@ def _batches(world: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB_USED, (2 * world, SEQ + 1), generator=g) for _ in range(2)]
 
 
+
 def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial_dtensor",
-          steps: int = 20, ep: int = 1, with_init: bool = False) -> dict[str, Any]:
+          steps: int = 20, ep: int = 1, with_init: bool = False, tp: int = 1
+          ) -> dict[str, Any]:
     """``steps`` AdamW steps of torchtitan's ``model`` debug config at this world (every rank
     its part of a global batch), sharded by ``impl``'s ``fully_shard`` through torchtitan's
     ``parallelize_fn``; ``flow``: ``"cpu"`` (built and initialised on CPU, then sharded) or
     ``"meta"`` (torchtitan's trainer: meta, parallelize, ``to_empty``, ``init_weights``);
-    ``ep``: torchtitan's expert-parallel degree (``dp_shard=world``, so ``efsdp=world/ep``).
+    ``ep``: torchtitan's expert-parallel degree (``dp_shard=world``, so ``efsdp=world/ep``);
+    ``tp``: its tensor-parallel degree (``dp_shard=world/tp``; the ranks of one tp group read
+    the same batch, and the vocab-sharded logits are gathered for the loss).
     Returns the global-mean losses and the final full parameters (``with_init``: the initial
     ones too, as ``"init"``)."""
     _cpu_shims()
@@ -131,10 +137,10 @@ def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         spec = _spec(model)
-        dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep,
+        dims = ParallelDims(dp_replicate=1, dp_shard=world // tp, cp=1, tp=tp, pp=1, ep=ep,
                             world_size=world, spmd_backend=spmd_backend)
-        parallelism = ParallelismConfig(spmd_backend=spmd_backend) if ep == 1 else \
-            _expert_parallel(spec, spmd_backend, world, ep)
+        parallelism = ParallelismConfig(spmd_backend=spmd_backend) if ep == tp == 1 else \
+            _model_parallel(spec, spmd_backend, world, ep, tp)
         torch.manual_seed(0)
         with torch.device("meta" if flow == "meta" else "cpu"):
             net = spec.model.build()
@@ -164,9 +170,12 @@ def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial
         data = _batches(world)
         positions = torch.arange(SEQ).expand(2, SEQ)
         losses = []
+        dp_rank = rank // tp  # tp is the innermost mesh dim
         for step in range(steps):
-            tokens = data[step % len(data)][2 * rank:2 * rank + 2]
+            tokens = data[step % len(data)][2 * dp_rank:2 * dp_rank + 2]
             logits = net(tokens[:, :-1], positions=positions)
+            if hasattr(logits, "full_tensor"):  # TP: vocab-sharded DTensor logits
+                logits = logits.full_tensor()
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
                                                      tokens[:, 1:].flatten())
             loss.backward()
