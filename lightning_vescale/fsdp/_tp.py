@@ -57,6 +57,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from lightning_vescale.placement import RaggedShard
+from lightning_vescale.placement._compat import _local_piece
 
 __all__ = ["TPSpec", "refuse_unsupported", "tp_default_granularity", "tp_param_spec",
            "tp_unsharded"]
@@ -181,6 +182,21 @@ def tp_unsharded(view: torch.Tensor, spec: TPSpec, requires_grad: bool) -> nn.Pa
     dt = DTensor.from_local(view, spec.tp_mesh, spec.placements, run_check=False,
                             shape=torch.Size(spec.shape), stride=spec.stride)
     return nn.Parameter(dt.detach(), requires_grad=requires_grad)
+
+
+def load_full_(mp: Any, full: torch.Tensor) -> None:
+    """Copy this rank's part of ``full`` (the global tensor) into managed parameter ``mp``'s
+    shard: its range, or for a TP parameter its range of its TP-local box (design note
+    [ragged-tp])."""
+    buf = mp.buffer
+    assert buf is not None
+    if mp.tp is None:
+        buf.load_local_(mp.name, full)
+        return
+    view = buf.local_view(mp.name)
+    if view.numel():
+        with torch.no_grad():
+            view.copy_(_local_piece(full.detach(), mp.tp.mesh, tuple(mp.placements)))
 
 
 def tp_grad(view: torch.Tensor, spec: TPSpec) -> DTensor:
