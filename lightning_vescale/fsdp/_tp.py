@@ -37,11 +37,15 @@ TP-local tensors, so blocks never cross a tp rank), mixed precision,
 too), DCP checkpoints, ``save_safetensors``/``load_safetensors`` (each rank its runs of its
 TP-local box: ``placement._ragged_tp.tp_flat_runs``), activation checkpointing and
 ``torch.compile`` per block, ``shard_placement_fn`` (units of the TP-local shape; a mesh of
-its own for expert parallelism: design note [fsdp-param-mesh]). torch's own FSDP2 + TP tests
-run on both engines in ``tests/distributed/test_fsdp2_compat_tp.py``. Refused with a message
-(:func:`refuse_unsupported` and the optimizers' own checks): CPU offload,
-``dp_mesh_dims``, ``reshard_after_forward=<int>``, meta-device TP
-parameters, FlatParamOptimizer, Muon/SOAP/Shampoo on HSDP + TP (3-D) meshes, and a TP plan
+its own for expert parallelism: design note [fsdp-param-mesh]), and TP parameters on the meta
+device (FSDP2's meta flow and torchtitan's trainer: the TP plan and ``fully_shard`` on meta,
+the DBuffer and both parameter objects on meta until ``to_empty()``/``materialize``; init ops on
+the sharded DTensors write each rank's part of its TP-local box with one process's values,
+design note [ragged-random]; ``materialize`` initialises full-size temporaries of the global
+shape, :func:`load_full_`). torch's own FSDP2 + TP tests run on both engines in
+``tests/distributed/test_fsdp2_compat_tp.py``. Refused with a message
+(:func:`~lightning_vescale.fsdp._param_mesh.refuse_unsupported` and the optimizers' own
+checks): CPU offload, ``dp_mesh_dims``, ``reshard_after_forward=<int>``, FlatParamOptimizer, Muon/SOAP/Shampoo on HSDP + TP (3-D) meshes, and a TP plan
 applied after ``fully_shard`` (:func:`check_not_ragged`; ``distribute_tensor`` of a RaggedShard
 DTensor).
 """
@@ -98,7 +102,6 @@ def tp_param_spec(name: str, param: nn.Parameter, dp: DeviceMesh | None) -> TPSp
         ValueError: a RaggedShard DTensor, no ``mesh=``, a dp mesh of more than 2 dims, a tp
             mesh that is not a named 1-D sub-mesh of the dp mesh's root, or a
             ``Partial``/other placement.
-        NotImplementedError: a meta-device TP parameter.
     """
     if not isinstance(param, DTensor):
         return None
