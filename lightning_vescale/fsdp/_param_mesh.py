@@ -50,7 +50,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_vescale.mesh import MeshInfo
 
-__all__ = ["own_mesh_info", "param_mesh_keys", "refuse_unsupported"]
+__all__ = ["OWN_MESH_PARAMS", "TP_PARAMS", "own_mesh_info", "param_mesh_keys",
+           "refuse_unsupported"]
 
 
 def own_mesh_info(name: str, mesh: DeviceMesh, group_mesh: DeviceMesh) -> MeshInfo:
@@ -71,11 +72,27 @@ def own_mesh_info(name: str, mesh: DeviceMesh, group_mesh: DeviceMesh) -> MeshIn
     return MeshInfo.from_mesh(mesh)
 
 
-def refuse_unsupported(names: Sequence[str], *, offload: Any, comm: Any, dp_mesh_dims: Any,
-                       reshard_after_forward: Any) -> None:
-    """Refuse the options not supported with parameters ``names`` on meshes of their own
-    (design note [fsdp-param-mesh]); ``comm``: the resolved comm policy (``None``:
-    inactive)."""
+#: ``refuse_unsupported``'s ``params`` (what they are, the fix) for tensor-parallel
+#: parameters (design note [fsdp-tp])
+TP_PARAMS = ("tensor-parallel parameters", "drop the option or the TP plan")
+#: ... and for parameters on a mesh of their own (this note)
+OWN_MESH_PARAMS = ("parameters on a mesh of their own from shard_placement_fn",
+                   "expert parallelism: drop the option, or return the group's mesh for them")
+
+
+def refuse_unsupported(names: Sequence[str], params: tuple[str, str], *, offload: Any,
+                       dp_mesh_dims: Any, reshard_after_forward: Any, comm: Any = None) -> None:
+    """Refuse the ``fully_shard`` options not supported yet with the parameters ``names``,
+    which live on a mesh beyond the group's: tensor-parallel ones (``params=TP_PARAMS``, design
+    note [fsdp-tp]) or ones on a mesh of their own (``OWN_MESH_PARAMS``, this note).
+    ``params``: ``(what they are, what to do)`` for the message, which names the option and the
+    first parameter. ``comm``: the resolved comm policy where it is refused (``None``: not
+    refused, or inactive; TP parameters take one: their buffers hold the TP-local tensors).
+
+    Raises:
+        NotImplementedError: CPU offload, ``comm``, ``dp_mesh_dims`` or an int
+            ``reshard_after_forward`` with ``names`` non-empty.
+    """
     if not names:
         return
     what = None
@@ -88,10 +105,10 @@ def refuse_unsupported(names: Sequence[str], *, offload: Any, comm: Any, dp_mesh
     elif isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         what = f"reshard_after_forward={reshard_after_forward}"
     if what is not None:
+        kind, fix = params
         raise NotImplementedError(
-            f"fully_shard: {what} is not supported yet with parameters on a mesh of their own "
-            f"from shard_placement_fn ({names[0]!r}{' and others' if len(names) > 1 else ''}: "
-            "expert parallelism); drop the option, or return the group's mesh for them.")
+            f"fully_shard: {what} is not supported yet with {kind} ({names[0]!r}"
+            f"{' and others' if len(names) > 1 else ''}); {fix}.")
 
 
 def param_mesh_keys(params: Sequence[Any]) -> dict[str, tuple[str, str]]:

@@ -45,9 +45,9 @@ design note [ragged-random]; ``materialize`` initialises full-size temporaries o
 shape, :func:`load_full_`). torch's own FSDP2 + TP tests run on both engines in
 ``tests/distributed/test_fsdp2_compat_tp.py``. Refused with a message
 (:func:`~lightning_vescale.fsdp._param_mesh.refuse_unsupported` and the optimizers' own
-checks): CPU offload, ``dp_mesh_dims``, ``reshard_after_forward=<int>``, FlatParamOptimizer, Muon/SOAP/Shampoo on HSDP + TP (3-D) meshes, and a TP plan
-applied after ``fully_shard`` (:func:`check_not_ragged`; ``distribute_tensor`` of a RaggedShard
-DTensor).
+checks): CPU offload, ``dp_mesh_dims``, ``reshard_after_forward=<int>``, FlatParamOptimizer,
+Muon/SOAP/Shampoo on HSDP + TP (3-D) meshes, and a TP plan applied after ``fully_shard``
+(:func:`check_not_ragged`; ``distribute_tensor`` of a RaggedShard DTensor).
 """
 
 from __future__ import annotations
@@ -63,8 +63,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from lightning_vescale.placement import RaggedShard
 from lightning_vescale.placement._compat import _local_piece
 
-__all__ = ["TPSpec", "refuse_unsupported", "tp_default_granularity", "tp_param_spec",
-           "tp_unsharded"]
+__all__ = ["TPSpec", "load_full_", "tp_default_granularity", "tp_param_spec", "tp_unsharded"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,29 +138,6 @@ def tp_param_spec(name: str, param: nn.Parameter, dp: DeviceMesh | None) -> TPSp
     mesh2d = _mesh_2d(name, root, names, dp, tp_mesh)
     return TPSpec(mesh=mesh2d, tp_mesh=tp_mesh, placements=placements,
                   shape=tuple(param.shape), stride=tuple(param.stride()))
-
-
-def refuse_unsupported(names: list[str], offload: Any, comm: Any, shard_placement_fn: Any,
-                       dp_mesh_dims: Any, reshard_after_forward: Any) -> None:
-    """Refuse the ``fully_shard`` options not supported with TP parameters ``names`` yet
-    ([fsdp-tp]); ``comm``: the resolved comm policy (``None``: inactive)."""
-    del comm  # a comm policy works on the dp dim: the buffers hold the TP-local tensors
-    if not names:
-        return
-    what = None
-    if offload is not None:
-        what = "offload_policy=CPUOffloadPolicy (CPU offload)"
-    elif shard_placement_fn is not None:
-        what = "shard_placement_fn"
-    elif dp_mesh_dims is not None:
-        what = "dp_mesh_dims"
-    elif isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        what = f"reshard_after_forward={reshard_after_forward}"
-    if what is not None:
-        raise NotImplementedError(
-            f"fully_shard: {what} is not supported yet with tensor-parallel parameters "
-            f"({names[0]!r}{' and others' if len(names) > 1 else ''}); drop the option or the "
-            "TP plan.")
 
 
 def tp_default_granularity(granularity: Any, tp: dict[str, TPSpec]) -> Any:

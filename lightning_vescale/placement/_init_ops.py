@@ -28,7 +28,10 @@ with DTensor's own semantics for a sharded input:
   answers a slice of a ``Shard(0)`` tensor on its sharded dim with a gathered *copy*, so a write
   into it is silently lost; a slice on another dim is a local view.)
 
-No collective runs in either family. A result built here is returned to DTensor's dispatcher as
+The factories take tensor-parallel layouts too (``(RaggedShard, Shard(k))``, design note
+[ragged-tp]): the same shape keeps the placements (each rank's local tensor has its local
+size), another shape is ``Replicate`` on every mesh dim; the slices refuse them (a dim-0 slice
+of a TP-local box is not a range of the global rows). No collective runs in either family. A result built here is returned to DTensor's dispatcher as
 the op's final value (nothing cached): these ops run at initialisation, not per step.
 """
 

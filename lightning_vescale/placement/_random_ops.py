@@ -36,8 +36,13 @@ given, else that device's default one), so where the shard lives decides:
 Every rank must hold the same generator state, as for any initialisation of a data-parallel
 model (seed every rank alike); no collective runs. On an N-D mesh
 (``(Replicate(), RaggedShard)``, design note [ragged-nd]) each rank keeps the range of its
-coordinate on the ragged dim, so replicas hold identical values, as after a broadcast. The
-random ``*_like`` factories follow the same rule (ATen's ``rand_like`` is
+coordinate on the ragged dim, so replicas hold identical values, as after a broadcast. On a
+tensor-parallel layout (``(RaggedShard, Shard(k))``, design note [ragged-tp]: TP or expert
+parameters built on meta) a rank's part is its RaggedShard range of its TP-local box, i.e. runs
+of the global tensor (``_ragged_tp.rank_flat_runs``): one run for ``Shard(0)`` on the leading
+dim, drawn as a range on the CPU generator like any other; several (one per row of the box,
+``Shard(1)``) are cut from a whole draw. The values are still one process's, whatever the
+``(dp, tp)`` layout. The random ``*_like`` factories follow the same rule (ATen's ``rand_like`` is
 ``empty_like().uniform_(0, 1)``, ``randn_like`` ``normal_(0, 1)``, ``randint_like``
 ``random_(low, high)``; a tensor ``high`` keeps the whole draw).
 
