@@ -55,21 +55,31 @@ __all__ = ["OWN_MESH_PARAMS", "TP_PARAMS", "own_mesh_info", "param_mesh_keys",
 
 
 def own_mesh_info(name: str, mesh: DeviceMesh, group_mesh: DeviceMesh) -> MeshInfo:
-    """The :class:`MeshInfo` of parameter ``name``'s own 1-D ``mesh``.
+    """The :class:`MeshInfo` of parameter ``name``'s own ``mesh``: 1-D (FSDP) or 2-D
+    ``(replicate, shard)`` (HSDP, torchtitan's ``("dp_replicate", "efsdp")``).
 
     Raises:
-        NotImplementedError: ``mesh`` is not 1-D or has another device type than the group's.
+        NotImplementedError: ``mesh`` has more than 2 dims, another device type than the
+            group's, or replicates (HSDP) while the group's mesh does not.
     """
-    if mesh.ndim != 1:
+    if mesh.ndim not in (1, 2):
         raise NotImplementedError(
             f"parameter {name!r}: shard_placement_fn gave it a {mesh.ndim}-D mesh of its own "
-            f"({mesh}); lightning_vescale's fully_shard takes 1-D per-parameter meshes.")
+            f"({mesh}); lightning_vescale's fully_shard takes 1-D (FSDP) or 2-D (replicate, "
+            "shard) per-parameter meshes.")
     if mesh.device_type != group_mesh.device_type:
         raise NotImplementedError(
             f"parameter {name!r}: its mesh from shard_placement_fn is on "
             f"{mesh.device_type!r}, the group's on {group_mesh.device_type!r}; build both "
             "meshes on one device type.")
-    return MeshInfo.from_mesh(mesh)
+    info = MeshInfo.from_mesh(mesh)
+    if info.is_hsdp and not (group_mesh.ndim == 2 and group_mesh.size(0) > 1):
+        raise NotImplementedError(
+            f"parameter {name!r}: shard_placement_fn gave it an HSDP mesh of its own ({mesh}) "
+            f"in a group whose mesh ({group_mesh}) does not replicate; replicate both (as "
+            "torchtitan does with dp_replicate > 1: ('dp_replicate', 'fsdp') and "
+            "('dp_replicate', 'efsdp')) or neither.")
+    return info
 
 
 #: ``refuse_unsupported``'s ``params`` (what they are, the fix) for tensor-parallel

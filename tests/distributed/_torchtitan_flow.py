@@ -86,7 +86,8 @@ def use_vescale_fully_shard() -> None:
     torchtitan.distributed.fsdp.fully_shard = fully_shard
 
 
-def _model_parallel(spec: Any, spmd_backend: str, world: int, ep: int, tp: int) -> Any:
+def _model_parallel(spec: Any, spmd_backend: str, world: int, ep: int, tp: int,
+                    replicas: int = 1) -> Any:
     """What torchtitan's trainer does before building a model (``trainer.py``,
     ``Trainer.__init__``): ``dist_utils.set_spmd_backend`` and
     ``model_config.update_from_config`` (which sets the sharding configs that
@@ -102,7 +103,8 @@ def _model_parallel(spec: Any, spmd_backend: str, world: int, ep: int, tp: int) 
 
     parallelism = ParallelismConfig(spmd_backend=spmd_backend, expert_parallel_degree=ep,
                                     tensor_parallel_degree=tp,
-                                    data_parallel_shard_degree=world // tp)
+                                    data_parallel_replicate_degree=replicas,
+                                    data_parallel_shard_degree=world // (tp * replicas))
     dist_utils.set_spmd_backend(spmd_backend)
     spec.model.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
     return parallelism
@@ -115,15 +117,16 @@ def _batches(world: int) -> list[torch.Tensor]:
 
 
 def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial_dtensor",
-          steps: int = 20, ep: int = 1, with_init: bool = False, tp: int = 1
-          ) -> dict[str, Any]:
+          steps: int = 20, ep: int = 1, with_init: bool = False, tp: int = 1,
+          replicas: int = 1) -> dict[str, Any]:
     """``steps`` AdamW steps of torchtitan's ``model`` debug config at this world (every rank
     its part of a global batch), sharded by ``impl``'s ``fully_shard`` through torchtitan's
     ``parallelize_fn``; ``flow``: ``"cpu"`` (built and initialised on CPU, then sharded) or
     ``"meta"`` (torchtitan's trainer: meta, parallelize, ``to_empty``, ``init_weights``);
     ``ep``: torchtitan's expert-parallel degree (``dp_shard=world``, so ``efsdp=world/ep``);
     ``tp``: its tensor-parallel degree (``dp_shard=world/tp``; the ranks of one tp group read
-    the same batch, and the vocab-sharded logits are gathered for the loss).
+    the same batch, and the vocab-sharded logits are gathered for the loss); ``replicas``: its
+    ``dp_replicate`` degree (HSDP: ``dp_shard=world/(tp*replicas)``).
     Returns the global-mean losses and the final full parameters (``with_init``: the initial
     ones too, as ``"init"``)."""
     _cpu_shims()
@@ -137,10 +140,10 @@ def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         spec = _spec(model)
-        dims = ParallelDims(dp_replicate=1, dp_shard=world // tp, cp=1, tp=tp, pp=1, ep=ep,
-                            world_size=world, spmd_backend=spmd_backend)
+        dims = ParallelDims(dp_replicate=replicas, dp_shard=world // (tp * replicas), cp=1,
+                            tp=tp, pp=1, ep=ep, world_size=world, spmd_backend=spmd_backend)
         parallelism = ParallelismConfig(spmd_backend=spmd_backend) if ep == tp == 1 else \
-            _model_parallel(spec, spmd_backend, world, ep, tp)
+            _model_parallel(spec, spmd_backend, world, ep, tp, replicas)
         torch.manual_seed(0)
         with torch.device("meta" if flow == "meta" else "cpu"):
             net = spec.model.build()

@@ -88,3 +88,29 @@ def test_expert_parallel_meta_flow_initialises_like_one_process(worlds, cpu_runs
     assert meta["losses"][-1] < meta["losses"][0] - 1.0, meta["losses"]
     experts = {n: v for n, v in meta["layouts"].items() if n.endswith(EXPERTS)}
     assert set(experts.values()) == {(("efsdp", "ep"), ("RaggedShard", "Shard"))}, experts
+
+
+def test_expert_parallel_on_hsdp_meshes_equals_fsdp2(worlds):
+    """``dp_replicate=2`` with ``ep=2`` at world 4 (``dp_shard=2``, so ``efsdp=1``):
+    torchtitan's ``shard_placement_fn`` returns an ``HSDPMeshInfo`` on
+    ``("dp_replicate", "efsdp")`` for the experts and on ``("dp_replicate", "fsdp")`` for the
+    rest; before the fix ours refused a per-parameter HSDP mesh. In the meta flow, every
+    initial value, loss and final parameter is bitwise torch's FSDP2 on the model built on
+    the CPU (measured; the efsdp dim has one rank, so the reductions are the replicas'
+    all-reduces in both). The experts' sharded parameters are DTensors on
+    ``("dp_replicate", "efsdp", "ep")`` with ``(Replicate(), RaggedShard, Shard(0))``."""
+    args = ("partial_dtensor", STEPS, EP)
+    ours = worlds(WORLD).run(flow.train, "ours", MODEL, "meta", *args, with_init=True,
+                             replicas=2, timeout=900)[0]
+    theirs = worlds(WORLD).run(flow.train, "torch", MODEL, "cpu", *args, with_init=True,
+                               replicas=2, timeout=900)[0]
+    for what in ("init", "params"):
+        bad = [n for n, p in theirs[what].items() if not torch.equal(ours[what][n], p)]
+        assert not bad and ours[what].keys() == theirs[what].keys(), (what, bad)
+    assert ours["losses"] == theirs["losses"], (ours["losses"], theirs["losses"])
+    assert ours["losses"][-1] < ours["losses"][0] - 1.0, ours["losses"]
+    experts = {n: v for n, v in ours["layouts"].items() if n.endswith(EXPERTS)}
+    assert set(experts.values()) == {(("dp_replicate", "efsdp", "ep"),
+                                      ("Replicate", "RaggedShard", "Shard"))}, experts
+    assert ours["layouts"]["layers.1.moe.router.gate.weight"] == (("dp_replicate", "fsdp"),
+                                                                  ("Replicate", "RaggedShard"))
