@@ -27,7 +27,19 @@ ep-local tensor is planned and sharded on ``"efsdp"``; the sharded parameter is 
 2-D ``("efsdp", "ep")`` mesh (FSDP2's ``DeviceMesh._concatenate`` of the two when the root
 mesh has no such dims: torchtitan unflattens them) with placements ``(RaggedShard, Shard(0))``
 (``full_tensor()`` composes both, [ragged-tp]); the unsharded one is the ``"ep"`` DTensor the
-model expects.
+model expects. Built on the meta device (torchtitan's trainer flow), both stay on meta with
+their DBuffer until ``to_empty()``; ``init_weights()`` then draws one process's values into
+each rank's part ([fsdp-tp], [ragged-random]).
+
+With HSDP (torchtitan's ``dp_replicate > 1``) both meshes are 2-D ``(replicate, shard)``:
+``("dp_replicate", "fsdp")`` for the group and FSDP2's ``HSDPMeshInfo`` on
+``("dp_replicate", "efsdp")`` for the experts. The experts' DBuffer then has an HSDP
+:class:`~lightning_vescale.mesh.MeshInfo` of its own (reduce-scatter over ``"efsdp"``,
+all-reduce over ``"dp_replicate"``, as every HSDP buffer: design note [hsdp]), and their
+sharded parameter is a DTensor on the 3-D ``("dp_replicate", "efsdp", "ep")`` mesh with
+``(Replicate(), RaggedShard, Shard(0))`` (design note [fsdp-tp]'s HSDP + TP form). A
+per-parameter HSDP mesh requires the group's mesh to replicate too (as torchtitan's always
+does), so that ``set_requires_all_reduce`` means the same for every buffer of the group.
 
 Gradients are reduced per buffer on its own mesh: ``AVG`` over it by default (as each of
 FSDP2's per-mesh groups does), ``set_force_sum_reduction_for_comms`` divides by its own mesh's
@@ -35,9 +47,9 @@ size, ``set_gradient_divide_factor(f)`` divides every buffer by ``f`` (torchtita
 scales the loss itself). The gradient-flag all-reduce of the root spans the group's own
 (widest) mesh, which holds every parameter's structural position on every rank.
 
-Refused, naming the parameter (:func:`refuse_unsupported`, :func:`own_mesh_info`): an HSDP mesh
-of its own (torchtitan's ``dp_replicate > 1``), a mesh of another device type, and together
-with ``comm_policy``, ``offload_policy``, ``reshard_after_forward=<int>`` or ``dp_mesh_dims``
+Refused, naming the parameter (:func:`refuse_unsupported`, :func:`own_mesh_info`): a mesh of
+its own of more than 2 dims, or with FSDP2's (shard, replicate) dim order, an HSDP one beside a
+group mesh that does not replicate, a mesh of another device type, and together with ``comm_policy``, ``offload_policy``, ``reshard_after_forward=<int>`` or ``dp_mesh_dims``
 (torchtitan's ``full_dtensor`` backend with ``ep > 1``).
 """
 
