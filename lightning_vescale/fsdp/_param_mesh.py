@@ -49,7 +49,8 @@ scales the loss itself). The gradient-flag all-reduce of the root spans the grou
 
 Refused, naming the parameter (:func:`refuse_unsupported`, :func:`own_mesh_info`): a mesh of
 its own of more than 2 dims, or with FSDP2's (shard, replicate) dim order, an HSDP one beside a
-group mesh that does not replicate, a mesh of another device type, and together with ``comm_policy``, ``offload_policy``, ``reshard_after_forward=<int>`` or ``dp_mesh_dims``
+group mesh that does not replicate, a mesh of another device type, and together with
+``comm_policy``, ``offload_policy``, ``reshard_after_forward=<int>`` or ``dp_mesh_dims``
 (torchtitan's ``full_dtensor`` backend with ``ep > 1``).
 """
 

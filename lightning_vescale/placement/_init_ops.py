@@ -31,8 +31,9 @@ with DTensor's own semantics for a sharded input:
 The factories take tensor-parallel layouts too (``(RaggedShard, Shard(k))``, design note
 [ragged-tp]): the same shape keeps the placements (each rank's local tensor has its local
 size), another shape is ``Replicate`` on every mesh dim; the slices refuse them (a dim-0 slice
-of a TP-local box is not a range of the global rows). No collective runs in either family. A result built here is returned to DTensor's dispatcher as
-the op's final value (nothing cached): these ops run at initialisation, not per step.
+of a TP-local box is not a range of the global rows). No collective runs in either family. A
+result built here is returned to DTensor's dispatcher as the op's final value (nothing cached):
+these ops run at initialisation, not per step.
 """
 
 from __future__ import annotations
