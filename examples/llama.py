@@ -160,17 +160,13 @@ class LlamaModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
+        with torch.device("meta"):  # the strategy allocates and initialises the shards only
+            self.model = Llama(self.config)
         tp_mesh = tensor_parallel_mesh(self.device_mesh)
-        if tp_mesh is None:
-            with torch.device("meta"):  # the strategy allocates and initialises the shards only
-                self.model = Llama(self.config)
-            return
-        # FSDP + TP (the strategy's tensor_parallel_size): the TP plan first, on the tp dim, then
-        # the strategy shards on the data-parallel dim. fully_shard does not take meta-device TP
-        # parameters yet, so each rank builds the model on its device (once, before TP keeps
-        # 1/tp of each planned matrix) from the same seed.
-        self.model = Llama(self.config)
-        parallelize_llama(self.model, tp_mesh)
+        if tp_mesh is not None:
+            # FSDP + TP (the strategy's tensor_parallel_size): the TP plan first, on the tp dim
+            # (on meta too), then the strategy shards on the data-parallel dim
+            parallelize_llama(self.model, tp_mesh)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         logits = self.model(batch[:, :-1])

@@ -74,6 +74,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_vescale import _meta_buffers
 from lightning_vescale.fsdp._param_group import ParamGroup, set_param
 from lightning_vescale.fsdp._state import get_state, states_in
+from lightning_vescale.fsdp._tp import load_full_
 from lightning_vescale.mesh import MeshInfo
 
 __all__ = ["materialize", "apply_to_group"]
@@ -238,11 +239,13 @@ def materialize(module: nn.Module, device: torch.device | str,
 
 
 def _swap_in_temporaries(group: ParamGroup, device: torch.device) -> dict[str, nn.Parameter]:
-    """Register a full-size (uninitialised) plain parameter for each of ``group``'s params."""
+    """Register a full-size (uninitialised) plain parameter for each of ``group``'s params (a
+    tensor-parallel one's of its global shape: design note [fsdp-tp])."""
     temps = {}
     for mp in group.params:
         assert mp.buffer is not None
-        full = torch.empty(mp.shape, dtype=mp.buffer.dtype, device=device)
+        shape = mp.shape if mp.tp is None else mp.tp.shape
+        full = torch.empty(shape, dtype=mp.buffer.dtype, device=device)
         temps[mp.name] = tp = nn.Parameter(full, requires_grad=mp.requires_grad)
         for owner in mp.owners:
             set_param(owner.module, owner.attr, tp)
@@ -252,8 +255,7 @@ def _swap_in_temporaries(group: ParamGroup, device: torch.device) -> dict[str, n
 def _load_owned_ranges(group: ParamGroup, temps: dict[str, nn.Parameter]) -> None:
     """Copy this rank's range of each temporary into the shard; modules get the shards back."""
     for mp in group.params:
-        assert mp.buffer is not None
-        mp.buffer.load_local_(mp.name, temps[mp.name])
+        load_full_(mp, temps[mp.name])
     group.swap(sharded=True)
 
 

@@ -81,7 +81,8 @@ def placement_results(shard_placement_fn: Callable[[nn.Parameter], Any] | None,
         ValueError: a result that is not ``None``, a ``Shard`` or a ``ShardPlacementResult``; a
             ``Shard`` of a 0-D parameter or of a dim it does not have; a placement that is not
             a ``Shard``.
-        NotImplementedError: a ``ShardPlacementResult`` on an HSDP mesh other than the group's.
+        NotImplementedError: a ``ShardPlacementResult`` on another mesh than the group's that
+            is neither 1-D nor a 2-D ``(replicate, shard)`` one.
     """
     if shard_placement_fn is None:
         return {}, {}
@@ -136,12 +137,18 @@ def _other_mesh(name: str, mesh_info: Any, mesh: DeviceMesh | None) -> DeviceMes
                          "with torch's FSDPMeshInfo(mesh, shard_mesh_dim=0).")
     if other is mesh or (isinstance(mesh, DeviceMesh) and _same_mesh(other, mesh)):
         return None
-    if other.ndim != 1 or getattr(mesh_info, "replicate_mesh_dim", None) is not None:
+    replicate = getattr(mesh_info, "replicate_mesh_dim", None)
+    shard = getattr(mesh_info, "shard_mesh_dim", None)
+    fsdp = other.ndim == 1 and replicate is None
+    hsdp = other.ndim == 2 and replicate == 0 and shard == 1
+    if not (fsdp or hsdp):
         raise NotImplementedError(
-            f"shard_placement_fn returned a ShardPlacementResult for parameter {name!r} on an "
-            f"HSDP mesh of its own ({other}); lightning_vescale's fully_shard takes per-parameter "
-            "meshes that are 1-D (FSDP over the expert-data-parallel dim, e.g. torchtitan's "
-            "'efsdp' with dp_replicate=1). Use dp_replicate=1, or return the group's mesh.")
+            f"shard_placement_fn returned a ShardPlacementResult for parameter {name!r} on a "
+            f"mesh of its own ({other}, replicate dim {replicate}, shard dim {shard}); "
+            "lightning_vescale's fully_shard takes per-parameter meshes that are 1-D (FSDP over "
+            "the expert-data-parallel dim, e.g. torchtitan's 'efsdp') or 2-D (replicate, shard) "
+            "HSDP ones (torchtitan's ('dp_replicate', 'efsdp')), as FSDP2's FSDPMeshInfo / "
+            "HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0) build them.")
     return other
 
 

@@ -37,13 +37,19 @@ TP-local tensors, so blocks never cross a tp rank), mixed precision,
 too), DCP checkpoints, ``save_safetensors``/``load_safetensors`` (each rank its runs of its
 TP-local box: ``placement._ragged_tp.tp_flat_runs``), activation checkpointing and
 ``torch.compile`` per block, ``shard_placement_fn`` (units of the TP-local shape; a mesh of
-its own for expert parallelism: design note [fsdp-param-mesh]). torch's own FSDP2 + TP tests
-run on both engines in ``tests/distributed/test_fsdp2_compat_tp.py``. Refused with a message
-(:func:`refuse_unsupported` and the optimizers' own checks): CPU offload,
-``dp_mesh_dims``, ``reshard_after_forward=<int>``, meta-device TP
-parameters, FlatParamOptimizer, Muon/SOAP/Shampoo on HSDP + TP (3-D) meshes, and a TP plan
-applied after ``fully_shard`` (:func:`check_not_ragged`; ``distribute_tensor`` of a RaggedShard
-DTensor).
+its own for expert parallelism: design note [fsdp-param-mesh]), and TP parameters on the meta
+device (FSDP2's meta flow and torchtitan's trainer: the TP plan and ``fully_shard`` on meta,
+the DBuffer and both parameter objects on meta until ``to_empty()``/``materialize``; init ops on
+the sharded DTensors write each rank's part of its TP-local box with one process's values,
+design note [ragged-random]; ``materialize`` initialises full-size temporaries of the global
+shape, :func:`load_full_`). torch's own FSDP2 + TP tests run on both engines in
+``tests/distributed/test_fsdp2_compat_tp.py``. Refused with a message
+(:func:`~lightning_vescale.fsdp._param_mesh.refuse_unsupported` and the optimizers' own
+checks): CPU offload, ``dp_mesh_dims`` (a TP DTensor is not ``Replicate`` on the SPMD mesh:
+:func:`~lightning_vescale.fsdp._shard_placement.local_value`), ``reshard_after_forward=<int>``,
+FlatParamOptimizer,
+Muon/SOAP/Shampoo on HSDP + TP (3-D) meshes, and a TP plan applied after ``fully_shard``
+(:func:`check_not_ragged`; ``distribute_tensor`` of a RaggedShard DTensor).
 """
 
 from __future__ import annotations
@@ -57,9 +63,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from lightning_vescale.placement import RaggedShard
+from lightning_vescale.placement._compat import _local_piece
 
-__all__ = ["TPSpec", "refuse_unsupported", "tp_default_granularity", "tp_param_spec",
-           "tp_unsharded"]
+__all__ = ["TPSpec", "load_full_", "tp_default_granularity", "tp_param_spec", "tp_unsharded"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +103,6 @@ def tp_param_spec(name: str, param: nn.Parameter, dp: DeviceMesh | None) -> TPSp
         ValueError: a RaggedShard DTensor, no ``mesh=``, a dp mesh of more than 2 dims, a tp
             mesh that is not a named 1-D sub-mesh of the dp mesh's root, or a
             ``Partial``/other placement.
-        NotImplementedError: a meta-device TP parameter.
     """
     if not isinstance(param, DTensor):
         return None
@@ -132,36 +137,9 @@ def tp_param_spec(name: str, param: nn.Parameter, dp: DeviceMesh | None) -> TPSp
             "named sub-meshes of one DeviceMesh; pass mesh=device_mesh['dp'] (HSDP: "
             "device_mesh['dp_replicate', 'dp_shard']) of the mesh whose 'tp' dim the TP plan "
             "used (init_device_mesh(..., mesh_dim_names=('dp', 'tp'))).")
-    if param.device.type == "meta":
-        raise NotImplementedError(
-            f"parameter {name!r}: tensor-parallel parameters on the meta device are not "
-            "supported yet by fully_shard; materialise the model before fully_shard.")
     mesh2d = _mesh_2d(name, root, names, dp, tp_mesh)
     return TPSpec(mesh=mesh2d, tp_mesh=tp_mesh, placements=placements,
                   shape=tuple(param.shape), stride=tuple(param.stride()))
-
-
-def refuse_unsupported(names: list[str], offload: Any, comm: Any, shard_placement_fn: Any,
-                       dp_mesh_dims: Any, reshard_after_forward: Any) -> None:
-    """Refuse the ``fully_shard`` options not supported with TP parameters ``names`` yet
-    ([fsdp-tp]); ``comm``: the resolved comm policy (``None``: inactive)."""
-    del comm  # a comm policy works on the dp dim: the buffers hold the TP-local tensors
-    if not names:
-        return
-    what = None
-    if offload is not None:
-        what = "offload_policy=CPUOffloadPolicy (CPU offload)"
-    elif shard_placement_fn is not None:
-        what = "shard_placement_fn"
-    elif dp_mesh_dims is not None:
-        what = "dp_mesh_dims"
-    elif isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-        what = f"reshard_after_forward={reshard_after_forward}"
-    if what is not None:
-        raise NotImplementedError(
-            f"fully_shard: {what} is not supported yet with tensor-parallel parameters "
-            f"({names[0]!r}{' and others' if len(names) > 1 else ''}); drop the option or the "
-            "TP plan.")
 
 
 def tp_default_granularity(granularity: Any, tp: dict[str, TPSpec]) -> Any:
@@ -185,6 +163,21 @@ def tp_unsharded(view: torch.Tensor, spec: TPSpec, requires_grad: bool) -> nn.Pa
     dt = DTensor.from_local(view, spec.tp_mesh, spec.placements, run_check=False,
                             shape=torch.Size(spec.shape), stride=spec.stride)
     return nn.Parameter(dt.detach(), requires_grad=requires_grad)
+
+
+def load_full_(mp: Any, full: torch.Tensor) -> None:
+    """Copy this rank's part of ``full`` (the global tensor) into managed parameter ``mp``'s
+    shard: its range, or for a TP parameter its range of its TP-local box (design note
+    [ragged-tp])."""
+    buf = mp.buffer
+    assert buf is not None
+    if mp.tp is None:
+        buf.load_local_(mp.name, full)
+        return
+    view = buf.local_view(mp.name)
+    if view.numel():
+        with torch.no_grad():
+            view.copy_(_local_piece(full.detach(), mp.tp.mesh, tuple(mp.placements)))
 
 
 def tp_grad(view: torch.Tensor, spec: TPSpec) -> DTensor:

@@ -83,8 +83,12 @@ from lightning_vescale.fsdp._policy import (
 )
 from lightning_vescale.fsdp._replaced import install_optimizer_check
 from lightning_vescale.fsdp._reshard import ReshardPolicy, reshard_policy
-from lightning_vescale.fsdp._param_mesh import own_mesh_info
-from lightning_vescale.fsdp._param_mesh import refuse_unsupported as refuse_mesh_unsupported
+from lightning_vescale.fsdp._param_mesh import (
+    OWN_MESH_PARAMS,
+    TP_PARAMS,
+    own_mesh_info,
+    refuse_unsupported,
+)
 from lightning_vescale.fsdp._shard_placement import (
     dp_mesh,
     local_value,
@@ -100,7 +104,6 @@ from lightning_vescale.fsdp._tp import (
     tp_default_granularity,
     tp_param_spec,
 )
-from lightning_vescale.fsdp._tp import refuse_unsupported as refuse_tp_unsupported
 from lightning_vescale.fsdp._state_dict import register_state_dict_hooks
 from lightning_vescale.mesh import MeshInfo, default_device_type, init_mesh, mesh_device
 
@@ -303,7 +306,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     if collected:
         comm, quantized, grans = _group_layout(
             collected, sources, tp, placed, comm_policy, granularity,
-            refuse=(offload, dp_mesh_dims, reshard_after_forward))
+            refuse=(offload, reshard_after_forward))
         group = ParamGroup(
             params=[_managed(c, tp, sources, placed) for c in collected], mesh_info=mesh_info,
             mp_policy=policy, granularity=grans, reshard_policy=reshard, fqn=label,
@@ -386,17 +389,17 @@ def _group_layout(collected: list[CollectedParam], sources: dict[str, torch.Tens
     """:func:`_comm_layout` of the call's parameters, a tensor-parallel one by its TP-local
     tensor (design note [fsdp-tp]), ``shard_placement_fn``'s units folded in; the options not
     supported with TP parameters or parameters on meshes of their own yet are refused
-    (``refuse``: ``(offload, dp_mesh_dims, reshard_after_forward)``)."""
+    (``refuse``: ``(offload, reshard_after_forward)``; ``dp_mesh_dims`` needs no check here:
+    with it, TP is not detected (DTensors must be on the SPMD mesh, :func:`local_value`) and
+    per-parameter meshes come with their own data-parallel mesh, as torchtitan's
+    ``spmd_types`` backend passes them)."""
     named = [(c.name, sources[c.name] if c.name in tp else c.param) for c in collected]
     granularity = tp_default_granularity(granularity, tp)
     comm, quantized, grans = _comm_layout(comm_policy, granularity, named, placed.units)
-    offload, dp_mesh_dims, reshard_after_forward = refuse
-    # shard_placement_fn itself works with TP parameters (units of the TP-local shape)
-    refuse_tp_unsupported(sorted(tp), offload, comm, None, dp_mesh_dims,
-                          reshard_after_forward)
-    refuse_mesh_unsupported(sorted(placed.meshes), offload=offload, comm=comm,
-                            dp_mesh_dims=dp_mesh_dims,
-                            reshard_after_forward=reshard_after_forward)
+    offload, reshard_after_forward = refuse
+    options = dict(offload=offload, reshard_after_forward=reshard_after_forward)
+    refuse_unsupported(sorted(tp), TP_PARAMS, **options)  # comm_policy works with TP
+    refuse_unsupported(sorted(placed.meshes), OWN_MESH_PARAMS, comm=comm, **options)
     return comm, quantized, grans
 
 

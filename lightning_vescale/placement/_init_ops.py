@@ -28,8 +28,12 @@ with DTensor's own semantics for a sharded input:
   answers a slice of a ``Shard(0)`` tensor on its sharded dim with a gathered *copy*, so a write
   into it is silently lost; a slice on another dim is a local view.)
 
-No collective runs in either family. A result built here is returned to DTensor's dispatcher as
-the op's final value (nothing cached): these ops run at initialisation, not per step.
+The factories take tensor-parallel layouts too (``(RaggedShard, Shard(k))``, design note
+[ragged-tp]): the same shape keeps the placements (each rank's local tensor has its local
+size), another shape is ``Replicate`` on every mesh dim; the slices refuse them (a dim-0 slice
+of a TP-local box is not a range of the global rows). No collective runs in either family. A
+result built here is returned to DTensor's dispatcher as the op's final value (nothing cached):
+these ops run at initialisation, not per step.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from lightning_vescale.placement._ragged_shard import (
     ragged_mesh_dim,
     ragged_ranges,
 )
+from lightning_vescale.placement._ragged_tp import is_tp_layout
 
 __all__ = ["INIT_HANDLERS"]
 
@@ -67,10 +72,14 @@ def _wrap(local: torch.Tensor, x: DTensor, placements: tuple, shape: tuple[int, 
                    requires_grad=False)
 
 
-def _ragged_input(op: Any, args: tuple) -> DTensor:
+def _ragged_input(op: Any, args: tuple, *, tp: bool = False) -> DTensor:
+    """The ragged DTensor ``self``: a layout of design note [ragged-nd], or with ``tp`` also a
+    tensor-parallel one ([ragged-tp]: the factories keep or replace placements whole)."""
     x = args[0] if args else None
     if not (isinstance(x, DTensor) and has_ragged(x._spec)):
         raise unsupported(op, [getattr(x, "_spec", x)])
+    if tp and is_tp_layout(x.placements, x.placements):
+        return x
     try:
         ragged_mesh_dim(x.placements, str(op))
     except NotImplementedError as e:
@@ -80,7 +89,7 @@ def _ragged_input(op: Any, args: tuple) -> DTensor:
 
 def _new_factory(op: Any, args: tuple, kwargs: dict) -> DTensor:
     """``x.new_empty(size)`` and friends (see design note [ragged-init])."""
-    x = _ragged_input(op, args)
+    x = _ragged_input(op, args, tp=True)
     bound = bind_args(op, args, kwargs)
     shape = tuple(int(s) for s in bound["size"])
     stride = bound.get("stride")

@@ -33,9 +33,9 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.profiler import record_function
 
-from lightning_vescale.placement._ragged_shard import RaggedShard
+from lightning_vescale.placement._ragged_shard import RaggedShard, ragged_shard_and_rank
 
-__all__ = ["is_tp_layout", "redistribute_tp", "tp_flat_runs", "tp_local_box"]
+__all__ = ["is_tp_layout", "rank_flat_runs", "redistribute_tp", "tp_flat_runs", "tp_local_box"]
 
 
 def _ragged_dims(placements: Sequence[Placement]) -> list[int]:
@@ -97,6 +97,24 @@ def tp_flat_runs(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Pl
         out.append((pos - start, first, first + stop - pos))
         pos = stop
     return out
+
+
+def rank_flat_runs(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement],
+                   what: str = "RaggedShard") -> list[tuple[int, int, int]]:
+    """This rank's local tensor as runs ``(local offset, global start, global end)`` of the
+    row-major GLOBAL tensor, for a ragged layout of design note [ragged-nd] (one run: its flat
+    range) or of [ragged-tp] (:func:`tp_flat_runs`). What element-by-element initialisation
+    of a sharded tensor needs (design note [ragged-random]).
+
+    Raises:
+        NotImplementedError: any other layout (``what`` names the operation).
+    """
+    placements = tuple(placements)
+    if is_tp_layout(placements, placements):
+        return tp_flat_runs(shape, mesh, placements, _ragged_dims(placements)[0])
+    placement, rank = ragged_shard_and_rank(mesh, placements, what)
+    start, end = placement.local_range(tuple(int(s) for s in shape), rank)
+    return [(0, start, end)] if end > start else []
 
 
 def _unravel(index: int, shape: Sequence[int]) -> list[int]:

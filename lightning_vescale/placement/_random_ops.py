@@ -36,8 +36,13 @@ given, else that device's default one), so where the shard lives decides:
 Every rank must hold the same generator state, as for any initialisation of a data-parallel
 model (seed every rank alike); no collective runs. On an N-D mesh
 (``(Replicate(), RaggedShard)``, design note [ragged-nd]) each rank keeps the range of its
-coordinate on the ragged dim, so replicas hold identical values, as after a broadcast. The
-random ``*_like`` factories follow the same rule (ATen's ``rand_like`` is
+coordinate on the ragged dim, so replicas hold identical values, as after a broadcast. On a
+tensor-parallel layout (``(RaggedShard, Shard(k))``, design note [ragged-tp]: TP or expert
+parameters built on meta) a rank's part is its RaggedShard range of its TP-local box, i.e. runs
+of the global tensor (``_ragged_tp.rank_flat_runs``): one run for ``Shard(0)`` on the leading
+dim, drawn as a range on the CPU generator like any other; several (one per row of the box,
+``Shard(1)``) are cut from a whole draw. The values are still one process's, whatever the
+``(dp, tp)`` layout. The random ``*_like`` factories follow the same rule (ATen's ``rand_like`` is
 ``empty_like().uniform_(0, 1)``, ``randn_like`` ``normal_(0, 1)``, ``randint_like``
 ``random_(low, high)``; a tensor ``high`` keeps the whole draw).
 
@@ -80,27 +85,31 @@ from torch.distributed.tensor import DTensor
 
 from lightning_vescale.placement._common import aten, has_ragged, unsupported
 from lightning_vescale.placement._random_range import can_draw_range, draw_range
-from lightning_vescale.placement._ragged_shard import (
-    RaggedShard,
-    local_slice,
-    ragged_from_local,
-    ragged_shard_and_rank,
-)
+from lightning_vescale.placement._ragged_shard import ragged_from_local
+from lightning_vescale.placement._ragged_tp import rank_flat_runs
 
 __all__ = ["RANDOM_HANDLERS"]
 
 
-def _ragged_self(op: Any, args: tuple) -> tuple[DTensor, RaggedShard, int]:
-    """The ragged DTensor ``self``, its ``RaggedShard`` and this rank's coordinate on that
-    placement's mesh dim (the other dims replicate: design note [ragged-nd])."""
+def _ragged_self(op: Any, args: tuple) -> tuple[DTensor, list[tuple[int, int, int]]]:
+    """The ragged DTensor ``self`` and this rank's part of it as runs of the global tensor
+    (``placement._ragged_tp.rank_flat_runs``: one run on an FSDP/HSDP layout, [ragged-nd]; one
+    per row of the TP-local box on a tensor-parallel one, [ragged-tp])."""
     x = args[0] if args else None
     if not (isinstance(x, DTensor) and has_ragged(x._spec)):
         raise unsupported(op, [getattr(x, "_spec", x)])
     try:
-        placement, r = ragged_shard_and_rank(x.device_mesh, x.placements, str(op))
+        runs = rank_flat_runs(tuple(x.shape), x.device_mesh, x.placements, str(op))
     except NotImplementedError as e:
         raise unsupported(op, [x._spec], f": {e}") from None
-    return x, placement, r
+    return x, runs
+
+
+def _take_runs(dst: torch.Tensor, full: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
+    """Copy this rank's ``runs`` of the whole draw ``full`` into its 1-D local tensor."""
+    flat = full.reshape(-1)
+    for off, a, b in runs:
+        dst[off: off + b - a].copy_(flat[a:b])
 
 
 def _check_plain(op: Any, x: DTensor, rest: tuple, kwargs: dict) -> None:
@@ -110,27 +119,26 @@ def _check_plain(op: Any, x: DTensor, rest: tuple, kwargs: dict) -> None:
 
 
 def _fill_inplace(op: Any, args: tuple, kwargs: dict) -> DTensor:
-    """``x.<random>_(...)``: this rank's range of the whole draw (on the CPU generator without
-    the whole tensor; elsewhere drawn whole and cut: [ragged-random])."""
-    x, placement, rank = _ragged_self(op, args)
+    """``x.<random>_(...)``: this rank's part of the whole draw (on the CPU generator, for one
+    run, without the whole tensor; elsewhere drawn whole and cut: [ragged-random])."""
+    x, runs = _ragged_self(op, args)
     _check_plain(op, x, args[1:], kwargs)
     local = x._local_tensor
     numel = x.numel()
     with torch.no_grad():
-        if local.dim() == 1 and can_draw_range(op, local, numel, kwargs):
+        if local.dim() == 1 and len(runs) <= 1 and can_draw_range(op, local, numel, kwargs):
             # the CPU generator: this rank's range only, no whole-tensor temporary
-            start, _ = placement.local_range(tuple(x.shape), rank)
-            draw_range(op, local, start, numel, args[1:], kwargs)
+            draw_range(op, local, runs[0][1] if runs else 0, numel, args[1:], kwargs)
             return x
         full = torch.empty(tuple(x.shape), dtype=local.dtype, device=local.device)
         op(full, *args[1:], **kwargs)
-        local.copy_(local_slice(full, placement, rank))
+        _take_runs(local.view(-1), full, runs)
     return x
 
 
 def _random_like(op: Any, args: tuple, kwargs: dict) -> DTensor:
     """``torch.rand_like(x)`` and friends: a new DTensor with ``x``'s placement."""
-    x, placement, rank = _ragged_self(op, args)
+    x, runs = _ragged_self(op, args)
     _check_plain(op, x, args[1:], kwargs)
     local = x._local_tensor
     kwargs = dict(kwargs)
@@ -141,14 +149,14 @@ def _random_like(op: Any, args: tuple, kwargs: dict) -> DTensor:
         kwargs.pop(k, None)
     fill = _as_fill(op, args[1:])
     piece = torch.empty(local.numel(), dtype=dtype, device=device)
-    if fill is not None and can_draw_range(fill[0], piece, x.numel(), kwargs):
+    if fill is not None and len(runs) <= 1 and can_draw_range(fill[0], piece, x.numel(),
+                                                               kwargs):
         # ``rand_like`` is ``empty_like().uniform_(0, 1)`` (and so on) in ATen: the range alone
-        start, _ = placement.local_range(tuple(x.shape), rank)
-        draw_range(fill[0], piece, start, x.numel(), fill[1], kwargs)
+        draw_range(fill[0], piece, runs[0][1] if runs else 0, x.numel(), fill[1], kwargs)
     else:
         full_in = torch.empty(tuple(x.shape), dtype=dtype, device=device)
         full = op(full_in, *args[1:], dtype=dtype, device=device, **kwargs)
-        piece = local_slice(full, placement, rank).clone()
+        _take_runs(piece, full, runs)
     return ragged_from_local(piece, x.device_mesh, x._spec.placements, tuple(x.shape),
                              autograd=False, check=False)
 

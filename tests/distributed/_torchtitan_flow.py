@@ -117,24 +117,28 @@ def use_vescale_fully_shard() -> None:
     torchtitan.distributed.fsdp.fully_shard = fully_shard
 
 
-def _expert_parallel(spec: Any, spmd_backend: str, world: int, ep: int) -> Any:
+def _model_parallel(spec: Any, spmd_backend: str, world: int, ep: int, tp: int,
+                    replicas: int = 1) -> Any:
     """What torchtitan's trainer does before building a model (``trainer.py``,
     ``Trainer.__init__``): ``dist_utils.set_spmd_backend`` and
-    ``model_config.update_from_config`` (which sets the MoE sharding configs that
-    ``model.parallelize`` reads: the experts become ``Shard(0)`` DTensors on ``"ep"``), with a
-    config-like object holding the ``ParallelismConfig`` (what ``Decoder.Config.
-    update_from_config`` documents for non-trainer callers). Returns that config. Done for
-    ``ep > 1`` and for the ``spmd_types`` backend (torchtitan's default: its modules' sharding
-    configs, which ``model.parallelize`` applies, come from here); the other flows at ``ep=1``
-    stay the ones measured before (``full_dtensor`` with these configs wants DTensor inputs,
-    which torchtitan's trainer builds from its batches)."""
+    ``model_config.update_from_config`` (which sets the sharding configs that
+    ``model.parallelize`` reads: the MoE experts become ``Shard(0)`` DTensors on ``"ep"``, the
+    TP plan's weights DTensors on ``"tp"``), with a config-like object holding the
+    ``ParallelismConfig`` (what ``Decoder.Config.update_from_config`` documents for non-trainer
+    callers). Returns that config. Done for ``ep > 1``, ``tp > 1`` and the ``spmd_types``
+    backend (torchtitan's default: its modules' sharding configs, which ``model.parallelize``
+    applies, come from here), so the other ``ep=1``, ``tp=1`` flows stay the ones measured
+    before (``full_dtensor`` with these configs wants DTensor inputs, which torchtitan's
+    trainer builds from its batches)."""
     import types
 
     import torchtitan.distributed.utils as dist_utils
     from torchtitan.config import ParallelismConfig
 
     parallelism = ParallelismConfig(spmd_backend=spmd_backend, expert_parallel_degree=ep,
-                                    data_parallel_shard_degree=world)
+                                    tensor_parallel_degree=tp,
+                                    data_parallel_replicate_degree=replicas,
+                                    data_parallel_shard_degree=world // (tp * replicas))
     dist_utils.set_spmd_backend(spmd_backend)
     spec.model.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
     return parallelism
@@ -145,18 +149,22 @@ def _batches(world: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB_USED, (2 * world, SEQ + 1), generator=g) for _ in range(2)]
 
 
+
 def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial_dtensor",
-          steps: int = 20, ep: int = 1) -> dict[str, Any]:
+          steps: int = 20, ep: int = 1, with_init: bool = False, tp: int = 1,
+          replicas: int = 1) -> dict[str, Any]:
     """``steps`` AdamW steps of torchtitan's ``model`` debug config at this world (every rank
     its part of a global batch), sharded by ``impl``'s ``fully_shard`` through torchtitan's
     ``parallelize_fn``; ``flow``: ``"cpu"`` (built and initialised on CPU, then sharded) or
     ``"meta"`` (torchtitan's trainer: meta, parallelize, ``to_empty``, ``init_weights``);
-    ``ep``: torchtitan's expert-parallel degree (``dp_shard=world``, so ``efsdp=world/ep``).
-    Forward and backward run in torchtitan's ``train_context`` (``get_spmd_context``), as its
-    trainer does. ``spmd_types`` with ``ep > 1`` passes ``dp_mesh_dims`` with per-parameter
-    meshes, which our ``fully_shard`` refuses by name; on gloo that flow fails in
-    ``spmd_types``' uneven token all-to-all anyway (gloo's ``alltoall`` takes equal sizes).
-    Returns the global-mean losses and the final full parameters."""
+    ``ep``: torchtitan's expert-parallel degree (``dp_shard=world``, so ``efsdp=world/ep``);
+    ``tp``: its tensor-parallel degree (``dp_shard=world/tp``; the ranks of one tp group read
+    the same batch, and the vocab-sharded logits are gathered for the loss); ``replicas``: its
+    ``dp_replicate`` degree (HSDP: ``dp_shard=world/(tp*replicas)``). Forward and backward run
+    in torchtitan's ``train_context`` (``get_spmd_context``), as its trainer does (under
+    ``spmd_types``: the current SPMD mesh its token dispatcher reads).
+    Returns the global-mean losses and the final full parameters (``with_init``: the initial
+    ones too, as ``"init"``)."""
     _cpu_shims()
     import torchtitan.distributed.fsdp
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -169,11 +177,11 @@ def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         spec = _spec(model)
-        dims = ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=ep,
-                            world_size=world, spmd_backend=spmd_backend)
+        dims = ParallelDims(dp_replicate=replicas, dp_shard=world // (tp * replicas), cp=1,
+                            tp=tp, pp=1, ep=ep, world_size=world, spmd_backend=spmd_backend)
         parallelism = ParallelismConfig(spmd_backend=spmd_backend) \
-            if ep == 1 and spmd_backend != "spmd_types" else \
-            _expert_parallel(spec, spmd_backend, world, ep)
+            if ep == tp == 1 and spmd_backend != "spmd_types" else \
+            _model_parallel(spec, spmd_backend, world, ep, tp, replicas)
         torch.manual_seed(0)
         with torch.device("meta" if flow == "meta" else "cpu"):
             net = spec.model.build()
@@ -197,6 +205,7 @@ def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial
             torch.manual_seed(0)
             with torch.no_grad():
                 net.init_weights(buffer_device=None)
+        init = _full_params(net) if with_init else None
         net.train()
         opt = torch.optim.AdamW(net.parameters(), lr=8e-4)
         data = _batches(world)
@@ -205,10 +214,13 @@ def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial
         # torchtitan's Trainer.forward_backward_step runs both in its train_context (under
         # spmd_types: the current SPMD mesh its token dispatcher reads; otherwise a no-op)
         train_context = dist_utils.get_spmd_context(parallel_dims=dims)
+        dp_rank = rank // tp  # tp is the innermost mesh dim
         for step in range(steps):
-            tokens = data[step % len(data)][2 * rank:2 * rank + 2]
+            tokens = data[step % len(data)][2 * dp_rank:2 * dp_rank + 2]
             with train_context():
                 logits = net(tokens[:, :-1], positions=positions)
+                if hasattr(logits, "full_tensor"):  # TP: vocab-sharded DTensor logits
+                    logits = logits.full_tensor()
                 loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
                                                          tokens[:, 1:].flatten())
                 loss.backward()
@@ -217,14 +229,19 @@ def train(impl: str, model: str, flow: str = "cpu", spmd_backend: str = "partial
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             losses.append(mean.item() / world)
-        params = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-                  for n, p in net.named_parameters()}
+        params = _full_params(net)
         layouts = {n: (tuple(p.device_mesh.mesh_dim_names or ()),
                        tuple(type(pl).__name__ for pl in p.placements))
                    for n, p in net.named_parameters() if hasattr(p, "device_mesh")}
-        return {"losses": losses, "params": params, "layouts": layouts}
+        return {"losses": losses, "params": params, "layouts": layouts, "init": init}
     finally:
         torchtitan.distributed.fsdp.fully_shard = theirs
+
+
+def _full_params(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's full value (a collective for DTensors: every rank calls it)."""
+    return {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+            for n, p in net.named_parameters()}
 
 
 def train_one_process(model: str, world: int, steps: int) -> list[float]:

@@ -167,8 +167,12 @@ def _refusals_body():
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     other = DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu")  # its own group
     own, foreign = FSDPMeshInfo(mesh, shard_mesh_dim=0), FSDPMeshInfo(other, shard_mesh_dim=0)
-    hsdp = HSDPMeshInfo(init_device_mesh("cpu", (1, world), mesh_dim_names=("r", "s")),
+    # an HSDP mesh of its own (replicas 2 x shard 1) in a group whose mesh does not replicate
+    hsdp = HSDPMeshInfo(init_device_mesh("cpu", (world, 1), mesh_dim_names=("r", "s")),
                         shard_mesh_dim=1, replicate_mesh_dim=0)
+    # a 2-D mesh info whose dims are swapped (FSDP2 allows it; ours reads (replicate, shard))
+    swapped = HSDPMeshInfo(init_device_mesh("cpu", (1, world), mesh_dim_names=("s2", "r2")),
+                           shard_mesh_dim=0, replicate_mesh_dim=1)
     out = {
         "bad_dim": expect_raises(lambda: fully_shard(nn.Linear(4, 4), mesh=mesh,
                                                      shard_placement_fn=lambda p: Shard(2)),
@@ -176,11 +180,16 @@ def _refusals_body():
         "replicate": expect_raises(lambda: fully_shard(nn.Linear(4, 4), mesh=mesh,
                                                        shard_placement_fn=lambda p: Replicate()),
                                    ValueError, "'weight'", "Replicate"),
-        # a mesh of its own (design note [fsdp-param-mesh]): HSDP and comm_policy refused
+        # a mesh of its own (design note [fsdp-param-mesh]): HSDP beside a non-replicating
+        # group, a (shard, replicate) layout, and comm_policy refused
         "foreign_hsdp": expect_raises(
             lambda: fully_shard(nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p:
                                 ShardPlacementResult(placement=Shard(0), mesh_info=hsdp)),
-            NotImplementedError, "'weight'", "HSDP mesh of its own"),
+            NotImplementedError, "'weight'", "HSDP mesh of its own", "replicate both"),
+        "foreign_swapped": expect_raises(
+            lambda: fully_shard(nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p:
+                                ShardPlacementResult(placement=Shard(0), mesh_info=swapped)),
+            NotImplementedError, "'weight'", "shard_mesh_dim=1, replicate_mesh_dim=0"),
         "foreign_comm": expect_raises(
             lambda: fully_shard(nn.Linear(4, 4), mesh=mesh, comm_policy=CommPolicy(
                 all_gather="int8"), shard_placement_fn=lambda p:

@@ -7,7 +7,7 @@ the wheel, so each case names its original):
 * ``test_fully_shard_init.py``: ``TestFullyShardShardedParameterDTensor.
   test_shard_dtensor_parameters``, ``TestFullyShardDeviceDTensor.
   test_move_states_to_device_dtensor_valid`` and ``TestFullyShardMetaDeviceInit.
-  test_meta_device_2d_init`` (refused on our side: meta-device TP parameters).
+  test_meta_device_2d_init``.
 * ``test_fully_shard_training.py``: ``TestFullyShard2DTraining.test_train_parity_2d_mlp``,
   ``test_train_parity_2d_transformer`` (without ``shard_placement_fn``: refused with TP on our
   side), ``test_train_parity_2d_transformer_checkpoint_resume`` (one sub-case) and
@@ -44,7 +44,7 @@ from torch.testing._internal.common_fsdp import MLP, MLPStack
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
 import lightning_vescale.fsdp  # noqa: F401
-from tests.distributed._fsdp2_compat import IMPLS, expect_raises, fully_shard_of
+from tests.distributed._fsdp2_compat import IMPLS, fully_shard_of
 
 
 def _mesh(shape=(2, 2), names=("dp", "tp")):
@@ -124,9 +124,9 @@ def _move_states_body(impl: str) -> list[str]:
 
 
 def _meta_2d_body(impl: str) -> list[str]:
-    """``test_meta_device_2d_init`` (mlp_dim 8 and 3): FSDP2 shards meta TP parameters,
-    ``to_empty`` + ``reset_parameters`` initialise them and a step runs; ours refuses them at
-    ``fully_shard`` with a message saying to materialise first."""
+    """``test_meta_device_2d_init`` (mlp_dim 8 and 3): meta TP parameters are sharded,
+    ``to_empty`` + ``reset_parameters`` initialise them and a step runs (ours refused them at
+    ``fully_shard`` before issue 33's follow-up; their values: ``test_tp_fsdp.py``)."""
     mesh = _mesh()
     bad = []
     for mlp_dim in (8, 3):
@@ -135,10 +135,6 @@ def _meta_2d_body(impl: str) -> list[str]:
             parallelize_module(model, mesh["tp"], {"in_proj": ColwiseParallel(),
                                                   "out_proj": RowwiseParallel()})
         fs = fully_shard_of(impl)
-        if impl == "ours":
-            bad.append(expect_raises(lambda m=model: fs(m.in_proj, mesh=mesh["dp"]),
-                                     NotImplementedError, "meta device", "materialise"))
-            continue
         for m in (model.in_proj, model.out_proj, model):
             fs(m, mesh=mesh["dp"])
         model.to_empty(device=mesh.device_type)

@@ -17,7 +17,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
 from torch.distributed.tensor.experimental import implicit_replication
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -335,6 +335,76 @@ def _hsdp_body():
 
 def test_init_ops_on_an_hsdp_mesh(worlds):
     assert worlds(4).run(_hsdp_body) == [True] * 4
+
+
+# -- tensor parallelism: (RaggedShard, Shard(k)) on a (dp 2, tp 2) mesh ------------------------
+def _tp_layouts() -> list[tuple[tuple[int, ...], int, RaggedShard]]:
+    """(shape, TP shard dim, RaggedShard of the TP-local tensor): rows of a ``Shard(0)``
+    TP-local tensor (one run of the global tensor per rank), ``Shard(1)`` (one run per row,
+    uneven columns: 3 and 2), units inside rows, and a one-hot expert stack (torchtitan's
+    experts on ``("efsdp", "ep")``: one rank holds the whole TP-local stack)."""
+    return [((16, 6), 0, RaggedShard((0,), (1, 3))),
+            ((8, 5), 1, RaggedShard((0,), (3, 1))),
+            ((16, 6), 1, RaggedShard((0, 1), (5, 7))),
+            ((4, 3, 2), 0, RaggedShard((), (1, 0)))]
+
+
+def _tp_tensor(full: torch.Tensor, k: int, place: RaggedShard, mesh) -> tuple[DTensor, callable]:
+    """The ``(RaggedShard, Shard(k))`` DTensor of ``full`` on ``mesh`` (what ``fully_shard``
+    makes of a TP parameter: design note [fsdp-tp]), and ``mine(t)``: this rank's local part
+    of a full tensor ``t`` (``torch.chunk`` on the tp dim, then the flat RaggedShard range)."""
+    from lightning_vescale.placement import ragged_from_local
+
+    i, j = mesh.get_local_rank(0), mesh.get_local_rank(1)
+
+    def mine(t: torch.Tensor) -> torch.Tensor:
+        tp_local = t.chunk(2, dim=k)[j].contiguous()
+        start, end = place.local_range(tuple(tp_local.shape), i)
+        return tp_local.reshape(-1)[start:end]
+
+    w = ragged_from_local(mine(full).clone(), mesh, (place, Shard(k)), tuple(full.shape),
+                          autograd=False, check=False)
+    return w, mine
+
+
+def _tp_body():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for shape, k, place in _tp_layouts():
+        inits = INITS + (MATRIX_INITS if len(shape) >= 2 else [])
+        if shape[0] == 16:
+            inits = inits + [("fused QKV", _fused_qkv_init)]
+        for name, init in inits:
+            torch.manual_seed(3)
+            full = torch.empty(shape)
+            with torch.no_grad():
+                init(full)
+            after = torch.rand(3)
+            torch.manual_seed(3)
+            w, mine = _tp_tensor(torch.full(shape, float("nan")), k, place, mesh)
+            with torch.no_grad():
+                init(w)
+            where = f"{name} on {shape} Shard({k}) {place}"
+            assert w.placements == (place, Shard(k)), where
+            assert torch.equal(w.to_local(), mine(full)), where
+            _same_stream_after(after)
+            assert torch.equal(w.full_tensor(), full), where
+        torch.manual_seed(6)
+        full = torch.rand(shape)
+        torch.manual_seed(6)
+        r = torch.rand_like(w)
+        assert r.placements == w.placements and torch.equal(r.to_local(), mine(full))
+        same = w.new_zeros(shape)
+        assert same.placements == w.placements and same.to_local().shape == w.to_local().shape
+        other = w.new_empty(3)
+        assert other.placements == (Replicate(), Replicate()) and other.to_local().shape == (3,)
+    return True
+
+
+def test_init_ops_on_a_tensor_parallel_layout(worlds):
+    """Init ops on the sharded parameters of a TP (or EP) model built on the meta device
+    (design note [ragged-random]): each rank's part of its TP-local box, bitwise the
+    one-process values, the generator where one process leaves it."""
+    assert worlds(4).run(_tp_body) == [True] * 4
 
 
 # -- the CPU generator: no whole-tensor temporary (issue 35) -------------------------------------

@@ -262,6 +262,63 @@ def test_tp_fsdp_full_state_dict(worlds):
         assert r["load_err"] == 0.0 and r["load2_err"] == 0.0, r
 
 
+def _meta_case() -> dict:
+    """A (dp 2, tp 2) model built on the meta device, TP plan and ``fully_shard`` on meta,
+    then materialised two ways: ``lightning_vescale.fsdp.materialize`` (the strategies' path:
+    full-size temporaries, ``reset_parameters`` in ``modules()`` order) and FSDP2's
+    ``to_empty`` + ``reset_parameters()`` called on the sharded ``(RaggedShard, Shard(k))``
+    DTensors. Each must give the one-process values of the same calls bitwise (design notes
+    [fsdp-materialize], [ragged-random]) and train like the CPU-built model."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_vescale.fsdp import materialize
+
+    mesh = _mesh()
+
+    def on_meta() -> nn.Module:
+        with torch.device("meta"):
+            return Llama()
+
+    def reset_all(model: nn.Module) -> None:
+        with torch.no_grad():
+            for m in model.modules():
+                if callable(getattr(m, "reset_parameters", None)):
+                    m.reset_parameters()
+
+    torch.manual_seed(5)
+    ref = materialize(on_meta(), "cpu")  # one process: no sharding
+    ref_after = torch.rand(3)
+    ours = _ours(on_meta(), mesh)
+    assert isinstance(ours.blocks[0].attn.wq.weight, DTensor)
+    assert ours.blocks[0].attn.wq.weight.device.type == "meta"
+    torch.manual_seed(5)
+    materialize(ours, "cpu")
+    after = torch.rand(3)
+    by_hand = _ours(on_meta(), mesh)
+    by_hand.to_empty(device="cpu")
+    torch.manual_seed(5)
+    reset_all(by_hand)
+    hand_after = torch.rand(3)
+    want = _full_params(ref)
+    out = {}
+    for what, model, gen in (("materialize", ours, after), ("to_empty", by_hand, hand_after)):
+        got = _full_params(model)
+        out[what] = [n for n in want if not torch.equal(got[n], want[n])]
+        out[what + " generator"] = torch.equal(gen, ref_after)
+    out["losses"] = _train(ours)[0]
+    out["ref_losses"] = _train(ref)[0]
+    return out
+
+
+def test_tp_fsdp_meta_device_init_matches_one_process(worlds):
+    """Before the fix ``fully_shard`` refused TP parameters on the meta device."""
+    for r in worlds(4).run(_meta_case):
+        assert r["materialize"] == [] and r["to_empty"] == [], r
+        assert r["materialize generator"] and r["to_empty generator"], r
+        # TP changes the summation order only (as in the parity test above)
+        torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=0)
+
+
 def _refusals_case() -> list[str]:
     """Every unsupported combination fails at construction with a message naming the
     parameter (or the option) and what to do."""
