@@ -19,7 +19,8 @@ hooks take precedence over Lightning's defaults:
   [strategy-mesh] in ``_lightning/device_mesh.py``: 1-D from ``lightning_vescale.mesh.init_mesh``
   by default, 2-D for HSDP), or the ``(data_parallel, tensor_parallel)`` mesh of
   ``tensor_parallel_size`` (design note [strategy-tp-mesh], ``_lightning/parallel_sizes.py``),
-  whose data-parallel dim is what the strategy shards on;
+  whose data-parallel dim is what the strategy shards on, or with both the 3-D HSDP + TP mesh
+  ``(dp_replicate, dp_shard, tensor_parallel)`` sharded on its first two dims;
 * sharding through ``_lightning/sharding.py`` with the precision plugin's mixed-precision policy;
 * collectives: ``broadcast`` and the barrier behind the peer-exception guard of design note
   [failures] (``strategy.py``; only the Trainer can be handling an exception, see
@@ -71,7 +72,6 @@ from lightning_vescale._lightning.device_mesh import (
 )
 from lightning_vescale._lightning.exception_agreement import ExceptionAgreement
 from lightning_vescale._lightning.parallel_sizes import (
-    DP_DIM_NAME,
     sampler_kwargs,
     validate_parallel_sizes,
 )
@@ -220,8 +220,9 @@ class VeScaleStrategyCore:
         self._num_nodes = 1
         self._device_mesh_spec = validate_device_mesh(device_mesh)
         # [strategy-tp-mesh]: None, or the (dp, tp) sizes of Lightning's ModelParallelStrategy
+        # (with device_mesh=(replicas, shard_size): HSDP + TP, the 3-D mesh)
         self._parallel_sizes = validate_parallel_sizes(data_parallel_size, tensor_parallel_size,
-                                                       device_mesh)
+                                                       self._device_mesh_spec)
         self._flat_optimizer = validate_flat_optimizer(flat_optimizer)
         self._sync_module_states = validate_sync_module_states(sync_module_states)
         self._pretrained_weights = validate_pretrained_weights(pretrained_weights)
@@ -283,9 +284,10 @@ class VeScaleStrategyCore:
 
     @property
     def _data_parallel_mesh(self) -> DeviceMesh:
-        """The mesh the strategy shards on: ``device_mesh["data_parallel"]`` with TP."""
+        """The mesh the strategy shards on: ``device_mesh["data_parallel"]`` with TP, the
+        ``("dp_replicate", "dp_shard")`` sub-mesh with HSDP + TP ([strategy-tp-mesh])."""
         mesh = self.device_mesh
-        return mesh if self._parallel_sizes is None else mesh[DP_DIM_NAME]
+        return mesh if self._parallel_sizes is None else self._parallel_sizes.sharding_mesh(mesh)
 
     @property
     def granularity_policy(self) -> ShardGranularity:
@@ -355,10 +357,12 @@ class VeScaleStrategyCore:
     def _check_device_mesh_world(self) -> None:
         """Before any launch: the ``device_mesh`` shape against ``num_nodes * devices``, and that
         the other nodes of a multi-node run can join at all ([other-nodes])."""
-        check_world_size(self._device_mesh_spec, world_size=self.num_nodes * self.num_processes,
-                         num_nodes=self.num_nodes, devices=self.num_processes)
-        if self._parallel_sizes is not None:
+        if self._parallel_sizes is not None:  # (with HSDP + TP: device_mesh's product too)
             self._resolved_parallel_sizes()
+        else:
+            world = self.num_nodes * self.num_processes
+            check_world_size(self._device_mesh_spec, world_size=world, num_nodes=self.num_nodes,
+                             devices=self.num_processes)
         check_other_nodes_can_join(self.cluster_environment, num_nodes=self.num_nodes,
                                    devices=self.num_processes)
 
