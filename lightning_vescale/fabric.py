@@ -90,7 +90,8 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
             ``shard_size`` consecutive ranks and all-reduce gradient shards across the
             ``replicas`` groups; ``(num_nodes, devices)`` shards inside each node. Or a 1-D/2-D
             ``DeviceMesh`` (dim 0 replicates, dim 1 shards), used as it is. The product must be
-            the world size (``num_nodes * devices``). See design note [strategy-mesh].
+            the world size (``num_nodes * devices``), or with ``tensor_parallel_size`` the world
+            size over it (HSDP + TP). See design note [strategy-mesh].
         flat_optimizer: wrap ``torch.optim.Adam``/``AdamW``/``SGD`` in
             :class:`~lightning_vescale.optim.FlatParamOptimizer` (default ``True``): the step runs
             on a few flat views of each group's shard instead of one tensor per parameter
@@ -116,12 +117,16 @@ class VeScaleFabricStrategy(VeScaleStrategyCore, ParallelStrategy):
             (``parallelize_module(model, device_mesh["tensor_parallel"], plan)``) before
             ``fabric.setup_module(model)``, and the
             strategy shards on ``device_mesh["data_parallel"]`` (design note [fsdp-tp]). The
-            sampler spans the data-parallel dim. Not with ``device_mesh``. See design note
+            sampler spans the data-parallel dim. With ``device_mesh=(replicas, shard_size)``:
+            HSDP + TP, the 3-D mesh ``("dp_replicate", "dp_shard", "tensor_parallel")`` whose
+            first two dims are also flattened into ``"data_parallel"``; the strategy shards on
+            ``device_mesh["dp_replicate", "dp_shard"]``. See design note
             [strategy-tp-mesh].
         data_parallel_size: with ``tensor_parallel_size``, the data-parallel dim (default
             ``"auto"``: the world size divided by ``tensor_parallel_size``; with both
             ``"auto"``, ``num_nodes``). ``data_parallel_size * tensor_parallel_size`` must be the
             world size. An int here alone also turns TP on (``tensor_parallel_size="auto"``).
+            With ``device_mesh=(replicas, shard_size)`` it is ``replicas * shard_size``.
     """
 
     _registry_entries = (RegistryEntry(

@@ -10,7 +10,8 @@ A thin Trainer face over ``fully_shard`` (layer 3), modelled on Lightning's
   worker hands rank 0's *full* weights back to the main process (DTensors do not survive the
   trip). Backend from the accelerator (``gloo`` on CPU, ``nccl`` on CUDA), a 1-D device mesh
   over the world (or the 2-D HSDP mesh of ``device_mesh``, design note [strategy-mesh], or the
-  ``(data_parallel, tensor_parallel)`` mesh of ``tensor_parallel_size``, design note
+  ``(data_parallel, tensor_parallel)`` mesh of ``tensor_parallel_size``, or with both the 3-D
+  ``(dp_replicate, dp_shard, tensor_parallel)`` HSDP + TP mesh, design note
   [strategy-tp-mesh]), exposed as ``LightningModule.device_mesh`` for ``configure_model``.
 * Sharding in ``setup``: the units of design note [sharding-units] (``_lightning/sharding.py``),
   then the LightningModule itself is the root group, so calling it directly works anywhere (a
@@ -170,7 +171,8 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
             ``shard_size`` consecutive ranks and all-reduce gradient shards across the
             ``replicas`` groups; ``(num_nodes, devices)`` shards inside each node. Or a 1-D/2-D
             ``DeviceMesh`` (dim 0 replicates, dim 1 shards), used as it is. The product must be
-            the world size (``num_nodes * devices``). See design note [strategy-mesh].
+            the world size (``num_nodes * devices``), or with ``tensor_parallel_size`` the world
+            size over it (HSDP + TP). See design note [strategy-mesh].
         flat_optimizer: wrap ``torch.optim.Adam``/``AdamW``/``SGD`` in
             :class:`~lightning_vescale.optim.FlatParamOptimizer` (default ``True``): the step runs
             on a few flat views of each group's shard instead of one tensor per parameter
@@ -195,12 +197,16 @@ class VeScaleFSDPStrategy(VeScaleStrategyCore, ParallelStrategy):
             LightningModule's ``self.device_mesh`` in ``configure_model``: apply the TP plan there
             (``parallelize_module(model, device_mesh["tensor_parallel"], plan)``), and the
             strategy shards on ``device_mesh["data_parallel"]`` (design note [fsdp-tp]). The
-            sampler spans the data-parallel dim. Not with ``device_mesh``. See design note
+            sampler spans the data-parallel dim. With ``device_mesh=(replicas, shard_size)``:
+            HSDP + TP, the 3-D mesh ``("dp_replicate", "dp_shard", "tensor_parallel")`` whose
+            first two dims are also flattened into ``"data_parallel"``; the strategy shards on
+            ``device_mesh["dp_replicate", "dp_shard"]``. See design note
             [strategy-tp-mesh].
         data_parallel_size: with ``tensor_parallel_size``, the data-parallel dim (default
             ``"auto"``: the world size divided by ``tensor_parallel_size``; with both
             ``"auto"``, ``num_nodes``). ``data_parallel_size * tensor_parallel_size`` must be the
             world size. An int here alone also turns TP on (``tensor_parallel_size="auto"``).
+            With ``device_mesh=(replicas, shard_size)`` it is ``replicas * shard_size``.
     """
 
     strategy_name = "vescale_fsdp"

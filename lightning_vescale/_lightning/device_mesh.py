@@ -20,6 +20,9 @@ convention:
 
 Whatever the shape, every rank sees different data: the distributed sampler spans the whole world
 (data-parallel size = ``replicas * shard_size`` = world size), as with DDP.
+With ``tensor_parallel_size`` as well, the pair is the data-parallel part of a 3-D HSDP + TP
+mesh (``replicas * shard_size * tp`` = world size; design note [strategy-tp-mesh] in
+``parallel_sizes.py`` builds and checks it, and the sampler spans ``replicas * shard_size``).
 
 Checks happen as early as the facts are known: the type and the sanity of the shape (two
 positive ints; a mesh of at most two dims) at construction, so a YAML mistake fails before any

@@ -151,9 +151,11 @@ def _check(shape: tuple[int, int, int], results: list[dict[str, Any]]) -> None:
         assert _max_err(r["resumed_params"], r["params"]) <= 1e-6, rank
     # the ranks of a TP group read one batch; data-parallel ranks different ones
     assert results[0]["losses"] == results[tp - 1]["losses"] != results[tp]["losses"]
-    # TP's partial sums and the dp average against one process's sum of parts (the 2-D TP
-    # strategy test measured 6.8e-6 for this model)
-    assert _max_err(results[0]["params"], ref_params) <= 2e-5
+    # TP's partial sums and the dp average against one process's sum of parts: measured
+    # 6.6e-7 at (2, 1, 2), 1.2e-5 at (2, 2, 2) (AdamW's normalisation of near-zero gradients,
+    # TESTING.md: ~1e-4 at 8 ranks); a wrong slice or a batch read twice is ~1e-2. Losses:
+    # 4.8e-7 from one process; the resumed run equal to the uninterrupted one (0).
+    assert _max_err(results[0]["params"], ref_params) <= 1e-4
 
 
 def test_fabric_hsdp_tp_single_shard_trains_like_one_process(worlds, tmp_path):
@@ -164,7 +166,8 @@ def test_fabric_hsdp_tp_single_shard_trains_like_one_process(worlds, tmp_path):
 
 @pytest.mark.slow
 def test_fabric_hsdp_tp_trains_like_one_process_and_resumes(worlds, tmp_path):
-    """World 8 as (2, 2, 2)."""
+    """World 8 as (2, 2, 2): 5.6 s measured on 2 loaded cores (world 4: 3.5 s), slow-marked
+    for the machine's load swings (test_tp_hsdp.py's world-8 case: 10-20 s)."""
     shape = (2, 2, 2)
     _check(shape, worlds(8).run(_fabric_body, shape, str(tmp_path / "ckpt")))
 
