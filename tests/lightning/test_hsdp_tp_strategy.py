@@ -9,15 +9,17 @@ Fabric (cheaper than the Trainer) in one forked gloo world: world 8 as (2, 2, 2)
 The distributed sampler splits over the ``replicas * shard_size`` data-parallel ranks (the
 ranks of a TP group read one batch), so each rank's losses must equal one process that averages
 the data-parallel ranks' batches of each step. A sharded checkpoint saved after 2 steps resumes
-into a fresh model like the uninterrupted run. Also: the sizes' errors before launch, and
-LightningCLI.
+into a fresh model like the uninterrupted run. The Trainer at world 4 as (2, 1, 2) with a
+LightningModule written for ``ModelParallelStrategy``. Also: the sizes' errors before launch,
+and LightningCLI.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Optional
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -109,14 +111,16 @@ def _fabric_body(shape: tuple[int, int, int], path: str) -> dict[str, Any]:
             "sampler": dict(strategy.distributed_sampler_kwargs)}
 
 
-def _reference(dp: int) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+def _reference(dp: int, shuffle: bool = False) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
     """One process: each step averages the losses of the ``dp`` data-parallel ranks' batches
-    (what Fabric's distributed sampler gives rank ``d``: unshuffled, as the loader)."""
+    (what the distributed sampler gives rank ``d``: Fabric's unshuffled, as the loader; the
+    Trainer's shuffled with seed ``PL_GLOBAL_SEED``, 0 in :func:`_trainer_body`)."""
     model = _build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     parts_of = [list(torch.utils.data.DataLoader(
         _dataset(dp), batch_size=BATCH, sampler=torch.utils.data.DistributedSampler(
-            _dataset(dp), num_replicas=dp, rank=d, shuffle=False))) for d in range(dp)]
+            _dataset(dp), num_replicas=dp, rank=d, shuffle=shuffle, seed=0)))
+        for d in range(dp)]
     losses: list[list[float]] = [[] for _ in range(dp)]
     for step in range(STEPS):
         parts = [_loss(model, *parts_of[d][step]) for d in range(dp)]
@@ -170,6 +174,67 @@ def test_fabric_hsdp_tp_trains_like_one_process_and_resumes(worlds, tmp_path):
     for the machine's load swings (test_tp_hsdp.py's world-8 case: 10-20 s)."""
     shape = (2, 2, 2)
     _check(shape, worlds(8).run(_fabric_body, shape, str(tmp_path / "ckpt")))
+
+
+class HSDPTPLlama(pl.LightningModule):
+    """Written for Lightning's ``ModelParallelStrategy``: the TP plan on
+    ``self.device_mesh["tensor_parallel"]``, and ``self.device_mesh["data_parallel"]`` read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: Optional[torch.nn.Module] = None
+        self.losses: list[float] = []
+        self.dp: tuple[int, int] = (0, 0)
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        if self.model is not None:
+            return
+        self.model = _build()
+        for block in self.model.blocks:
+            parallelize_module(block, self.device_mesh["tensor_parallel"], _tp_plan())
+        with warnings.catch_warnings():  # torch 2.13: a flattened dim "will be deprecated"
+            warnings.simplefilter("ignore", UserWarning)
+            dp = self.device_mesh["data_parallel"]
+        self.dp = (dp.size(), dp.get_local_rank())
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = _loss(self.model, *batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _trainer_body(shape: tuple[int, int, int]) -> dict[str, Any]:
+    replicas, shard_size, tp = shape
+    strategy = VeScaleFSDPStrategy(device_mesh=(replicas, shard_size), tensor_parallel_size=tp)
+    pl.seed_everything(0, verbose=False)  # the sampler's shuffling seed
+    model = HSDPTPLlama()
+    loader = torch.utils.data.DataLoader(_dataset(replicas * shard_size), batch_size=BATCH,
+                                         shuffle=False)
+    trainer(strategy, devices=replicas * shard_size * tp, max_steps=STEPS).fit(model, loader)
+    wq = model.model.blocks[0].attn.wq.weight
+    return {"losses": model.losses, "params": _full(model.model), "dp": model.dp,
+            "wq": (tuple(wq.device_mesh.mesh_dim_names),
+                   tuple(type(p).__name__ for p in wq.placements)),
+            "sampler": dict(strategy.distributed_sampler_kwargs)}
+
+
+def test_trainer_hsdp_tp_trains_like_one_process(worlds):
+    """The Trainer at world 4 as (2, 1, 2), a LightningModule written for
+    ``ModelParallelStrategy``."""
+    shape = (2, 1, 2)
+    results = worlds(4).run(_trainer_body, shape)
+    ref_losses, ref_params = _reference(2, shuffle=True)
+    for rank, r in enumerate(results):
+        assert r["wq"] == (NAMES, ("Replicate", "RaggedShard", "Shard")), r["wq"]
+        assert r["dp"] == (2, rank // 2) and r["sampler"] == {"num_replicas": 2, "rank": rank // 2}
+        got, want = r["losses"], ref_losses[rank // 2]
+        assert len(got) == STEPS and max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
+    assert _max_err(results[0]["params"], ref_params) <= 1e-4
 
 
 # -- sizes, errors, YAML ------------------------------------------------------------------------
