@@ -19,8 +19,9 @@ before sharding and copies rank 0's values to every rank:
   different pieces keep them).
 * tensor-parallel parameters (DTensors on ``mesh["tensor_parallel"]`` of the strategy's
   ``(data_parallel, tensor_parallel)`` mesh, design note [strategy-tp-mesh]): each local TP
-  piece along the data-parallel dim (the ranks of one TP coordinate hold the same piece), then
-  along the tp dim only where it is ``Replicate()`` (sequence-parallel norms, biases).
+  piece along the data-parallel dim (the ranks of one TP coordinate hold the same piece; on the
+  HSDP + TP mesh ``(dp_replicate, dp_shard, tensor_parallel)`` along both data-parallel dims),
+  then along the tp dim only where it is ``Replicate()`` (sequence-parallel norms, biases).
 * meta tensors (``init_module(empty_init=True)``, meta-device ``configure_model``) hold no values:
   they are materialised shard by shard after sharding, each rank initialising its own shard, so
   they are not synchronised; seed the run (``seed_everything``) for a reproducible start. An

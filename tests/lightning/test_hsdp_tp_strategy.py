@@ -176,6 +176,34 @@ def test_fabric_hsdp_tp_trains_like_one_process_and_resumes(worlds, tmp_path):
     _check(shape, worlds(8).run(_fabric_body, shape, str(tmp_path / "ckpt")))
 
 
+def _unseeded_body(shape: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+    """Each rank builds its own random model; ``sync_module_states`` makes it rank 0's."""
+    from lightning.fabric import Fabric
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    replicas, shard_size, tp = shape
+    fabric = Fabric(accelerator="cpu", devices=replicas * shard_size * tp,
+                    strategy=VeScaleFabricStrategy(device_mesh=(replicas, shard_size),
+                                                   tensor_parallel_size=tp))
+    fabric.launch()
+    model = _build()
+    with torch.no_grad():
+        for p in model.parameters():  # a different model on every rank
+            p.add_(fabric.global_rank)
+    for block in model.blocks:
+        parallelize_module(block, fabric.strategy.device_mesh["tensor_parallel"], _tp_plan())
+    return _full(fabric.setup_module(model).module)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 2), (1, 2, 2)])
+def test_sync_module_states_over_both_data_parallel_dims(worlds, shape):
+    """``parallelize_module`` distributes from tp coordinate 0 of each data-parallel row, so the
+    rows differ until the strategy broadcasts each TP piece over dp_replicate and dp_shard."""
+    want = _full(_build())
+    for rank, got in enumerate(worlds(4).run(_unseeded_body, shape)):
+        assert _max_err(got, want) == 0, rank
+
+
 class HSDPTPLlama(pl.LightningModule):
     """Written for Lightning's ``ModelParallelStrategy``: the TP plan on
     ``self.device_mesh["tensor_parallel"]``, and ``self.device_mesh["data_parallel"]`` read."""
