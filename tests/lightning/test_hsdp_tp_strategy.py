@@ -168,10 +168,8 @@ def test_fabric_hsdp_tp_single_shard_trains_like_one_process(worlds, tmp_path):
     _check(shape, worlds(4).run(_fabric_body, shape, str(tmp_path / "ckpt")))
 
 
-@pytest.mark.slow
 def test_fabric_hsdp_tp_trains_like_one_process_and_resumes(worlds, tmp_path):
-    """World 8 as (2, 2, 2): 5.6 s measured on 2 loaded cores (world 4: 3.5 s), slow-marked
-    for the machine's load swings (test_tp_hsdp.py's world-8 case: 10-20 s)."""
+    """World 8 as (2, 2, 2): 4.7-5.6 s measured on 2 loaded cores (world 4: 2.7-3.5 s)."""
     shape = (2, 2, 2)
     _check(shape, worlds(8).run(_fabric_body, shape, str(tmp_path / "ckpt")))
 
@@ -278,6 +276,21 @@ def test_hsdp_tp_construction(cls):
     with pytest.raises(ValueError, match=r"data_parallel_size=3 does not match device_mesh="
                                          r"\(2, 2\).*data_parallel_size=4 or 'auto'"):
         cls(device_mesh=(2, 2), tensor_parallel_size=2, data_parallel_size=3)
+
+
+def _mesh_object_body() -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    with pytest.raises(ValueError, match="a DeviceMesh is already the whole layout") as e:
+        VeScaleFabricStrategy(device_mesh=mesh, tensor_parallel_size=2)
+    return str(e.value)
+
+
+def test_a_device_mesh_object_with_sizes_is_refused(worlds):
+    """A ``DeviceMesh`` is the whole layout: the sizes cannot add a dim to it; the message
+    names the (replicas, shard_size) form."""
+    assert "device_mesh=(replicas, shard_size)" in worlds(4).run(_mesh_object_body)[0]
 
 
 @pytest.mark.parametrize("shape, tp, devices, want", [
