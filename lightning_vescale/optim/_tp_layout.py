@@ -53,6 +53,25 @@ over the flattened mesh, in global matrix order. Distributed checkpoint saves th
 tensors, so it reshards them: tested loading at the same mesh, at dp 4 without TP, into one
 process (``full=True``) and from one process's ``state_dict()``, bitwise each time; other
 (dp, tp) shapes (e.g. (1, 2)) are untested.
+
+*HSDP + TP* (3-D ``(dp_replicate, dp_shard, tp)`` meshes, placements ``(Replicate(),
+RaggedShard, Shard(k) | Replicate())``: ``fully_shard(mesh=mesh["dp_replicate",
+"dp_shard"])`` over TP DTensors) does what plain HSDP does for these optimizers (design note
+[hsdp]: ranges and owners are the shard group's, replicas hold the same shards after the
+gradient all-reduce and step them alike): each replica runs the scheme above over its own
+``(dp_shard, tp)`` ranks. The exchange group is the flattened ``mesh["dp_shard", "tp"]``
+(:func:`flat_mesh`; rank ``s * tp + t``, the same virtual order), the ranges are gathered over
+it, and the owners, the all-to-all and [owner-failure]'s agreement stay inside one replica; the
+replicas compute the same updates redundantly (as element-wise optimizers do under HSDP) and
+nothing crosses ``dp_replicate`` in the step. ``MeshInfo`` reads the *owner mesh*
+(:func:`owner_mesh`): the 2-D ``(dp_replicate, dp_shard x tp)`` mesh, concatenated from
+existing sub-meshes (``DeviceMesh._concatenate``: no new process group), as an HSDP mesh, so
+the shard group is the flattened one and owned states are ``(Replicate(), RaggedShard)`` on it;
+states of local matrices keep the parameter's three placements; ``Replicate()`` on tp
+parameters take the ``(dp_replicate, dp_shard)`` mesh's layout. Bytes per rank are those of the
+2-D case over ``dp_shard x tp`` ranks. Tested at ``(2, 2, 2)`` and ``(2, 1, 2)``: bitwise one
+process fed the same gradients, ``save_sharded``/``load_sharded`` at the same mesh and the full
+state into one process bitwise; loading at another mesh is untested.
 """
 
 from __future__ import annotations
