@@ -16,6 +16,11 @@ scheme over its own (dp_shard, tp) ranks, the replicas computing the same update
 * ``save_sharded`` after 2 steps -> a fresh model and optimizer at (2, 2, 2): step 3 bitwise
   the uninterrupted run's; the full state to one process: its step 3 bitwise one process's.
 
+Also torchtitan's sequence-parallel plan on the strategies' dim names (with their flattened
+``data_parallel`` dim) and a matrix ``Replicate()`` on tp that dp_shard splits: its owner
+exchange runs on the replica's dp_shard ranks and its owned states are ``(Replicate(),
+RaggedShard, Replicate())`` on the 3-D mesh.
+
 World 8 on 2 cores (fork): ~4-6 s per optimizer (measured 2026-11), so no slow mark;
 ``(2, 1, 2)`` (a dp_shard of 1) runs at world 4 beside it.
 """
@@ -130,3 +135,64 @@ def test_tp_hsdp_single_shard_matrix_optimizer(worlds, tmp_path):
     exchange of 2 ranks per replica) and the plain HSDP ones are whole (no exchange).
     Measured: 0.0 (bitwise)."""
     _check(worlds(4).run(_case, "muon", str(tmp_path / "ckpt"), (2, 1, 2)), "muon", [2])
+
+
+def _sp_case(name: str, path: str) -> dict:
+    """SOAP on torchtitan's plan at (2, 2, 2), named as the strategies name the mesh, plus a
+    (256, 96) matrix ``Replicate()`` on tp (split over dp_shard, fed by a forward hook): 2
+    steps, ``save_sharded``, a fresh optimizer ``load_sharded``, a third step; bitwise one
+    process fed the same gradients throughout."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_vescale import checkpoint as ckpt
+    from lightning_vescale.fsdp import fully_shard
+    from tests.distributed.test_tp_fsdp import _sp_plan
+
+    mesh = init_device_mesh("cpu", SHAPE, mesh_dim_names=("dp_replicate", "dp_shard",
+                                                          "tensor_parallel"))
+    dp = mesh["dp_replicate", "dp_shard"]
+    dp._flatten("data_parallel")  # as the strategies do
+    tp = mesh["tensor_parallel"]
+    model, ref = _build(), _build()
+    extra = torch.randn(256, 96, generator=torch.Generator().manual_seed(2))
+    ref.extra = nn.Parameter(extra.clone())
+    model.extra = nn.Parameter(distribute_tensor(extra, tp, [Replicate()]))
+
+    def hook(module, args, out):
+        e = module.extra
+        return out + (e.to_local() if isinstance(e, DTensor) else e).pow(2).sum() * 1e-3
+
+    block_plan, root_plan = _sp_plan()
+    for b in model.blocks:
+        parallelize_module(b, tp, block_plan)
+        fully_shard(b, mesh=dp)
+    parallelize_module(model, tp, root_plan)
+    fully_shard(model, mesh=dp)
+    for m in (model, ref):
+        m.register_forward_hook(hook)
+    opt = _optimizer(name, model.named_parameters())
+    ref_opt = _optimizer(name, ref.named_parameters())
+    exact = _exact_steps(model, opt, ref, ref_opt, range(2))
+    state = ckpt.optimizer_state(model, opt, full=False)
+    ckpt.save_sharded(path, {"optimizer_0": state}, {})
+    fresh_opt = _optimizer(name, model.named_parameters())
+    ckpt.load_sharded(path, model, {"optimizer_0": fresh_opt}, strict=False)
+    exact += _exact_steps(model, fresh_opt, ref, ref_opt, [2])
+    return {"exact": exact, "extra": tuple(model.extra.placements),
+            "extra_state": {k: tuple(v.placements) for k, v in state["state"]["extra"].items()
+                            if isinstance(v, DTensor)}}
+
+
+def test_tp_hsdp_matrix_optimizer_sequence_parallel_plan(worlds, tmp_path):
+    """Measured: 0.0 (bitwise) after every step, across the checkpoint."""
+    from lightning_vescale.placement import RaggedShard
+
+    for r in worlds(8).run(_sp_case, "soap", str(tmp_path / "ckpt")):
+        assert r["exact"] == [0.0] * STEPS, r
+        ragged = r["extra"][1]
+        assert isinstance(ragged, RaggedShard) and all(ragged.local_units), r  # split
+        assert r["extra_state"]["GG0"][0] == Replicate(), r  # owned: on the 3-D mesh
+        assert r["extra_state"]["GG0"][2] == Replicate(), r
