@@ -31,8 +31,9 @@ norms included), AdamW/SGD-style optimizers (element-wise on the local shards), 
 (its blocks cut from each rank's TP-local tensor: ``optim/_base.py``'s TP layout; the default
 granularity of a TP parameter is decided on its global shape, :func:`tp_default_granularity`),
 Muon/SOAP/Shampoo on (dp, tp) meshes (each matrix gathered whole to an owner over both dims:
-design note [tp-matrix-optim]), ``comm_policy`` on the dp dim (the quantized buffers hold
-TP-local tensors, so blocks never cross a tp rank), mixed precision,
+design note [tp-matrix-optim]) and on HSDP + TP ones (the same within each replica's
+(dp_shard, tp) ranks, replicas stepping alike), ``comm_policy`` on the dp dim (the quantized
+buffers hold TP-local tensors, so blocks never cross a tp rank), mixed precision,
 ``lightning_vescale.precision.clip_grad_norm_``, full state dicts (with ``broadcast_from_rank0``
 too), DCP checkpoints, ``save_safetensors``/``load_safetensors`` (each rank its runs of its
 TP-local box: ``placement._ragged_tp.tp_flat_runs``), activation checkpointing and
@@ -47,8 +48,7 @@ shape, :func:`load_full_`). torch's own FSDP2 + TP tests run on both engines in
 (:func:`~lightning_vescale.fsdp._param_mesh.refuse_unsupported` and the optimizers' own
 checks): CPU offload, ``dp_mesh_dims`` (a TP DTensor is not ``Replicate`` on the SPMD mesh:
 :func:`~lightning_vescale.fsdp._shard_placement.local_value`), ``reshard_after_forward=<int>``,
-FlatParamOptimizer,
-Muon/SOAP/Shampoo on HSDP + TP (3-D) meshes, and a TP plan applied after ``fully_shard``
+FlatParamOptimizer, and a TP plan applied after ``fully_shard``
 (:func:`check_not_ragged`; ``distribute_tensor`` of a RaggedShard DTensor).
 """
 

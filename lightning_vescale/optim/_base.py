@@ -127,7 +127,8 @@ class ShardLayout:
             ``ranges`` index the global tensor).
         tp: for a ``(RaggedShard, Shard(k))`` parameter (design note [tp-matrix-optim]), its
             :class:`~lightning_vescale.optim._tp_layout.TPOrder`: ``ranges`` are then virtual
-            ranges over every rank of the (dp, tp) mesh and ``mesh_info`` the flattened mesh's.
+            ranges over every rank of the (dp, tp) mesh (HSDP + TP: of this replica's
+            (dp_shard, tp) ranks) and ``mesh_info`` the owner mesh's (``owner_mesh``).
     """
 
     shape: tuple[int, ...]
@@ -301,7 +302,8 @@ def param_layout(p: Tensor, *, where: str, tensor_parallel: bool = False) -> Sha
             the local tensor's size disagrees with the placement.
 
     Tensor-parallel ``fully_shard`` parameters (``(RaggedShard, Shard(k) | Replicate())`` on a
-    (dp, tp) mesh) get the layout of design note [tp-matrix-optim] (the first layout of one not
+    (dp, tp) mesh, with ``Replicate()`` in front on an HSDP + TP (dp_replicate, dp_shard, tp)
+    one) get the layout of design note [tp-matrix-optim] (the first layout of one not
     registered by :func:`~lightning_vescale.optim._tp_layout.register_tp_params` is a
     collective); whether an optimizer accepts them is its own decision
     (:attr:`ShardedOptimizer.tensor_parallel`).
@@ -515,7 +517,8 @@ class ShardedOptimizer(Optimizer):
     #: how the subclass steps ``fully_shard`` parameters over tensor parallelism: ``None``
     #: refuses them at construction; ``"local"``: on each rank's TP-local tensor, blocks never
     #: crossing a rank (AdamW8bit, design note [fsdp-tp]); ``"whole"``: each matrix whole over
-    #: the (dp, tp) mesh for its step (Muon/SOAP/Shampoo, design note [tp-matrix-optim])
+    #: the (dp, tp) mesh (HSDP + TP: within each replica) for its step (Muon/SOAP/Shampoo,
+    #: design note [tp-matrix-optim])
     tensor_parallel: str | None = None
 
     @torch.no_grad()

@@ -63,8 +63,9 @@ class MatrixLayout:
         assert lay.mesh_info is not None
         placements = list(lay.placements)
         mesh = lay.mesh
-        if lay.tp is not None:  # by owner over the flattened (dp, tp) mesh: [tp-matrix-optim]
-            mesh, placements = lay.mesh_info.mesh, [Replicate()]
+        if lay.tp is not None:  # by owner over the owner mesh ((dp_replicate,) dp x tp):
+            mesh = lay.mesh_info.mesh  # design note [tp-matrix-optim]
+            placements = [Replicate()] * mesh.ndim
         if key in _MOMENTS:
             split = RaggedShard(tuple(range(len(lay.shape))),
                                 [c * self.unit_numel for c in self.counts])
@@ -131,7 +132,7 @@ def matrix_layout(p: Tensor, *, max_precond_dim: int, precondition_1d: bool, nam
     if layout.tp is not None and layout.tp.permutes and total > 1:
         raise NotImplementedError(
             f"{name} (shape {tuple(p.shape)}) is a stack of {total} matrices, tensor-parallel "
-            f"with {p.placements[1]} (design note [tp-matrix-optim]): only Shard(0) (the stack "
+            f"with {p.placements[-1]} (design note [tp-matrix-optim]): only Shard(0) (the stack "
             "dim) is supported for stacks. Shard the stack dim, or use torch.optim.AdamW for "
             "this parameter.")
     if is_whole(layout.ranges, unit_numel):

@@ -53,6 +53,25 @@ over the flattened mesh, in global matrix order. Distributed checkpoint saves th
 tensors, so it reshards them: tested loading at the same mesh, at dp 4 without TP, into one
 process (``full=True``) and from one process's ``state_dict()``, bitwise each time; other
 (dp, tp) shapes (e.g. (1, 2)) are untested.
+
+*HSDP + TP* (3-D ``(dp_replicate, dp_shard, tp)`` meshes, placements ``(Replicate(),
+RaggedShard, Shard(k) | Replicate())``: ``fully_shard(mesh=mesh["dp_replicate",
+"dp_shard"])`` over TP DTensors) does what plain HSDP does for these optimizers (design note
+[hsdp]: ranges and owners are the shard group's, replicas hold the same shards after the
+gradient all-reduce and step them alike): each replica runs the scheme above over its own
+``(dp_shard, tp)`` ranks. The exchange group is the flattened ``mesh["dp_shard", "tp"]``
+(:func:`flat_mesh`; rank ``s * tp + t``, the same virtual order), the ranges are gathered over
+it, and the owners, the all-to-all and [owner-failure]'s agreement stay inside one replica; the
+replicas compute the same updates redundantly (as element-wise optimizers do under HSDP) and
+nothing crosses ``dp_replicate`` in the step. ``MeshInfo`` reads the *owner mesh*
+(:func:`owner_mesh`): the 2-D ``(dp_replicate, dp_shard x tp)`` mesh, concatenated from
+existing sub-meshes (``DeviceMesh._concatenate``: no new process group), as an HSDP mesh, so
+the shard group is the flattened one and owned states are ``(Replicate(), RaggedShard)`` on it;
+states of local matrices keep the parameter's three placements; ``Replicate()`` on tp
+parameters take the ``(dp_replicate, dp_shard)`` mesh's layout. Bytes per rank are those of the
+2-D case over ``dp_shard x tp`` ranks. Tested at ``(2, 2, 2)`` and ``(2, 1, 2)``: bitwise one
+process fed the same gradients, ``save_sharded``/``load_sharded`` at the same mesh and the full
+state into one process bitwise; loading at another mesh is untested.
 """
 
 from __future__ import annotations
@@ -178,16 +197,40 @@ def _cached(p: DTensor) -> tuple[tuple[int, int], ...] | None:
     return hit[2]
 
 
+def tp_dims(mesh: DeviceMesh, placements: Sequence[Placement]) -> tuple[int, int] | None:
+    """The (ragged, tp) mesh dims of a whole-matrix TP parameter: ``(0, 1)`` for
+    ``(RaggedShard, Shard(k) | Replicate())`` on a 2-D ``(dp, tp)`` mesh, ``(1, 2)`` for
+    ``(Replicate(), RaggedShard, Shard(k) | Replicate())`` on a 3-D HSDP + TP
+    ``(dp_replicate, dp_shard, tp)`` mesh; ``None`` for anything else."""
+    placements = tuple(placements)
+    if mesh.ndim != len(placements) or mesh.ndim not in (2, 3):
+        return None
+    if mesh.ndim == 3 and not isinstance(placements[0], Replicate):
+        return None
+    d = mesh.ndim - 2
+    tp = placements[d + 1]
+    if not isinstance(placements[d], RaggedShard) or not (
+            type(tp) is Shard or isinstance(tp, Replicate)):
+        return None
+    return d, d + 1
+
+
 def _sharded_tp(p: Tensor) -> bool:
-    return isinstance(p, DTensor) and p.device_mesh.ndim == 2 and \
-        isinstance(p.placements[0], RaggedShard) and type(p.placements[1]) is Shard
+    if not isinstance(p, DTensor):
+        return False
+    dims = tp_dims(p.device_mesh, p.placements)
+    return dims is not None and type(p.placements[dims[1]]) is Shard
 
 
 def _own_range(p: DTensor) -> tuple[int, int]:
-    mesh, (ragged, shard) = p.device_mesh, p.placements
-    t = mesh.get_local_rank(1)
-    _, sizes = _boxes(tuple(p.shape), shard.dim, mesh.size(1))[t]
-    start, end = ragged.local_range(sizes, mesh.get_local_rank(0))
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    dims = tp_dims(mesh, placements)
+    assert dims is not None
+    d, k = dims
+    ragged, shard = placements[d], placements[k]
+    assert isinstance(ragged, RaggedShard) and type(shard) is Shard
+    _, sizes = _boxes(tuple(p.shape), shard.dim, mesh.size(k))[mesh.get_local_rank(k)]
+    start, end = ragged.local_range(sizes, mesh.get_local_rank(d))
     return int(start), int(end)
 
 
@@ -215,11 +258,39 @@ def register_tp_params(params: Iterable[Tensor]) -> None:
 
 
 def flat_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The 1-D mesh over every rank of the 2-D ``(dp, tp)`` ``mesh`` (rank ``d * tp + t``):
+    """The 1-D mesh over the ranks one matrix is exchanged among: every rank of a 2-D
+    ``(dp, tp)`` ``mesh`` (rank ``d * tp + t``), or every rank of this replica's
+    ``(dp_shard, tp)`` sub-mesh of a 3-D HSDP + TP one (rank ``s * tp + t``).
     ``DeviceMesh._flatten``, created on first use (collectively) and cached by torch."""
-    if not mesh.mesh_dim_names:
-        raise ValueError(f"tensor-parallel parameters need a named (dp, tp) mesh, got {mesh}")
-    return mesh._flatten()
+    names = mesh.mesh_dim_names
+    if not names:
+        raise ValueError(f"tensor-parallel parameters need a named (dp, tp) or (dp_replicate, "
+                         f"dp_shard, tp) mesh, got {mesh}")
+    return (mesh if mesh.ndim == 2 else mesh[names[-2], names[-1]])._flatten()
+
+
+# The owner mesh of a 3-D HSDP + TP mesh, per flattened (dp_shard, tp) mesh: (pid, id) ->
+# (the flattened mesh, kept alive so that its id is not reused, the owner mesh).
+_OWNER_MESHES: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh]] = {}
+
+
+def owner_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh of the owner exchange and of owned states (design note [tp-matrix-optim]):
+    :func:`flat_mesh` for a 2-D ``(dp, tp)`` mesh; for a 3-D HSDP + TP mesh the 2-D
+    ``(dp_replicate, dp_shard x tp)`` mesh (``DeviceMesh._concatenate`` of existing
+    sub-meshes: no new process group), so that ``MeshInfo`` reads it as an HSDP mesh: the
+    exchange runs in its shard dim (one replica), states replicate over dp_replicate."""
+    flat = flat_mesh(mesh)
+    if mesh.ndim == 2:
+        return flat
+    key = (os.getpid(), id(flat))
+    hit = _OWNER_MESHES.get(key)
+    if hit is None or hit[0] is not flat:
+        names = mesh.mesh_dim_names
+        assert names is not None
+        hit = (flat, DeviceMesh._concatenate([mesh[names[0]], flat]))
+        _OWNER_MESHES[key] = hit
+    return hit[1]
 
 
 def tp_layout_parts(p: DTensor, *, where: str) -> dict[str, Any]:
@@ -228,29 +299,33 @@ def tp_layout_parts(p: DTensor, *, where: str) -> dict[str, Any]:
 
     Raises:
         NotImplementedError: another mesh or placement than ``(RaggedShard, Shard(k) |
-            Replicate())`` on a 2-D mesh (e.g. HSDP + TP's 3-D one).
+            Replicate())`` on a 2-D ``(dp, tp)`` mesh or ``(Replicate(), RaggedShard,
+            Shard(k) | Replicate())`` on a 3-D HSDP + TP mesh.
+        ValueError: a mesh without dimension names.
     """
     mesh, placements = p.device_mesh, tuple(p.placements)
     shape = tuple(p.shape)
-    if mesh.ndim != 2 or not isinstance(placements[0], RaggedShard) or not (
-            type(placements[1]) is Shard or isinstance(placements[1], Replicate)):
+    dims = tp_dims(mesh, placements)
+    if dims is None:
         raise NotImplementedError(
             f"{where} (shape {shape}) has placements {placements} on a {mesh.ndim}-D mesh; "
-            "tensor-parallel parameters are supported on a (dp, tp) mesh with (RaggedShard, "
-            "Shard(k)) or (RaggedShard, Replicate()) placements only (design note "
+            "tensor-parallel parameters are supported with (RaggedShard, Shard(k) | "
+            "Replicate()) on a (dp, tp) mesh or (Replicate(), RaggedShard, Shard(k) | "
+            "Replicate()) on an HSDP + TP (dp_replicate, dp_shard, tp) mesh only (design note "
             "[tp-matrix-optim]). Use torch.optim.AdamW (element-wise) for them.")
-    ragged = placements[0]
+    d, k = dims
+    ragged = placements[d]
+    assert isinstance(ragged, RaggedShard)
     names = mesh.mesh_dim_names
-    if isinstance(placements[1], Replicate):  # a replicated norm: the dp dim's layout
-        dp = mesh[names[0]] if names else None
-        if dp is None:
-            raise ValueError(f"{where}: the (dp, tp) mesh must have dimension names")
+    if not names:
+        raise ValueError(f"{where}: the tensor-parallel mesh {mesh} must have dimension names")
+    if isinstance(placements[k], Replicate):  # a replicated norm: the dp (HSDP) mesh's layout
+        info = MeshInfo.from_mesh(mesh[names[:k]])
         ranges = tuple(tuple(r) for r in _ragged_ranges(shape, ragged))
-        return dict(ranges=ranges, placement=ragged, rank=mesh.get_local_rank(0),
-                    mesh_info=MeshInfo(mesh=dp, shard_mesh_dim=0), tp=None)
-    k = placements[1].dim
-    tp = mesh.size(1)
-    boxes = _boxes(shape, k, tp)
+        return dict(ranges=ranges, placement=ragged, rank=info.shard_rank, mesh_info=info,
+                    tp=None)
+    tp = mesh.size(k)
+    boxes = _boxes(shape, placements[k].dim, tp)
     starts, at = [], 0
     for _, sizes in boxes:
         starts.append(at)
@@ -261,11 +336,11 @@ def tp_layout_parts(p: DTensor, *, where: str) -> dict[str, Any]:
         local = _cached(p)
         assert local is not None
     ranges = tuple((starts[r % tp] + s, starts[r % tp] + e) for r, (s, e) in enumerate(local))
-    flat = flat_mesh(mesh)
-    order = TPOrder(shape=shape, boxes=boxes, starts=tuple(starts), tp_rank=mesh.get_local_rank(1),
-                    permutes=k != 0 and any(d > 1 for d in shape[:k]))
-    return dict(ranges=ranges, placement=ragged, rank=flat.get_local_rank(0),
-                mesh_info=MeshInfo(mesh=flat, shard_mesh_dim=0), tp=order)
+    info = MeshInfo.from_mesh(owner_mesh(mesh))
+    shard_dim = placements[k].dim
+    order = TPOrder(shape=shape, boxes=boxes, starts=tuple(starts), tp_rank=mesh.get_local_rank(k),
+                    permutes=shard_dim != 0 and any(n > 1 for n in shape[:shard_dim]))
+    return dict(ranges=ranges, placement=ragged, rank=info.shard_rank, mesh_info=info, tp=order)
 
 
 def _ragged_ranges(shape: tuple[int, ...], ragged: RaggedShard) -> list[tuple[int, int]]:

@@ -433,7 +433,7 @@ class Muon(ShardedOptimizer):
                     layout.tp.permutes:
                 raise NotImplementedError(
                     f"Muon parameter {name} (shape {tuple(p.shape)}) is a stack of {count} "
-                    f"matrices, tensor-parallel with {p.placements[1]} (design note "
+                    f"matrices, tensor-parallel with {p.placements[-1]} (design note "
                     "[tp-matrix-optim]): only Shard(0) (the stack dim) is supported for stacks. "
                     "Shard the stack dim, or route it to the AdamW fallback (use_muon=False).")
             state = self.state[p]
