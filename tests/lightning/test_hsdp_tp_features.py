@@ -1,0 +1,151 @@
+"""The package's features through the strategies on the HSDP + TP mesh (design note
+[strategy-tp-mesh]): ``device_mesh=(replicas, shard_size)`` with ``tensor_parallel_size=tp``.
+
+Trainer at world 4 as (2, 1, 2), three fits in one forked gloo world: ``gradient_clip_val``
+with SGD + momentum (its update is linear in the clipped gradient, so a wrong norm shows; the
+momentum buffers are optimizer state that a resume must restore), ``MemoryProfiler`` and
+``sharding_summary`` on the 3-D parameters, and ``trainer.save_checkpoint`` after one epoch then
+``fit(ckpt_path=...)`` for the second, against the uninterrupted two-epoch fit (an epoch
+boundary: Lightning restarts a mid-epoch loader from its first batch) and against one process
+that averages the data-parallel ranks' batches of each step and clips with torch.
+
+Fabric at world 8 as (2, 2, 2) (a dp_shard dim of 2: shards that AdamW8bit's blocks and the
+int8 all-gather's blocks must respect): ``AdamW8bit`` and ``comm_policy=`` against the same run
+with fp32 AdamW / without the policy, and the same pairs on the 2-D (dp 4, tp 2) mesh: the 3-D
+mesh must stray from fp32 no more than the 2-D one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+# imported before the ranks fork (they inherit them), as tests/lightning/test_hsdp_tp_strategy.py
+import torch.distributed.checkpoint  # noqa: F401
+import torch.distributed.tensor.parallel  # noqa: F401
+
+from lightning_vescale import VeScaleFSDPStrategy
+from lightning_vescale.callbacks import MemoryProfiler
+from lightning_vescale.sharding_summary import sharding_summary
+from tests.distributed.test_tp_fsdp import VOCAB, _build, _loss
+from tests.lightning._lit import trainer
+from tests.lightning.test_hsdp_tp_strategy import NAMES, HSDPTPLlama, _full, _max_err
+
+SHAPE, EPOCH_STEPS, BATCH, SEQ = (2, 1, 2), 2, 2, 8
+DP, TP, WORLD = SHAPE[0] * SHAPE[1], SHAPE[2], SHAPE[0] * SHAPE[1] * SHAPE[2]
+CLIP = 0.5  # below the gradient norms of these steps (~1.1): every step is clipped
+SGD = dict(lr=0.2, momentum=0.9)
+
+
+def _dataset() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    n = DP * EPOCH_STEPS * BATCH
+    return torch.utils.data.TensorDataset(torch.randint(0, VOCAB, (n, SEQ), generator=g),
+                                          torch.randint(0, VOCAB, (n, SEQ), generator=g))
+
+
+class ClippedSGDLlama(HSDPTPLlama):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), **SGD)
+
+
+def _trainer_body(path: str) -> dict[str, Any]:
+    """The uninterrupted 2-epoch fit (with the profiler), then epoch 1 saved and resumed."""
+    out: dict[str, Any] = {}
+    for run in ("whole", "first", "resumed"):
+        strategy = VeScaleFSDPStrategy(device_mesh=SHAPE[:2], tensor_parallel_size=TP)
+        pl.seed_everything(0, verbose=False)  # the sampler's shuffling seed
+        model = ClippedSGDLlama()
+        loader = torch.utils.data.DataLoader(_dataset(), batch_size=BATCH, shuffle=False)
+        profiler = MemoryProfiler(every_n_steps=1, print_table=False)
+        t = trainer(strategy, devices=WORLD, max_epochs=1 if run == "first" else 2,
+                    gradient_clip_val=CLIP, callbacks=[profiler] if run == "whole" else [])
+        t.fit(model, loader, ckpt_path=path if run == "resumed" else None)
+        if run == "first":
+            t.save_checkpoint(path)
+        out[run] = {"losses": model.losses, "params": _full(model.model)}
+        if run == "whole":
+            out["summary"] = str(sharding_summary(model))
+            out["profiler"] = profiler.table
+            wq = model.model.blocks[0].attn.wq.weight
+            out["wq"] = (tuple(wq.device_mesh.mesh_dim_names),
+                         tuple(type(p).__name__ for p in wq.placements))
+    return out
+
+
+def _reference(clip: float) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    """One process, 2 epochs: each step averages the ``DP`` data-parallel ranks' batches (the
+    Trainer's shuffled sampler, seed 0, ``set_epoch`` each epoch) and clips with torch."""
+    model = _build()
+    opt = torch.optim.SGD(model.parameters(), **SGD)
+    losses: list[list[float]] = [[] for _ in range(DP)]
+    for epoch in range(2):
+        parts_of = []
+        for d in range(DP):
+            sampler = torch.utils.data.DistributedSampler(_dataset(), num_replicas=DP, rank=d,
+                                                          shuffle=True, seed=0)
+            sampler.set_epoch(epoch)
+            parts_of.append(list(torch.utils.data.DataLoader(_dataset(), batch_size=BATCH,
+                                                             sampler=sampler)))
+        for step in range(EPOCH_STEPS):
+            parts = [_loss(model, *parts_of[d][step]) for d in range(DP)]
+            (sum(parts) / DP).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+            for d in range(DP):
+                losses[d].append(parts[d].item())
+    return losses, _full(model)
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(worlds, tmp_path_factory) -> list[dict[str, Any]]:
+    return worlds(WORLD).run(_trainer_body, str(tmp_path_factory.mktemp("hsdp_tp") / "c.ckpt"))
+
+
+@pytest.mark.slow
+def test_trainer_hsdp_tp_gradient_clipping_matches_one_process(trainer_runs):
+    """``gradient_clip_val``: the norm over all three mesh dims (each element once)."""
+    ref_losses, ref_params = _reference(CLIP)
+    unclipped, _ = _reference(1e9)
+    assert ref_losses[0][-1] != unclipped[0][-1]  # the clipping changed the run
+    for rank, r in enumerate(trainer_runs):
+        assert r["wq"] == (NAMES, ("Replicate", "RaggedShard", "Shard")), r["wq"]
+        got, want = r["whole"]["losses"], ref_losses[rank // TP]
+        assert len(got) == 2 * EPOCH_STEPS, got
+        assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (rank, got, want)
+    # a norm off by sqrt(2) (a replica counted twice or the tp dim left out) moves the
+    # parameters by ~1e-2
+    assert _max_err(trainer_runs[0]["whole"]["params"], ref_params) <= 1e-5
+
+
+@pytest.mark.slow
+def test_trainer_hsdp_tp_checkpoint_resumes_like_the_uninterrupted_fit(trainer_runs):
+    """``save_checkpoint`` after epoch 0, ``fit(ckpt_path=)`` for epoch 1: weights, momentum
+    buffers and the loop state as if never stopped."""
+    for rank, r in enumerate(trainer_runs):
+        whole, first, resumed = r["whole"], r["first"], r["resumed"]
+        assert first["losses"] == whole["losses"][:EPOCH_STEPS], rank
+        assert len(resumed["losses"]) == EPOCH_STEPS, resumed["losses"]
+        assert max(abs(a - b) for a, b in zip(resumed["losses"],
+                                              whole["losses"][EPOCH_STEPS:])) <= 1e-6, rank
+        assert _max_err(resumed["params"], whole["params"]) <= 1e-6, rank
+
+
+@pytest.mark.slow
+def test_sharding_summary_and_memory_profiler_on_the_3d_mesh(trainer_runs):
+    """Each block group: 7 TP matrices (wq/wk/wv/w1/w3 Shard(0), wo/w2 Shard(1)) and the w2
+    bias (Replicate()) at tp degree 2, the norms whole on the tp dim; the root group has no TP
+    parameter."""
+    print(trainer_runs[0]["summary"])
+    print(trainer_runs[0]["profiler"])
+    table = trainer_runs[0]["summary"].splitlines()
+    assert table[0].split()[-1] == "tp", table[0]
+    block = next(line for line in table if line.startswith("model.blocks.0"))
+    assert block.endswith("2: Replicate() x 1, Shard(dim=0) x 5, Shard(dim=1) x 2"), block
+    profiler = trainer_runs[0]["profiler"]
+    assert "(tp 2: 16 parameters (Replicate() x 2, Shard(dim=0) x 10, Shard(dim=1) x 4))" \
+        in profiler, profiler
