@@ -12,7 +12,9 @@ that averages the data-parallel ranks' batches of each step and clips with torch
 Fabric at world 8 as (2, 2, 2) (a dp_shard dim of 2: shards that AdamW8bit's blocks and the
 int8 all-gather's blocks must respect): ``AdamW8bit`` and ``comm_policy=`` against the same run
 with fp32 AdamW / without the policy, and the same pairs on the 2-D (dp 4, tp 2) mesh: the 3-D
-mesh must stray from fp32 no more than the 2-D one.
+mesh must stray from fp32 no more than the 2-D one; ``clip_gradients`` against one process; a
+``state_dict_type="full"`` checkpoint (also at (dp 4, tp 2)) and AdamW8bit's states in a
+sharded one against the uninterrupted run.
 """
 
 from __future__ import annotations
