@@ -286,9 +286,10 @@ def _resume_run(hsdp: bool, full: bool, path: str) -> dict[str, Any]:
     from lightning_vescale.optim import AdamW8bit
     from tests.lightning.test_hsdp_tp_strategy import _dataset as dataset, _steps
 
-    strategy = VeScaleFabricStrategy(device_mesh=(2, 2) if hsdp else None,
-                                     tensor_parallel_size=2, state_dict_type="full" if full else "sharded",
-                                     optimizer_block_size=BLOCK, optimizer_min_block_numel=0)
+    strategy = VeScaleFabricStrategy(
+        device_mesh=(2, 2) if hsdp else None, tensor_parallel_size=2,
+        state_dict_type="full" if full else "sharded", optimizer_block_size=BLOCK,
+        optimizer_min_block_numel=0)
     fabric = Fabric(accelerator="cpu", devices=8, strategy=strategy)
     fabric.launch()
     batches = list(fabric.setup_dataloaders(torch.utils.data.DataLoader(
