@@ -26,11 +26,10 @@ from lightning_vescale.checkpoint._files import rank
 from lightning_vescale.mesh import collective_device
 from lightning_vescale.placement import (
     RaggedShard,
-    local_slice,
     ragged_from_local,
     ragged_ranges,
-    ragged_shard_and_rank,
 )
+from lightning_vescale.placement._ragged_tp import rank_flat_runs
 
 __all__ = [
     "model_state",
@@ -162,9 +161,14 @@ def _copy_full_into(target: Tensor, full: Tensor, name: str) -> None:
     local = target.to_local()
     mesh, placements = target.device_mesh, target.placements
     if _is_ragged(target):
-        ragged, r = ragged_shard_and_rank(
-            mesh, placements, "loading a full checkpoint into a RaggedShard DTensor")
-        local.view(-1).copy_(local_slice(full, ragged, r))
+        # the rank's runs of the flat full tensor: one range for (RaggedShard,) / HSDP's
+        # (Replicate(), RaggedShard); the RaggedShard range of the TP-local box for FSDP + TP's
+        # (..., RaggedShard, Shard(k)) (design note [ragged-tp])
+        flat_local, flat_full = local.view(-1), full.reshape(-1)
+        for at, start, end in rank_flat_runs(
+                tuple(target.shape), mesh, placements,
+                "loading a full checkpoint into a RaggedShard DTensor"):
+            flat_local[at:at + end - start].copy_(flat_full[start:end])
         return
     src = DTensor.from_local(full.to(device=local.device, dtype=local.dtype), mesh,
                              [Replicate()] * mesh.ndim, run_check=False)
