@@ -219,10 +219,16 @@ def _once(a: argparse.Namespace, model: str, strategy: str, out: Path) -> list[d
         argv.append("--one-group")
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=a.timeout)
-    if proc.returncode != 0:
+    records = [out / f"rank{r}.json" for r in range(2)]
+    # Lightning's DDP launcher leaves its process group to the interpreter's finalisation, and
+    # a gloo rank may then abort at exit (tests/lightning/test_thread_counts.py): the reference
+    # run's timings are whole once every rank wrote its record. Ours get no such allowance.
+    exit_abort = (strategy != "vescale_fsdp" and all(r.is_file() for r in records)
+                  and "terminate called without an active exception" in proc.stderr)
+    if proc.returncode != 0 and not exit_abort:
         raise RuntimeError(f"{model} {strategy} failed:\n"
                            f"{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads(r.read_text()) for r in records]
 
 
 def _profile_main(a: argparse.Namespace) -> None:
