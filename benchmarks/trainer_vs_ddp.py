@@ -67,13 +67,17 @@ def _tokens(a: argparse.Namespace, world: int) -> Any:
     return torch.randint(0, a.vocab, (n, a.seq), generator=torch.Generator().manual_seed(0))
 
 
-def _report(out: Path, rank: int, times: list[float], loss: float, a: argparse.Namespace) -> None:
+def _report(out: Path, rank: int, times: list[float], loss: float, a: argparse.Namespace,
+            model: Any) -> None:
     import torch
+
+    from lightning_vescale.fsdp import VeScaleFSDPModule
 
     (out / f"rank{rank}.json").write_text(json.dumps({
         "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
         "step_ms": 1e3 * statistics.median(times[a.warmup:]) if rank == 0 else None,
-        "loss": loss}))
+        "loss": loss,
+        "groups": sum(isinstance(m, VeScaleFSDPModule) for m in model.modules())}))
 
 
 #: ``--profile``: where rank 0's step time goes, by the file (or builtin) that spent it (cProfile
@@ -158,7 +162,7 @@ def _trainer_worker(a: argparse.Namespace, out: Path) -> None:
                          max_steps=a.warmup + a.steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, data)
-    _report(out, trainer.global_rank, module.times, module.loss, a)
+    _report(out, trainer.global_rank, module.times, module.loss, a, module)
     if profiler is not None and trainer.global_rank == 0:
         import pstats
 
@@ -196,7 +200,7 @@ def _fabric_worker(a: argparse.Namespace, out: Path) -> None:
         opt.zero_grad()
         times.append(time.perf_counter() - start)
         loss = value.item()
-    _report(out, fabric.global_rank, times, loss, a)
+    _report(out, fabric.global_rank, times, loss, a, model)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -322,6 +326,8 @@ def main(argv: list[str] | None = None) -> None:
             threads = {s: "/".join(str(rank["threads"]) for rank in runs[-1])
                        for s, runs in sides.items()}
             name = f"{model} (Fabric)" if model == "litgpt" else model
+            groups = sides["vescale_fsdp"][-1][0]["groups"]
+            name += f", ours in {groups} group{'s' if groups != 1 else ''}"
             print(f"| {name} | {ms['ddp']:.1f} | {ms['vescale_fsdp']:.1f} | "
                   f"{ms['vescale_fsdp'] / ms['ddp']:.2f}x | {loss['ddp']:.6f} / "
                   f"{loss['vescale_fsdp']:.6f} | {threads['ddp']} / {threads['vescale_fsdp']} |",

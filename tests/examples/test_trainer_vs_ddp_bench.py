@@ -40,12 +40,28 @@ def test_benchmark_runs_tiny():
     rows = [line.split("|")[1:-1] for line in out.splitlines()
             if line.startswith("| llama") or line.startswith("| litgpt")]
     assert len(rows) == len(models.split(",")), out
+    assert rows[0][0].strip() == "llama, ours in 2 groups", rows  # one block, then the root
     for name, ddp_ms, ours_ms, ratio, losses, threads in rows:
         assert float(ddp_ms) > 0 and float(ours_ms) > 0 and ratio.strip().endswith("x")
         ddp_threads, ours_threads = threads.split(" / ")
         assert ddp_threads.strip() == ours_threads.strip(), (name, threads)  # per rank
         ddp_loss, ours_loss = (float(v) for v in losses.split(" / "))
         assert abs(ddp_loss - ours_loss) <= 1e-4 * abs(ddp_loss), (name, losses)
+
+
+@pytest.mark.slow  # two fresh 2-rank commands
+def test_one_group_runs_tiny():
+    """``--one-group``: ours with ``sharding_units=[]`` (the whole model one group) trains the
+    same losses as DDP; the header says which grouping ours used."""
+    pytest.importorskip("transformers")
+    out = run([sys.executable, "-m", "benchmarks.trainer_vs_ddp", "--models", "llama",
+               "--runs", "1", "--steps", "2", "--warmup", "1", "--hidden", "16", "--layers",
+               "1", "--vocab", "64", "--seq", "8", "--batch", "2", "--one-group"], timeout=600)
+    assert "ours: one sharding group" in out, out
+    (row,) = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| llama")]
+    assert row[0].strip() == "llama, ours in 1 group", row  # counted by the worker
+    ddp_loss, ours_loss = (float(v) for v in row[4].split(" / "))
+    assert abs(ddp_loss - ours_loss) <= 1e-4 * abs(ddp_loss), row
 
 
 def test_profile_categories():
