@@ -29,7 +29,7 @@ from lightning_vescale.placement import (
     ragged_from_local,
     ragged_ranges,
 )
-from lightning_vescale.placement._ragged_tp import rank_flat_runs
+from lightning_vescale.placement._ragged_tp import copy_runs_, rank_flat_runs
 
 __all__ = [
     "model_state",
@@ -164,11 +164,9 @@ def _copy_full_into(target: Tensor, full: Tensor, name: str) -> None:
         # the rank's runs of the flat full tensor: one range for (RaggedShard,) / HSDP's
         # (Replicate(), RaggedShard); the RaggedShard range of the TP-local box for FSDP + TP's
         # (..., RaggedShard, Shard(k)) (design note [ragged-tp])
-        flat_local, flat_full = local.view(-1), full.reshape(-1)
-        for at, start, end in rank_flat_runs(
-                tuple(target.shape), mesh, placements,
-                "loading a full checkpoint into a RaggedShard DTensor"):
-            flat_local[at:at + end - start].copy_(flat_full[start:end])
+        copy_runs_(local.view(-1), full, rank_flat_runs(
+            tuple(target.shape), mesh, placements,
+            "loading a full checkpoint into a RaggedShard DTensor"))
         return
     src = DTensor.from_local(full.to(device=local.device, dtype=local.dtype), mesh,
                              [Replicate()] * mesh.ndim, run_check=False)

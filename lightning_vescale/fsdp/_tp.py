@@ -63,7 +63,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from lightning_vescale.placement import RaggedShard
-from lightning_vescale.placement._compat import _local_piece
+from lightning_vescale.placement._ragged_tp import copy_runs_, rank_flat_runs
 
 __all__ = ["TPSpec", "load_full_", "tp_default_granularity", "tp_param_spec", "tp_unsharded"]
 
@@ -177,7 +177,8 @@ def load_full_(mp: Any, full: torch.Tensor) -> None:
     view = buf.local_view(mp.name)
     if view.numel():
         with torch.no_grad():
-            view.copy_(_local_piece(full.detach(), mp.tp.mesh, tuple(mp.placements)))
+            copy_runs_(view, full.detach(), rank_flat_runs(
+                tuple(full.shape), mp.tp.mesh, tuple(mp.placements), "materialize"))
 
 
 def tp_grad(view: torch.Tensor, spec: TPSpec) -> DTensor:

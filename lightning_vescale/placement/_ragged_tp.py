@@ -35,7 +35,8 @@ from torch.profiler import record_function
 
 from lightning_vescale.placement._ragged_shard import RaggedShard, ragged_shard_and_rank
 
-__all__ = ["is_tp_layout", "rank_flat_runs", "redistribute_tp", "tp_flat_runs", "tp_local_box"]
+__all__ = ["copy_runs_", "is_tp_layout", "rank_flat_runs", "redistribute_tp", "tp_flat_runs",
+           "tp_local_box"]
 
 
 def _ragged_dims(placements: Sequence[Placement]) -> list[int]:
@@ -115,6 +116,14 @@ def rank_flat_runs(shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[
     placement, rank = ragged_shard_and_rank(mesh, placements, what)
     start, end = placement.local_range(tuple(int(s) for s in shape), rank)
     return [(0, start, end)] if end > start else []
+
+
+def copy_runs_(dst: torch.Tensor, full: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
+    """Copy ``runs`` (:func:`rank_flat_runs`: ``(local offset, global start, global end)``)
+    of the global tensor ``full``, read row-major, into this rank's 1-D local tensor ``dst``."""
+    flat = full.reshape(-1)
+    for at, start, end in runs:
+        dst[at:at + end - start].copy_(flat[start:end])
 
 
 def _unravel(index: int, shape: Sequence[int]) -> list[int]:

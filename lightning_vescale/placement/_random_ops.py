@@ -86,7 +86,7 @@ from torch.distributed.tensor import DTensor
 from lightning_vescale.placement._common import aten, has_ragged, unsupported
 from lightning_vescale.placement._random_range import can_draw_range, draw_range
 from lightning_vescale.placement._ragged_shard import ragged_from_local
-from lightning_vescale.placement._ragged_tp import rank_flat_runs
+from lightning_vescale.placement._ragged_tp import copy_runs_, rank_flat_runs
 
 __all__ = ["RANDOM_HANDLERS"]
 
@@ -103,13 +103,6 @@ def _ragged_self(op: Any, args: tuple) -> tuple[DTensor, list[tuple[int, int, in
     except NotImplementedError as e:
         raise unsupported(op, [x._spec], f": {e}") from None
     return x, runs
-
-
-def _take_runs(dst: torch.Tensor, full: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
-    """Copy this rank's ``runs`` of the whole draw ``full`` into its 1-D local tensor."""
-    flat = full.reshape(-1)
-    for off, a, b in runs:
-        dst[off: off + b - a].copy_(flat[a:b])
 
 
 def _check_plain(op: Any, x: DTensor, rest: tuple, kwargs: dict) -> None:
@@ -132,7 +125,7 @@ def _fill_inplace(op: Any, args: tuple, kwargs: dict) -> DTensor:
             return x
         full = torch.empty(tuple(x.shape), dtype=local.dtype, device=local.device)
         op(full, *args[1:], **kwargs)
-        _take_runs(local.view(-1), full, runs)
+        copy_runs_(local.view(-1), full, runs)
     return x
 
 
@@ -156,7 +149,7 @@ def _random_like(op: Any, args: tuple, kwargs: dict) -> DTensor:
     else:
         full_in = torch.empty(tuple(x.shape), dtype=dtype, device=device)
         full = op(full_in, *args[1:], dtype=dtype, device=device, **kwargs)
-        _take_runs(piece, full, runs)
+        copy_runs_(piece, full, runs)
     return ragged_from_local(piece, x.device_mesh, x._spec.placements, tuple(x.shape),
                              autograd=False, check=False)
 
