@@ -13,6 +13,7 @@ units, a rank without units, one-hot tensors), as in ``test_ragged_ops.py``.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -137,17 +138,26 @@ MATRIX_INITS = [  # need a fan-in: 2-D and more
 ]
 
 
+def _one_process(init: Callable[[torch.Tensor], object], shape: tuple[int, ...]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``init`` on a full tensor under seed 3 and the next three draws of the stream after it
+    (the reference of every in-place case); the generator is seeded 3 again for the sharded
+    run."""
+    torch.manual_seed(3)
+    full = torch.empty(shape)
+    with torch.no_grad():
+        init(full)
+    after = torch.rand(3)
+    torch.manual_seed(3)
+    return full, after
+
+
 def _inplace_body():
     ws = dist.get_world_size()
     for shape, dims, units in _layouts(ws):
         inits = INITS + (MATRIX_INITS if len(shape) >= 2 else [])
         for name, init in inits:
-            torch.manual_seed(3)
-            full = torch.empty(shape)
-            with torch.no_grad():
-                init(full)
-            after = torch.rand(3)
-            torch.manual_seed(3)
+            full, after = _one_process(init, shape)
             w = _shard(torch.full(shape, float("nan")), dims, units)
             with torch.no_grad():
                 out = init(w)
@@ -374,12 +384,7 @@ def _tp_body():
         if shape[0] == 16:
             inits = inits + [("fused QKV", _fused_qkv_init)]
         for name, init in inits:
-            torch.manual_seed(3)
-            full = torch.empty(shape)
-            with torch.no_grad():
-                init(full)
-            after = torch.rand(3)
-            torch.manual_seed(3)
+            full, after = _one_process(init, shape)
             w, mine = _tp_tensor(torch.full(shape, float("nan")), k, place, mesh)
             with torch.no_grad():
                 init(w)
