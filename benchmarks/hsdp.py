@@ -51,6 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._pytree import tree_flatten
 
+from lightning_vescale._gloo_exchange import unfused
 from benchmarks.fsdp2_vs_vescale import _micro
 from examples.gpt import GPT, GPTConfig, make_batches
 from lightning_vescale.testing import CopyCommCounter
@@ -206,6 +207,7 @@ def _step(model, opt, x, y) -> float:
     return loss.item()
 
 
+@unfused()  # bytes by collective kind, as NCCL issues them (not gloo's fused exchange)
 def bench_body(cfg_kw: dict, batch: int, steps: int, warmup: int, runs: int,
                engines: tuple[str, ...] = ENGINES, layouts: tuple[str, ...] = tuple(LAYOUTS),
                fsdp2_keep_last_block: bool = False) -> dict[str, Any]:

@@ -19,7 +19,9 @@ same load). Each row also gives the runs' last losses (equal when ours computes 
 and every rank's ``torch.get_num_threads()``. The load average is printed before and after.
 ``--one-group``: ours with ``sharding_units=[]`` (the whole model one sharding group: one
 all-gather and one reduce-scatter per step instead of one per block, at the memory cost of
-gathering every parameter at once), the recipe for models this small.
+gathering every parameter at once), the recipe for models this small. ``--unfused``: ours with
+every gloo collective leaving on its own (design note [gloo-fused-exchange] off), the schedule
+before issue 33's last change, for a before/after on the same machine.
 
 Run:  python -m benchmarks.trainer_vs_ddp [--models llama,gpt2,mixtral,litgpt] [--runs 3]
 """
@@ -161,7 +163,8 @@ def _trainer_worker(a: argparse.Namespace, out: Path) -> None:
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2,
                          max_steps=a.warmup + a.steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, data)
+    with _fusion(a):
+        trainer.fit(module, data)
     _report(out, trainer.global_rank, module.times, module.loss, a, module)
     if profiler is not None and trainer.global_rank == 0:
         import pstats
@@ -170,6 +173,16 @@ def _trainer_worker(a: argparse.Namespace, out: Path) -> None:
             stats = pstats.Stats(profiler, stream=f)
             stats.sort_stats("tottime").print_stats(40)
         (out / "profile.json").write_text(json.dumps(_profile_breakdown(stats, a.steps)))
+
+
+def _fusion(a: argparse.Namespace) -> Any:
+    """``--unfused``: every gloo collective of ours leaves on its own (design note
+    [gloo-fused-exchange] off), the engine's schedule before that note."""
+    import contextlib
+
+    from lightning_vescale._gloo_exchange import unfused
+
+    return unfused() if a.unfused else contextlib.nullcontext()
 
 
 def _fabric_worker(a: argparse.Namespace, out: Path) -> None:
@@ -190,16 +203,18 @@ def _fabric_worker(a: argparse.Namespace, out: Path) -> None:
     opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
     tokens = _tokens(a, fabric.world_size).view(-1, fabric.world_size, a.batch, a.seq)
     times, loss = [], float("nan")
-    for step in tokens:
-        x = step[fabric.global_rank]
-        start = time.perf_counter()
-        logits = model(x)
-        value = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
-        fabric.backward(value)
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - start)
-        loss = value.item()
+    with _fusion(a):
+        for step in tokens:
+            x = step[fabric.global_rank]
+            start = time.perf_counter()
+            logits = model(x)
+            value = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                                      x[:, 1:].flatten())
+            fabric.backward(value)
+            opt.step()
+            opt.zero_grad()
+            times.append(time.perf_counter() - start)
+            loss = value.item()
     _report(out, fabric.global_rank, times, loss, a, model)
 
 
@@ -221,6 +236,8 @@ def _once(a: argparse.Namespace, model: str, strategy: str, out: Path) -> list[d
         argv.append("--profile")
     if a.one_group:
         argv.append("--one-group")
+    if a.unfused:
+        argv.append("--unfused")
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=a.timeout)
     records = [out / f"rank{r}.json" for r in range(2)]
@@ -283,6 +300,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout", type=float, default=600, help="seconds per command")
     p.add_argument("--one-group", action="store_true",
                    help="ours with sharding_units=[]: the whole model one sharding group")
+    p.add_argument("--unfused", action="store_true",
+                   help="ours without the fused gloo exchange (design note "
+                        "[gloo-fused-exchange]): one rendezvous per collective")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--strategy", help=argparse.SUPPRESS)
@@ -307,7 +327,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     print(f"OMP_NUM_THREADS: {os.environ.get('OMP_NUM_THREADS') if a.keep_omp else 'unset'}; "
           f"{a.runs} runs x {a.steps} steps (+{a.warmup} warm-up), 2 ranks, "
-          f"batch {a.batch}x{a.seq}" + ("; ours: one sharding group" if a.one_group else ""))
+          f"batch {a.batch}x{a.seq}" + ("; ours: one sharding group" if a.one_group else "")
+          + ("; ours: unfused gloo collectives" if a.unfused else ""))
     print("| model | DDP ms/step | ours ms/step | ours / DDP | last loss DDP / ours "
           "| threads per rank DDP / ours |")
     print("| --- | ---: | ---: | ---: | --- | --- |")

@@ -77,15 +77,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning_vescale._gloo_exchange import (
+    fusable,
+    ring_sum_,
+    submit_all_gather,
+    submit_reduce_scatter_sum,
+)
 from lightning_vescale._labels import label
 
 if TYPE_CHECKING:
     from lightning_vescale.mesh import MeshInfo
     from lightning_vescale.planner import LayoutPlan
 
-__all__ = ["CommHandle", "gloo_reduce_scatter_sum", "gloo_serves", "gradient_divide_factors",
-           "group_rank_and_size", "offload_copy", "reduce_factors", "replica_all_reduce",
-           "wire_all_reduce_sum", "wire_needs_scale", "wire_reduce_scatter_sum"]
+__all__ = ["CommHandle", "all_gather_into", "gloo_reduce_scatter_sum", "gloo_serves",
+           "gradient_divide_factors", "group_rank_and_size", "offload_copy", "reduce_factors",
+           "reduce_scatter_fuses", "replica_all_reduce", "wire_all_reduce_sum",
+           "wire_needs_scale", "wire_reduce_scatter_sum"]
 
 
 class _Finished:
@@ -154,6 +161,25 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def all_gather_into(full: torch.Tensor, inp: torch.Tensor, *, rank: int, world_size: int,
+                    group: Any, async_op: bool, fuse: bool) -> Any:
+    """``full = every rank's inp`` in rank order (``all_gather_single``); ``fuse`` (gloo): a
+    small one is queued with the group's other small collectives ([gloo-fused-exchange])."""
+    if fuse and fusable(full.numel() * full.element_size()):
+        return submit_all_gather(full, inp, rank=rank, world_size=world_size, group=group,
+                                 alone=lambda: _all_gather_flat(full, inp, group=group,
+                                                                async_op=True))
+    return _all_gather_flat(full, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_fuses(world_size: int, gloo: bool, wire: torch.dtype | None,
+                         nbytes: int) -> bool:
+    """Whether a reduce-scatter of ``nbytes`` is queued with the group's other small gloo
+    collectives ([gloo-fused-exchange]; the engine then issues it asynchronously on CPU too):
+    on gloo, more than one rank, not a wire dtype with a scale (fp16: its own message form)."""
+    return world_size > 1 and gloo and not wire_needs_scale(wire) and fusable(nbytes)
+
+
 def _resolve_op(op: str | dist.ReduceOp) -> dist.ReduceOp:
     if isinstance(op, str):
         table = {"avg": dist.ReduceOp.AVG, "mean": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM}
@@ -164,36 +190,51 @@ def _resolve_op(op: str | dist.ReduceOp) -> dist.ReduceOp:
 
 
 def gloo_reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, *, rank: int, world_size: int,
-                            group: Any, async_op: bool,
-                            release: Callable[[], None]) -> _Finished | None:
+                            group: Any, async_op: bool, release: Callable[[], None],
+                            fuse: bool = False) -> _Finished | None:
     """``out = sum over ranks of inp[rank slice]`` as an all-to-all plus one local sum (the
     fast form on gloo, design note [dbuffer-collectives]). Returns a work whose ``wait()``
     also sums (``None`` when ``async_op`` is false: done); ``inp`` must stay unchanged until
     then. ``release`` runs once the input-sized temporary is no longer needed. When ``out`` is
-    wider than ``inp`` (a wire dtype), the sum is taken in ``out``'s dtype."""
+    wider than ``inp`` (a wire dtype), the sum is taken in ``out``'s dtype. ``fuse`` (gloo
+    only): a small one is queued to travel with the group's other small collectives (design
+    note [gloo-fused-exchange])."""
     W = world_size
     S = out.numel()
-    received = torch.empty(W * S, dtype=inp.dtype, device=inp.device)
-    work = dist.all_to_all_single(received, inp, group=group, async_op=True)
-
-    # gloo's ring order for this rank's slice: x[r-1] + x[r-2] + ... + x[r] (measured;
-    # any order is a correct sum, this one keeps the bits of gloo's own reduce-scatter)
-    order = [(rank - k) % W for k in range(1, W)] + [rank]
+    if not (fuse and fusable((W - 1) * S * inp.element_size())):
+        work = _all_to_all_sum(out, inp, rank=rank, world_size=W, group=group, after=release)
+        if not async_op:
+            work.wait()
+            return None
+        return work
+    inner = submit_reduce_scatter_sum(out, inp, rank=rank, world_size=W, group=group,
+                                      alone=lambda: _all_to_all_sum(out, inp, rank=rank,
+                                                                    world_size=W, group=group))
 
     def finish() -> None:
-        work.wait()
-        parts = received.view(W, S)
-        if out.dtype == inp.dtype:
-            torch.add(parts[order[0]], parts[order[1]], out=out)
-        else:  # a narrower wire dtype: every partial sum in out's (wider) dtype
-            out.copy_(parts[order[0]]).add_(parts[order[1]])
-        for k in order[2:]:
-            out.add_(parts[k])
+        inner.wait()
         release()
 
     if not async_op:
         finish()
         return None
+    return _Finished(finish, keep=inp)
+
+
+def _all_to_all_sum(out: torch.Tensor, inp: torch.Tensor, *, rank: int, world_size: int,
+                    group: Any, after: Callable[[], None] | None = None) -> _Finished:
+    """Issue :func:`gloo_reduce_scatter_sum`'s all-to-all; the work's ``wait`` sums in
+    gloo's ring order, then runs ``after``."""
+    W, S = world_size, out.numel()
+    received = torch.empty(W * S, dtype=inp.dtype, device=inp.device)
+    work = dist.all_to_all_single(received, inp, group=group, async_op=True)
+
+    def finish() -> None:
+        work.wait()
+        ring_sum_(out, list(received.view(W, S)), rank)
+        if after is not None:
+            after()
+
     return _Finished(finish, keep=inp)
 
 
@@ -236,7 +277,7 @@ def _unpack_add(out: torch.Tensor, part: torch.Tensor, first: bool) -> None:
 
 def wire_reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, *, wire: torch.dtype | None,
                             rank: int, world_size: int, group: Any, async_op: bool,
-                            release: Callable[[], None]) -> _Finished | None:
+                            release: Callable[[], None], fuse: bool = False) -> _Finished | None:
     """``out = sum over ranks of inp[rank slice]``, moving ``wire``-dtype values and adding in
     ``out``'s dtype (a ``reduce_scatter_dtype``, design note [dbuffer-collectives]): ``inp``
     cast to ``wire`` through :func:`gloo_reduce_scatter_sum`'s all-to-all, or, for a wire that
@@ -247,7 +288,7 @@ def wire_reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, *, wire: torch
     W, S = world_size, out.numel()
     if wire is None:
         return gloo_reduce_scatter_sum(out, inp, rank=rank, world_size=W, group=group,
-                                       async_op=async_op, release=release)
+                                       async_op=async_op, release=release, fuse=fuse)
     if not wire_needs_scale(wire):
         send = inp if inp.dtype == wire else inp.to(wire)
         if W == 1:
@@ -255,7 +296,7 @@ def wire_reduce_scatter_sum(out: torch.Tensor, inp: torch.Tensor, *, wire: torch
             release()
             return None
         return gloo_reduce_scatter_sum(out, send, rank=rank, world_size=W, group=group,
-                                       async_op=async_op, release=release)
+                                       async_op=async_op, release=release, fuse=fuse)
     send = pack_scaled(inp.view(W, S), wire)
     if W == 1:
         _unpack_add(out, send[0], first=True)

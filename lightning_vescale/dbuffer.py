@@ -55,9 +55,8 @@ instead of reading every gradient's pointer, size and strides, and slices ``grad
 itself. :meth:`published_grads` answers only while ``grad_shard`` is the storage the recorded
 tensors view; :meth:`release_grad_shard` forgets them (they would keep the old storage alive).
 
-Async ops return a :class:`CommHandle`; ``wait()`` finishes the collective and the buffer-level
-epilogue (cast back, accumulate, free temporaries). Synchronous ops return an already-waited
-handle, so callers can treat both alike.
+Async ops return a :class:`CommHandle` (``wait()`` also runs the epilogue: cast back, accumulate,
+free temporaries); synchronous ops return an already-waited one, so callers treat both alike.
 """
 
 from __future__ import annotations
@@ -71,13 +70,14 @@ from lightning_vescale._labels import label
 
 from lightning_vescale._dbuffer_comm import (
     CommHandle,
-    _all_gather_flat,
     _reduce_scatter_flat,
     _resolve_op,
+    all_gather_into,
     gloo_serves,
     group_rank_and_size,
     offload_copy,
     reduce_factors,
+    reduce_scatter_fuses,
     replica_all_reduce,
     wire_reduce_scatter_sum,
 )
@@ -196,6 +196,7 @@ class DBuffer:
         self._published: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
         self._comm_bytes = 0  # bytes of live temporaries (casts) owned by in-flight ops
         self._gloo: bool | None = None  # the group's backend is gloo (see _on_gloo)
+        self._cpu = self.device.type == "cpu"  # gloo's fused exchange: CPU tensors only
         #: the pending asynchronous gradient copy to the host (offload; see wait_offload)
         self._offload_event: torch.Event | None = None
         self.free()
@@ -432,7 +433,9 @@ class DBuffer:
             return CommHandle(None)
         extra = inp.numel() * inp.element_size() if inp is not self.shard else 0
         self._comm_bytes += extra
-        work = _all_gather_flat(self.full, inp, group=group, async_op=async_op)
+        work = all_gather_into(self.full, inp, rank=self.rank, world_size=self.world_size,
+                               group=group, async_op=async_op,
+                               fuse=partial is None and self._cpu and self._on_gloo())
 
         def epilogue(inp=inp) -> None:  # keep ``inp`` alive until the collective finished
             self._comm_bytes -= extra
@@ -456,14 +459,11 @@ class DBuffer:
                        all_reduce: bool = True) -> CommHandle:
         """Reduce :attr:`grad_full` across ranks into the owned :attr:`grad_shard`, in place.
 
-        ``accumulate=True`` adds onto the existing sharded gradients instead of overwriting.
-        ``scale`` multiplies the reduced shard (e.g. ``op="sum"`` then ``1 / factor``: FSDP2's
-        ``set_gradient_divide_factor``). HSDP, ``all_reduce=False`` (FSDP2's
-        ``set_requires_all_reduce(False)``): reduce-scatter within the shard group only and add
-        the result to :attr:`grad_partial`, leaving :attr:`grad_shard` alone; the next reduce
-        with the all-reduce adds it in before all-reducing across the replicas
-        ([dbuffer-collectives]).
-        The unsharded gradient storage is *not* freed; call :meth:`free_grad` after ``wait``.
+        ``accumulate=True`` adds onto the existing sharded gradients. ``scale`` multiplies the
+        reduced shard (``op="sum"`` then ``1 / factor``: ``set_gradient_divide_factor``). HSDP,
+        ``all_reduce=False`` (``set_requires_all_reduce(False)``): reduce-scatter within the
+        shard group into :attr:`grad_partial`, added in by the next reduce with the all-reduce
+        ([dbuffer-collectives]). :attr:`grad_full` is *not* freed: :meth:`free_grad` after it.
         """
         self._check_collective()
         rop = _resolve_op(op)
@@ -471,10 +471,8 @@ class DBuffer:
             return self._reduce_scatter(async_op, rop, accumulate, scale, all_reduce)
 
     def _on_gloo(self) -> bool:
-        """Whether gloo runs this buffer's collectives (the backend serving ``device``: CPU
-        tensors, or CUDA tensors on a plain gloo group): AVG is a SUM and one division (gloo's
-        own AVG does that, slower: 4.3 vs 3.1 ms for 3.2 MB at 2 ranks; same bits), a SUM
-        reduce-scatter an all-to-all plus a local sum ([dbuffer-collectives])."""
+        """Whether gloo serves ``device`` here: AVG is a SUM and one division (gloo's own AVG:
+        4.3 vs 3.1 ms for 3.2 MB at 2 ranks), a SUM reduce-scatter an all-to-all plus a sum."""
         if self._gloo is None:
             self._gloo = dist.is_initialized() and gloo_serves(self.group, self.device)
         return self._gloo
@@ -491,7 +489,14 @@ class DBuffer:
 
         return wire_reduce_scatter_sum(out, inp, wire=wire, rank=self.rank, group=self.group,
                                        world_size=self.world_size, async_op=async_op,
-                                       release=release)
+                                       release=release, fuse=self._cpu and self._on_gloo())
+
+    @property
+    def fuses_reduce_scatter(self) -> bool:
+        """Whether the reduce-scatter is queued with other small gloo collectives."""
+        wire = self.wire_dtype
+        nbytes = self.buffer_size * (wire or self.reduce_dtype).itemsize
+        return reduce_scatter_fuses(self.world_size, self._cpu and self._on_gloo(), wire, nbytes)
 
     def _reduce_scatter(self, async_op: bool, rop: dist.ReduceOp, accumulate: bool,
                         scale: float | None = None, all_reduce: bool = True) -> CommHandle:
@@ -569,9 +574,8 @@ class DBuffer:
 
     def _replica_stage(self, work: Any, out: torch.Tensor, rop: dist.ReduceOp,
                        async_op: bool) -> Any:
-        """HSDP, after the shard group's reduce-scatter into ``out``: add the micro-batches
-        reduced without the all-reduce (``grad_partial``), then all-reduce ``out`` across the
-        replicas ([dbuffer-collectives])."""
+        """HSDP, after the shard group's reduce-scatter into ``out``: add ``grad_partial``,
+        then all-reduce ``out`` across the replicas ([dbuffer-collectives])."""
         if self.grad_partial is not None:
             # the micro-batches reduced without the all-reduce join this one before it (an
             # accelerator's current stream waits for this reduce-scatter: last micro-batch only)
@@ -581,9 +585,7 @@ class DBuffer:
                 work = None
             out.add_(self.grad_partial)
             self.grad_partial = None
-        # the all-reduce runs after the reduce-scatter (on a side stream on accelerators); with
-        # AVG each stage averages over its own group. A wire dtype: an all-to-all, an fp32 sum
-        # and an all-gather ([dbuffer-collectives]).
+        # after the reduce-scatter (a side stream on accelerators); AVG averages per stage
         return replica_all_reduce(work, out, op=rop, group=self.replicate_group,
                                   async_op=async_op, wire=self.wire_dtype,
                                   size=self.replicate_size)

@@ -31,6 +31,7 @@ Design notes of layer 3 (the package's convention and the other layers' notes:
   group's backward is over, on every rank) [fsdp-multi-forward] (several forwards before one
   backward) [fsdp-reentrant] [fsdp-profiling] [fsdp-compile]
 * ``_root.py``: [fsdp-final-callback] (the end of a backward, the gradient flags)
+  [fsdp-gloo-fusion] (the schedule that lets small gloo collectives leave together)
 * ``_collective_check.py``: [fsdp-collective-check] (opt-in: every rank runs the same group)
 * ``_training_state.py``: [fsdp-training-state]
 * ``_materialize.py``: [fsdp-materialize] [fsdp-list-apply] (a list group under ``_apply``);

@@ -128,6 +128,7 @@ class ParamGroup(GroupGradients):
         self._grads_ready = False  # grad_full materialised and unsharded .grads point at it
         self._arrived = 0  # trainable parameters that received a gradient in this backward
         self._backward_prefetched = False
+        self._fuses_rs: bool | None = None  # fuses_reduce_scatter, decided at the first reduce
         # -- the opt-in collective check (design note [fsdp-collective-check]) --
         self.index = -1  # position in the root's tree, set by its lazy init
         self.module_fqn = fqn  # the module's FQN relative to the root, set by its lazy init
@@ -386,6 +387,17 @@ class ParamGroup(GroupGradients):
         self._gather = [buf.all_gather(async_op=async_op) for buf in self.buffers.values()]
         if not async_op:
             self.wait_for_unshard()
+
+    @property
+    def fuses_reduce_scatter(self) -> bool:
+        """Whether every buffer's reduce-scatter is queued to leave with the next small gloo
+        collective (design note [gloo-fused-exchange]): the root then issues it
+        asynchronously, also on CPU (design note [fsdp-gloo-fusion]). Decided once, at the
+        first reduce (inside ``unfused()`` for a model built and trained there)."""
+        if self._fuses_rs is None:
+            self._fuses_rs = bool(self.buffers) and all(b.fuses_reduce_scatter
+                                                        for b in self.buffers.values())
+        return self._fuses_rs
 
     def check_collective(self, kind: str) -> None:
         """With the opt-in check on, make sure every rank runs this collective of this group

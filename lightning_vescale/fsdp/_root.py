@@ -32,6 +32,29 @@ parameter gets a gradient, zeros where no rank computed one, and no flag is exch
 iteration. A forward that runs *inside* backward (activation-checkpointing recompute,
 detected with ``torch._C._current_graph_task_id()``) leaves the group unsharded and registers
 nothing. No-grad/inference forwards reshard every group at the root's post-forward.
+
+Design note [fsdp-gloo-fusion]
+------------------------------
+On gloo, small DBuffer collectives are queued and leave together as one all-to-all when one of
+them is waited (design note [gloo-fused-exchange]). Three choices of the schedule let them meet:
+
+* a group's pre-forward issues its own all-gather (asynchronously), then its forward prefetch,
+  and only then waits: the root and the first block gather in one exchange;
+* a structural reduce-scatter whose buffers are all queued (:attr:`ParamGroup.fuses_reduce_scatter`)
+  is asynchronous on CPU too (:meth:`RootContext.reduce_async`): it leaves with the next group's
+  backward all-gather, whose wait is the next one; at most one stays in flight, as on an
+  accelerator (its gradient buffer is at most ``FUSE_MAX_BYTES``);
+* the final callback issues the reduce-scatters of the groups it completes and the
+  gradient-flag all-reduce (:meth:`RootContext._start_fused_flags`) before it waits for any, so
+  they leave with the last structural one. The flags are then waited for on every rank inside
+  the callback (they cost no rendezvous of their own), where the unfused path leaves them in
+  flight on ranks that do not need them ([fsdp-final-callback]); on one rank only, a queued
+  handle's wait would issue the exchange on that rank alone.
+
+A root and two blocks then issue 4 exchanges per step instead of 8 (all-gathers 3 forward + 1
+backward, 3 reduce-scatters, the flags), bitwise the same training
+(``tests/distributed/test_gloo_exchange.py``). When a group's collectives are too large to be
+queued, the final callback keeps the order above it ("in tree order, each reduce then waited").
 """
 
 from __future__ import annotations
@@ -44,7 +67,9 @@ from torch import nn
 from torch.autograd import Variable
 from lightning_vescale._labels import label
 
+from lightning_vescale._dbuffer_comm import gloo_serves
 from lightning_vescale._dbuffer_quant import any_unread, check_gathers
+from lightning_vescale._gloo_exchange import fusable, submit_max_all_reduce
 from lightning_vescale._pinned import host_source
 from lightning_vescale.fsdp._collective_check import check_collective
 from lightning_vescale.fsdp._collective_check import enabled as collective_check_on
@@ -279,9 +304,10 @@ class RootContext:
 
     @staticmethod
     def reduce_async(group: ParamGroup) -> bool:
-        """Whether ``group``'s structural reduce-scatter is asynchronous: on accelerators (a
-        test may force the asynchronous path on gloo, whose handles are real too)."""
-        return group.mesh_info.device_type != "cpu"
+        """Whether ``group``'s structural reduce-scatter is asynchronous: on accelerators, and
+        on gloo where it is queued to leave with the next collective (design note
+        [fsdp-gloo-fusion]); a test may force the asynchronous path on gloo too."""
+        return group.mesh_info.device_type != "cpu" or group.fuses_reduce_scatter
 
     def finish_reduce(self, hooks: bool = True) -> None:
         """Wait for the reduce-scatter in flight, then run its post-accumulate-grad hooks
@@ -295,10 +321,23 @@ class RootContext:
     def _final_callback(self) -> None:
         with label("vescale::post_backward_final_callback"):
             self.final_callback_queued = False
+            to_reduce = [g for g in self.groups if g.should_reduce()]  # in tree order
+            # [fsdp-gloo-fusion]: small reduce-scatters on gloo are queued; issuing them and
+            # the flags before the first wait lets them all leave as one exchange
+            fused = fusable(0) and all(g.fuses_reduce_scatter for g in to_reduce)
+            flags = None
+            if fused:
+                for group in to_reduce:
+                    group.reduce_scatter(async_op=True)
+                flags = self._start_fused_flags()
             self.finish_reduce()
+            reducing = {id(g) for g in to_reduce}
             for group in self.groups:  # groups without a structural completion, in tree order
-                if group.should_reduce():
-                    group.reduce_scatter(async_op=False)
+                if id(group) in reducing:
+                    if fused:
+                        group.wait_for_reduce()
+                    else:
+                        group.reduce_scatter(async_op=False)
                     group.run_post_reduce_hooks()  # design note [fsdp-post-acc-grad-hooks]
                 else:
                     group.accumulate_unsynced()  # no sync: sum in reduce_dtype (if it differs)
@@ -307,40 +346,79 @@ class RootContext:
             for group in self.groups:  # offload: the asynchronous copies to the host
                 for buf in group.buffers.values():
                     buf.wait_offload()
-            self._publish_grads()
+            self._publish_grads(flags)
             self.forget_iteration()
             if self.backward_order:
                 self.backward_recorded = True
 
-    def _publish_grads(self) -> None:
+    def _flagged(self) -> tuple[list[ParamGroup], bytes]:
+        """The groups reduced in this backward whose gradients are published by flags, and
+        this rank's "received a gradient" flags for their trainable parameters."""
+        groups = [g for g in self.groups
+                  if g.reduced and not g.reduced_partially and not g.grads_for_unused]
+        return groups, bytes(int(mp.got_grad) for g in groups for mp in g.trainable())
+
+    def _publish_grads(self, fused: tuple[Any, torch.Tensor, bytes] | None = None) -> None:
         """Publish the sharded gradients of the groups reduced in this backward.
 
         Whether a parameter has a gradient must not depend on the rank (rank 1 may compute none
         for an expert rank 0 routed tokens to): one all-reduce (MAX) of the "received a
         gradient" flags of every reduced group's trainable parameters gives the global answer.
-        Which groups were reduced is the same on every rank, so is the message.
+        Which groups were reduced is the same on every rank, so is the message. ``fused``: that
+        all-reduce, already issued with the final callback's reduce-scatters
+        (:meth:`_start_fused_flags`).
         """
         # a reduce without the replica all-reduce publishes nothing yet (FSDP2's
         # set_requires_all_reduce(False)): the arrival flags add up until the one with it
-        groups = [g for g in self.groups if g.reduced and not g.reduced_partially]
-        for g in groups:  # set_reduce_scatter_unused_params(True): every parameter, no flags
-            if g.grads_for_unused:
+        for g in self.groups:  # set_reduce_scatter_unused_params(True): every parameter
+            if g.reduced and not g.reduced_partially and g.grads_for_unused:
                 g.publish_grads([True] * len(g.trainable()))
-        groups = [g for g in groups if not g.grads_for_unused]
+        groups, local = self._flagged()
         if not groups:
             return
-        per_group = [g.trainable() for g in groups]
+        if fused is not None:
+            work, t, local = fused
+            work.wait()
+            flags = bytes(t.tolist())
+        else:
+            self._check_flags_collective(groups)
+            flags = self._global_flags(local, groups[0]) if local else local
+        i = 0
+        for g in groups:
+            n = len(g.trainable())
+            g.publish_grads([bool(f) for f in flags[i:i + n]])
+            i += n
+
+    def _check_flags_collective(self, groups: list[ParamGroup]) -> None:
         if collective_check_on():  # design note [fsdp-collective-check]
             check_collective("gradient-flag all-reduce", -1, 0,
                              group=groups[0].mesh_info.shard_group,
                              device=next(iter(groups[0].buffers.values())).device,
                              name_of=lambda i: self.groups[i].module_fqn)
-        local = bytes(int(mp.got_grad) for mps in per_group for mp in mps)
-        flags = self._global_flags(local, groups[0]) if local else local
-        i = 0
-        for g, mps in zip(groups, per_group):
-            g.publish_grads([bool(f) for f in flags[i:i + len(mps)]])
-            i += len(mps)
+
+    def _start_fused_flags(self) -> tuple[Any, torch.Tensor, bytes] | None:
+        """On gloo ([fsdp-gloo-fusion]), queue the flag all-reduce behind the
+        final callback's reduce-scatters (one exchange for all of them) instead of issuing it
+        after. Every rank then waits for it in this callback (in the queue it costs no
+        rendezvous of its own), so none leaves it in flight. ``None`` where it does not
+        apply (nothing to flag, one rank, a mesh torch cannot flatten, not gloo): then
+        :meth:`_global_flags` runs as before."""
+        groups, local = self._flagged()
+        if not local or not fusable(len(local)):  # unfused(): nothing is queued
+            return None
+        mesh_info = groups[0].mesh_info
+        pg = mesh_info.data_parallel_group
+        device = next(iter(groups[0].buffers.values())).device
+        if mesh_info.data_parallel_size == 1 or pg is None or not gloo_serves(pg, device) \
+                or device.type != "cpu":
+            return None
+        self.finish_flags()
+        self._check_flags_collective(groups)
+        t = torch.tensor(list(local), dtype=torch.uint8)
+        with label("vescale::grad_flags_all_reduce"):
+            work = submit_max_all_reduce(t, rank=dist.get_rank(pg),
+                                         world_size=dist.get_world_size(pg), group=pg)
+        return work, t, local
 
     def _global_flags(self, local: bytes, group: ParamGroup) -> bytes:
         """Every rank's "received a gradient" flags, MAX-reduced over the data-parallel mesh.

@@ -311,13 +311,18 @@ class FSDPState:
                 ctx.root_pre_forward()
             self.training_state = TrainingState.FORWARD
             ctx.record_forward(self)
-            self._unshard_now()
+            if self.group is not None and (self.forward_prefetch is not None
+                                           or (ctx.forward_recorded and ctx.prefetch)):
+                # own all-gather first, the prefetch behind it, then the wait: one exchange on
+                # gloo (design note [fsdp-gloo-fusion])
+                self.group.unshard(async_op=True)
             if self.forward_prefetch is not None:
                 for st in self.forward_prefetch:
                     if st.group is not None:
                         st.group.unshard(async_op=True)
             else:
                 ctx.prefetch_forward(self)
+            self._unshard_now()
             self._pending = {id(r()) for r in self.module_weakrefs} - {id(module)}
             return self._prepare_inputs(args, kwargs, same_pass=False)
 

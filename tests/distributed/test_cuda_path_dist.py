@@ -101,6 +101,15 @@ def test_set_post_optim_event_is_waited_on(worlds):
 
 
 def _grad_flags_body(unnamed_hsdp: bool = False):
+    from lightning_vescale._gloo_exchange import unfused
+
+    # the accelerator path; on gloo the flags travel with the final reduce-scatters instead
+    # (design note [fsdp-gloo-fusion]: tests/distributed/test_gloo_exchange.py)
+    with unfused():
+        return _grad_flags_run(unnamed_hsdp)
+
+
+def _grad_flags_run(unnamed_hsdp: bool):
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_vescale.fsdp._root import get_state

@@ -415,12 +415,12 @@ def _offload_body(impl: str):
         from lightning_vescale.fsdp import dbuffers
 
         shards = {b.shard.data_ptr() for b in dbuffers(model)}
-        orig = dbuffer_mod._all_gather_flat
+        orig = dbuffer_mod.all_gather_into
 
         def spy(out, inp, **kw):
             copies.append(inp.data_ptr() not in shards)  # the input is a device copy
             return orig(out, inp, **kw)
-        dbuffer_mod._all_gather_flat = spy
+        dbuffer_mod.all_gather_into = spy
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     make_x = _randn(world, 16)

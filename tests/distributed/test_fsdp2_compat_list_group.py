@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_vescale._gloo_exchange import unfused
 from tests.distributed._fsdp2_compat import IMPLS, full_grads, fully_shard_of, micro
 
 _ALL_GATHER = "c10d._allgather_base_"
@@ -42,6 +43,7 @@ def _shard(impl: str, model: _Titan, reshard_after_forward: bool | None) -> None
     fs(model)
 
 
+@unfused()  # counts each all-gather as FSDP2 issues it (design note [gloo-fused-exchange])
 def _count_body(impl: str, reshard_after_forward: bool | None):
     from lightning_vescale.testing import CopyCommCounter
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_vescale._gloo_exchange import unfused
 from tests.distributed._fsdp2_compat import IMPLS, MLP, full_grads, micro, shard_mlp
 
 
@@ -237,6 +238,7 @@ class _Routed(nn.Module):
         return self.experts[dist.get_rank() % 2](x)
 
 
+@unfused()  # counts the flag all-reduce itself (design note [gloo-fused-exchange])
 def _unused_params_body(impl: str, on: bool):
     from tests.distributed._fsdp2_compat import fully_shard_of
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_vescale._gloo_exchange import unfused
 from tests.distributed._fully_shard_helpers import (
     OPTS,
     assemble,
@@ -90,6 +91,7 @@ class LoRALinear(nn.Module):
         return self.base(x) + self.up(self.down(x))
 
 
+@unfused()  # counts reduce-scatters by kind (design note [gloo-fused-exchange])
 def _lora_body():
     from lightning_vescale.fsdp import dbuffers, fully_shard
     from lightning_vescale.testing import CopyCommCounter

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_vescale._gloo_exchange import unfused
 from tests.distributed._fully_shard_helpers import (
     assert_params_match_reference,
     batches,
@@ -21,6 +22,7 @@ from tests.distributed._fully_shard_helpers import (
 
 
 # -- prefetch ------------------------------------------------------------------------------------
+@unfused()  # the schedule's collectives one by one (design note [gloo-fused-exchange])
 def _prefetch_body():
     from lightning_vescale.fsdp import get_state
 
@@ -72,6 +74,7 @@ class InputRoot(nn.Module):
         return self.blocks(self.inp(x))
 
 
+@unfused()  # the schedule's collectives one by one (design note [gloo-fused-exchange])
 def _allgathers_per_step_body(steps):
     from lightning_vescale.fsdp import fully_shard
     from lightning_vescale.testing import CopyCommCounter

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_vescale._gloo_exchange import unfused
 from tests.distributed._fully_shard_helpers import batches, build, micro, shard
 
 
@@ -97,6 +98,7 @@ class PlainMLP(nn.Module):
         return F.mse_loss(x, y)
 
 
+@unfused()  # the accelerator path's copies; gloo's fused exchange copies small collectives by design (design note [gloo-fused-exchange])
 def _count_body():
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from examples.gpt import GPT, GPTConfig
+from lightning_vescale._gloo_exchange import unfused
 from tests.distributed._fully_shard_helpers import (
     assert_params_match_reference,
     batches,
@@ -189,6 +190,7 @@ def test_forward_sees_params_within_one_quantization_step(worlds, fmt):
 
 
 # -- bytes -----------------------------------------------------------------------------------------
+@unfused()  # bytes by collective kind (design note [gloo-fused-exchange])
 def _step_bytes(policy_kw: dict):
     from lightning_vescale import CommPolicy
     from lightning_vescale.sharding_summary import sharding_summary
