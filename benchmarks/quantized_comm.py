@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from examples.gpt import GPT, GPTConfig, make_batches
+from lightning_vescale._gloo_exchange import unfused
 
 #: engine -> (engine kind, comm policy fields, bf16 mixed precision)
 ENGINES: dict[str, tuple[str, dict, bool]] = {
@@ -87,6 +88,7 @@ def _bytes(model, opt, x, y) -> dict[str, int]:
     return out
 
 
+@unfused()  # bytes by collective kind, as NCCL issues them (not gloo's fused exchange)
 def _steps_body(cfg_kw: dict, batch: int, steps: int, warmup: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(**cfg_kw)

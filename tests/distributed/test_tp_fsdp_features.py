@@ -14,6 +14,7 @@ import functools
 import pytest
 import torch
 
+from lightning_vescale._gloo_exchange import unfused
 from tests.distributed.test_tp_fsdp import (
     _build,
     _data,
@@ -318,6 +319,7 @@ def _comm_bytes(model) -> tuple[int, int]:
             sum(v for k, v in by.items() if "alltoall" in k or "reduce_scatter" in k))
 
 
+@unfused()  # bytes by collective kind
 def _comm_policy_case(steps: int) -> dict:
     """int8 all-gather + bf16 gradient wire on the dp dim of the (dp 2, tp 2) model against
     the fp32 TP run, and the same pair without TP (fully_shard over all 4 ranks)."""
