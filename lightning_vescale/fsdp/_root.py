@@ -351,14 +351,15 @@ class RootContext:
             if self.backward_order:
                 self.backward_recorded = True
 
-    def _flagged(self) -> tuple[list[ParamGroup], bytes]:
-        """The groups reduced in this backward whose gradients are published by flags, and
-        this rank's "received a gradient" flags for their trainable parameters."""
+    def _flagged(self) -> tuple[list[ParamGroup], list[list], bytes]:
+        """The groups reduced in this backward whose gradients are published by flags, their
+        trainable parameters, and this rank's "received a gradient" flags for those."""
         groups = [g for g in self.groups
                   if g.reduced and not g.reduced_partially and not g.grads_for_unused]
-        return groups, bytes(int(mp.got_grad) for g in groups for mp in g.trainable())
+        per_group = [g.trainable() for g in groups]
+        return groups, per_group, bytes(int(mp.got_grad) for mps in per_group for mp in mps)
 
-    def _publish_grads(self, fused: tuple[Any, torch.Tensor, bytes] | None = None) -> None:
+    def _publish_grads(self, fused: tuple[Any, torch.Tensor, tuple] | None = None) -> None:
         """Publish the sharded gradients of the groups reduced in this backward.
 
         Whether a parameter has a gradient must not depend on the rank (rank 1 may compute none
@@ -373,21 +374,20 @@ class RootContext:
         for g in self.groups:  # set_reduce_scatter_unused_params(True): every parameter
             if g.reduced and not g.reduced_partially and g.grads_for_unused:
                 g.publish_grads([True] * len(g.trainable()))
-        groups, local = self._flagged()
+        # fused: the flags were taken (and sent) before the final callback's waits
+        groups, per_group, local = fused[2] if fused is not None else self._flagged()
         if not groups:
             return
         if fused is not None:
-            work, t, local = fused
-            work.wait()
-            flags = bytes(t.tolist())
+            fused[0].wait()
+            flags = bytes(fused[1].tolist())
         else:
             self._check_flags_collective(groups)
             flags = self._global_flags(local, groups[0]) if local else local
         i = 0
-        for g in groups:
-            n = len(g.trainable())
-            g.publish_grads([bool(f) for f in flags[i:i + n]])
-            i += n
+        for g, mps in zip(groups, per_group):
+            g.publish_grads([bool(f) for f in flags[i:i + len(mps)]])
+            i += len(mps)
 
     def _check_flags_collective(self, groups: list[ParamGroup]) -> None:
         if collective_check_on():  # design note [fsdp-collective-check]
@@ -396,14 +396,15 @@ class RootContext:
                              device=next(iter(groups[0].buffers.values())).device,
                              name_of=lambda i: self.groups[i].module_fqn)
 
-    def _start_fused_flags(self) -> tuple[Any, torch.Tensor, bytes] | None:
+    def _start_fused_flags(self) -> tuple[Any, torch.Tensor, tuple] | None:
         """On gloo ([fsdp-gloo-fusion]), queue the flag all-reduce behind the
         final callback's reduce-scatters (one exchange for all of them) instead of issuing it
         after. Every rank then waits for it in this callback (in the queue it costs no
         rendezvous of its own), so none leaves it in flight. ``None`` where it does not
         apply (nothing to flag, one rank, a mesh torch cannot flatten, not gloo): then
         :meth:`_global_flags` runs as before."""
-        groups, local = self._flagged()
+        flagged = self._flagged()
+        groups, _, local = flagged
         if not local or not fusable(len(local)):  # unfused(): nothing is queued
             return None
         mesh_info = groups[0].mesh_info
@@ -418,7 +419,7 @@ class RootContext:
         with label("vescale::grad_flags_all_reduce"):
             work = submit_max_all_reduce(t, rank=dist.get_rank(pg),
                                          world_size=dist.get_world_size(pg), group=pg)
-        return work, t, local
+        return work, t, flagged
 
     def _global_flags(self, local: bytes, group: ParamGroup) -> bytes:
         """Every rank's "received a gradient" flags, MAX-reduced over the data-parallel mesh.

@@ -138,17 +138,17 @@ MATRIX_INITS = [  # need a fan-in: 2-D and more
 ]
 
 
-def _one_process(init: Callable[[torch.Tensor], object], shape: tuple[int, ...]
+def _one_process(init: Callable[[torch.Tensor], object], shape: tuple[int, ...], seed: int = 3
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``init`` on a full tensor under seed 3 and the next three draws of the stream after it
-    (the reference of every in-place case); the generator is seeded 3 again for the sharded
+    """``init`` on a full tensor under ``seed`` and the next three draws of the stream after it
+    (the reference of every in-place case); the generator is seeded again for the sharded
     run."""
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     full = torch.empty(shape)
     with torch.no_grad():
         init(full)
     after = torch.rand(3)
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     return full, after
 
 
@@ -447,12 +447,7 @@ def _no_whole_temporary_body():
     w = _shard(torch.zeros(shape), (0,), {2: (1, 1), 3: (1, 2, 1)}[dist.get_world_size()])
     local_bytes = w.to_local().numel() * 4
     for name, init in INITS[:5] + MATRIX_INITS:
-        torch.manual_seed(9)
-        full = torch.empty(shape)
-        with torch.no_grad():
-            init(full)
-        after = torch.rand(3)
-        torch.manual_seed(9)
+        full, after = _one_process(init, shape, seed=9)
         mode = _LargestAllocation()
         with torch.no_grad(), mode:
             init(w)
