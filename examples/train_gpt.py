@@ -254,10 +254,11 @@ def report(sharding: str, runs: list[RunResult]) -> str:
               memory_table(runs)]
     if len(runs) == 2:
         lines += ["(between steps: after the optimizer step, each rank holds its shards only; "
-                  "largest: vescale_fsdp's", " also count the gathered root group and last block, "
-                  "kept from forward to backward (one all-gather", " less per step; "
-                  "reshard_after_forward=True gathers the last block again for backward). DDP's",
-                  " gradient buckets, a second copy of the gradients, are not counted.)"]
+                  "largest: vescale_fsdp's", " also count gathered parameters: on gloo, groups "
+                  "this small stay gathered from forward to backward", " (up to 1 MiB: 2 "
+                  "collectives per step instead of 8); on NCCL only the root group and the",
+                  " last block do. DDP's gradient buckets, a second copy of the gradients, are "
+                  "not counted.)"]
     return "\n".join(lines)
 
 

@@ -32,11 +32,11 @@ gradient flags are waited on every rank in the root's final callback when they a
 note [fsdp-gloo-fusion] in ``fsdp/_root.py``).
 
 What the engine does so that operations meet in the queue (design note [fsdp-gloo-fusion] in
-``fsdp/_root.py``): a group's pre-forward issues its own all-gather before its forward prefetch
-and only then waits (root + first block: one exchange); on gloo a fusable reduce-scatter is
-asynchronous, so it leaves with the next group's backward all-gather; the final callback issues
-the remaining reduce-scatters and the flags before waiting for any. A 2-block model then needs 4
-exchanges per step instead of 8. Results are bitwise those of the unfused collectives
+``fsdp/_root.py``): the forward prefetch gathers small groups ahead within one exchange's bytes,
+``auto`` resharding keeps the small groups at the end of the forward gathered into backward,
+queued reduce-scatters stay in flight together, and the final callback issues the remaining
+reduce-scatters and the flags before waiting for any. A 2-block model then needs 2 exchanges
+per step instead of 8. Results are bitwise those of the unfused collectives
 (``tests/distributed/test_gloo_exchange.py``).
 """
 

@@ -46,17 +46,16 @@ version counter. (FSDP2 instead wraps its copy-out in ``_unsafe_preserve_version
 
 Design note [dbuffer-published-grads]
 -------------------------------------
-Whoever hands the rank's gradients out as tensors (``fully_shard`` gives each parameter a
-DTensor over :meth:`grad_local_view`) records those objects with :meth:`record_published_grads`,
-keyed by an opaque int of its choosing (``fully_shard``: ``id(parameter)``). A reader that
-needs one flat view of many gradients (``FlatParamOptimizer``, design note [flat-params]) then
-checks *identity*, ``parameter.grad is published[key]``, one pointer compare per parameter,
-instead of reading every gradient's pointer, size and strides, and slices ``grad_shard``
-itself. :meth:`published_grads` answers only while ``grad_shard`` is the storage the recorded
-tensors view; :meth:`release_grad_shard` forgets them (they would keep the old storage alive).
+Whoever hands the rank's gradients out as tensors (``fully_shard``: a DTensor per parameter
+over :meth:`grad_local_view`) records them with :meth:`record_published_grads` under an opaque
+int key (``id(parameter)``). A reader needing one flat view of many gradients
+(``FlatParamOptimizer``, [flat-params]) then checks identity, ``p.grad is published[key]``, and
+slices ``grad_shard`` itself, instead of reading every gradient's pointer, size and strides.
+:meth:`published_grads` answers only while ``grad_shard`` is the storage they view;
+:meth:`release_grad_shard` forgets them (they would keep the old storage alive).
 
-Async ops return a :class:`CommHandle` (``wait()`` also runs the epilogue: cast back, accumulate,
-free temporaries); synchronous ops return an already-waited one, so callers treat both alike.
+Async ops return a :class:`CommHandle` (``wait()`` also runs the epilogue: cast back,
+accumulate, free temporaries); synchronous ones an already-waited one: callers treat both alike.
 """
 
 from __future__ import annotations
@@ -83,6 +82,7 @@ from lightning_vescale._dbuffer_comm import (
 )
 from lightning_vescale._dbuffer_registry import dbuffer_of, live_dbuffers, register
 from lightning_vescale._dbuffer_quant import QuantizedGather
+from lightning_vescale._gloo_exchange import fusable
 from lightning_vescale.mesh import MeshInfo
 from lightning_vescale.placement import RaggedShard, local_slice
 from lightning_vescale.planner import LayoutPlan
@@ -205,8 +205,7 @@ class DBuffer:
 
     def _build_views(self) -> None:
         """Every tensor's views, made once and valid forever ([dbuffer-memory]): unsharded
-        parameter and gradient views of ``full``/``grad_full``, and the owned range of
-        ``shard``."""
+        parameter/gradient views of ``full``/``grad_full``, the owned range of ``shard``."""
         plan, S, lo = self.plan, self.shard_size, self.rank * self.shard_size
         self._local: dict[str, tuple[int, int]] = {}
         self._param_views: dict[str, torch.Tensor] = {}
@@ -263,11 +262,9 @@ class DBuffer:
         return self.grad_shard
 
     def release_grad_shard(self) -> None:
-        """Drop the sharded gradients (when no parameter refers to them any more).
-
-        The storage is dropped, not resized: views users may still hold stay valid (they keep
-        the old storage alive); the next :meth:`reduce_scatter` allocates a fresh one.
-        """
+        """Drop the sharded gradients (when no parameter refers to them any more). The storage
+        is dropped, not resized: views users still hold stay valid (they keep the old storage
+        alive); the next :meth:`reduce_scatter` allocates a fresh one."""
         self.grad_shard = None
         self._grad_local_views.clear()
         self._published = None
@@ -317,8 +314,7 @@ class DBuffer:
     def free(self) -> None:
         """Free the unsharded parameter storage; views stay valid objects (see the notes)."""
         self._resize(self.full, False)
-        self.partial = None
-        self._partial_group = None
+        self.partial = self._partial_group = None
 
     def reshard_to(self, group: dist.ProcessGroup, size: int, rank: int) -> None:
         """Free the unsharded storage but keep this rank's ``1/size`` of it (FSDP2's
@@ -490,6 +486,12 @@ class DBuffer:
         return wire_reduce_scatter_sum(out, inp, wire=wire, rank=self.rank, group=self.group,
                                        world_size=self.world_size, async_op=async_op,
                                        release=release, fuse=self._cpu and self._on_gloo())
+
+    @property
+    def fuses_all_gather(self) -> bool:
+        """Whether :meth:`all_gather` is queued with other small gloo collectives."""
+        return self.quantized is None and self.world_size > 1 and self._cpu and self._on_gloo() \
+            and fusable(self.buffer_size * self.param_dtype.itemsize)
 
     @property
     def fuses_reduce_scatter(self) -> bool:

@@ -399,6 +399,22 @@ class ParamGroup(GroupGradients):
                                                         for b in self.buffers.values())
         return self._fuses_rs
 
+    @property
+    def fused_gather_bytes(self) -> int | None:
+        """The bytes this group's all-gathers unshard when every one of them is queued with
+        other small gloo collectives (design note [gloo-fused-exchange]), else ``None``: the
+        forward prefetch gathers such groups ahead by bytes (design note [fsdp-gloo-fusion])."""
+        bufs = self.buffers.values()
+        if not bufs or not all(b.fuses_all_gather for b in bufs):
+            return None
+        return sum(b.buffer_size * b.param_dtype.itemsize for b in bufs)
+
+    @property
+    def reduce_bytes(self) -> int:
+        """The bytes of the gradient buffers this group's reduce-scatter sends."""
+        return sum(b.buffer_size * (b.wire_dtype or b.reduce_dtype).itemsize
+                   for b in self.buffers.values())
+
     def check_collective(self, kind: str) -> None:
         """With the opt-in check on, make sure every rank runs this collective of this group
         (design note [fsdp-collective-check]); a no-op before lazy init and when off."""

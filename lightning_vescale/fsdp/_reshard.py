@@ -11,7 +11,10 @@ says which values fit; everything else reads the policy:
   order when a backward follows (its backward comes right after the forward, so it keeps its
   parameters: one all-gather less per step, what torchtitan does by hand with
   ``reshard_after_forward=False`` on the last block). The last group is known from the second
-  iteration on (the first one records the order).
+  iteration on (the first one records the order). On gloo with CPU tensors, the groups just
+  before the last one whose gathered bytes together fit one fused exchange (1 MiB) keep theirs
+  too: there each all-gather is a rendezvous of every rank, which costs more than the memory
+  (design note [fsdp-gloo-fusion], ``RootContext.keeps_into_backward``).
 * ``True`` -> ``always``: every group reshards after forward, the root and the last group too.
 * ``False`` (or ``1``) -> ``never``: parameters stay gathered until backward.
 * an ``int`` ``k`` (``1 < k < shard size``, dividing it) -> ``to k ranks``: after forward keep
@@ -59,8 +62,9 @@ class ReshardPolicy:
         """Over how many ranks the group's parameters stay sharded after its forward:
         ``shard_size`` reshards fully, ``1`` keeps them gathered, ``k`` reshards to ``k``.
 
-        ``is_last_in_forward``: the group is the last of the recorded forward order and a
-        backward follows (``auto`` keeps it gathered, as the root).
+        ``is_last_in_forward``: the group is the last of the recorded forward order (or, on
+        gloo, in the small tail before it) and a backward follows (``auto`` keeps it gathered,
+        as the root).
         """
         if self.mode == "always":
             return shard_size

@@ -36,25 +36,40 @@ nothing. No-grad/inference forwards reshard every group at the root's post-forwa
 Design note [fsdp-gloo-fusion]
 ------------------------------
 On gloo, small DBuffer collectives are queued and leave together as one all-to-all when one of
-them is waited (design note [gloo-fused-exchange]). Three choices of the schedule let them meet:
+them is waited (design note [gloo-fused-exchange]); each such exchange is a rendezvous of every
+rank, and at toy sizes their count, not their bytes, sets the step time. Four choices of the
+schedule let the collectives meet. Each applies only to collectives that are queued (gloo, CPU
+tensors, at most ``FUSE_MAX_BYTES``, "the budget", 1 MiB), so an accelerator, a large model
+and ``unfused()`` keep the schedule of FSDP2:
 
-* a group's pre-forward issues its own all-gather (asynchronously), then its forward prefetch,
-  and only then waits: the root and the first block gather in one exchange;
-* a structural reduce-scatter whose buffers are all queued (:attr:`ParamGroup.fuses_reduce_scatter`)
-  is asynchronous on CPU too (:meth:`RootContext.reduce_async`): it leaves with the next group's
-  backward all-gather, whose wait is the next one; at most one stays in flight, as on an
-  accelerator (its gradient buffer is at most ``FUSE_MAX_BYTES``);
-* the final callback issues the reduce-scatters of the groups it completes and the
-  gradient-flag all-reduce (:meth:`RootContext._start_fused_flags`) before it waits for any, so
-  they leave with the last structural one. The flags are then waited for on every rank inside
-  the callback (they cost no rendezvous of their own), where the unfused path leaves them in
-  flight on ranks that do not need them ([fsdp-final-callback]); on one rank only, a queued
-  handle's wait would issue the exchange on that rank alone.
+* **gather ahead**: a group's pre-forward issues its own all-gather (asynchronously), then its
+  forward prefetch, and only then waits. The prefetch goes past the next group while the groups
+  it starts are queued, reshard ``auto`` (an explicit ``True`` asks for FSDP2's memory
+  schedule) and their gathered bytes fit the budget (:meth:`RootContext.prefetch_forward`): a
+  small model's root and blocks gather in one exchange. At most the budget's bytes are gathered
+  ahead of what FSDP2 gathers.
+* **keep into backward**: ``auto`` resharding ([fsdp-reshard-policy]) keeps the last group of
+  the forward gathered, and here also the groups before it whose gathered bytes together fit
+  the budget (:meth:`RootContext.keeps_into_backward`): their backward needs no all-gather.
+  At most the budget's bytes stay gathered beyond the last group.
+* **reduce together**: a structural reduce-scatter whose buffers are all queued
+  (:attr:`ParamGroup.fuses_reduce_scatter`) is asynchronous on CPU too
+  (:meth:`RootContext.reduce_async`), and several stay in flight while their gradient bytes fit
+  the budget (:meth:`RootContext._joins_inflight`; an accelerator keeps one): they leave with
+  the next backward all-gather or with the final callback's exchange.
+* **flags with them**: the final callback issues the reduce-scatters of the groups it completes
+  and the gradient-flag all-reduce (:meth:`RootContext._start_fused_flags`) before it waits for
+  any, so they leave with those still in flight. The flags are then waited for on every rank
+  inside the callback (they cost no rendezvous of their own), where the unfused path leaves
+  them in flight on ranks that do not need them ([fsdp-final-callback]); on one rank only, a
+  queued handle's wait would issue the exchange on that rank alone.
 
-A root and two blocks then issue 4 exchanges per step instead of 8 (all-gathers 3 forward + 1
-backward, 3 reduce-scatters, the flags), bitwise the same training
-(``tests/distributed/test_gloo_exchange.py``). When a group's collectives are too large to be
-queued, the final callback keeps the order above it ("in tree order, each reduce then waited").
+A root and two blocks then issue 2 exchanges per step instead of 8 (forward: the three
+all-gathers; the final callback: three reduce-scatters and the flags), DDP's step time within
+noise at toy sizes (``benchmarks/RESULTS_trainer_vs_ddp.md``), bitwise the same training
+(``tests/distributed/test_gloo_exchange.py``, which also pins the budget's limits with four
+blocks). When a group's collectives are too large to be queued, the final callback keeps the
+order above it ("in tree order, each reduce then waited").
 """
 
 from __future__ import annotations
@@ -70,6 +85,7 @@ from lightning_vescale._labels import label
 from lightning_vescale._dbuffer_comm import gloo_serves
 from lightning_vescale._dbuffer_quant import any_unread, check_gathers
 from lightning_vescale._gloo_exchange import fusable, submit_max_all_reduce
+import lightning_vescale._gloo_exchange as gloo_exchange
 from lightning_vescale._pinned import host_source
 from lightning_vescale.fsdp._collective_check import check_collective
 from lightning_vescale.fsdp._collective_check import enabled as collective_check_on
@@ -105,6 +121,15 @@ def states_in(module: nn.Module) -> list["FSDPState"]:
     return out
 
 
+def _ahead_bytes(group: ParamGroup | None) -> int | None:
+    """The gathered bytes of a group that the schedule may gather ahead of its forward or keep
+    into backward ([fsdp-gloo-fusion]): ``auto`` resharding (an explicit ``True`` asks for
+    FSDP2's memory schedule) and every all-gather queued for the fused exchange; else ``None``."""
+    if group is None or group.reshard_policy.mode != "auto":
+        return None
+    return group.fused_gather_bytes
+
+
 class RootContext:
     """Root-only state of one sharded module tree, shared by all its states (FSDP2's
     ``FSDPStateContext``; design note [fsdp-schedule]).
@@ -124,7 +149,9 @@ class RootContext:
         self.backward_recorded = False
         self.prefetch = True  # set_prefetch (a root setting)
         self.final_callback_queued = False
-        self.inflight_reduce: ParamGroup | None = None
+        #: reduce-scatters in flight: one on an accelerator; on gloo, queued ones up to one
+        #: exchange's bytes ([fsdp-gloo-fusion])
+        self.inflight_reduces: list[ParamGroup] = []
         #: set_post_optim_event: waited on (then dropped) at the next root pre-forward
         self.post_optim_event: torch.Event | None = None
         #: the gradient-flag all-reduce of a backward whose result this rank did not need
@@ -132,6 +159,9 @@ class RootContext:
         self.pending_flags: tuple[Any, torch.Tensor] | None = None
         #: per recorded order (by id): (the order, its length, {id(state or group): index})
         self._positions: dict[int, tuple[list, int, dict[int, int]]] = {}
+        #: keeps_into_backward: the states kept, for (order length, FUSE_MAX_BYTES)
+        self._tail_key: tuple[int, int] | None = None
+        self._tail: set[int] = set()
 
     # -- lazy init and the root's forward ------------------------------------------------------
     def adopt(self, root: FSDPState) -> None:
@@ -233,6 +263,26 @@ class RootContext:
         if not self.backward_recorded and state not in self.backward_order:
             self.backward_order.append(state)
 
+    def keeps_into_backward(self, state: FSDPState) -> bool:
+        """``auto`` ([fsdp-reshard-policy]): whether ``state``'s group keeps its parameters
+        after forward: the last group of the recorded forward order, and on gloo the groups
+        before it whose gathered bytes together fit one fused exchange ([fsdp-gloo-fusion])."""
+        order = self.forward_order
+        if not (self.forward_recorded and order):
+            return False
+        budget = gloo_exchange.FUSE_MAX_BYTES
+        if self._tail_key != (len(order), budget):
+            self._tail_key, self._tail = (len(order), budget), {id(order[-1])}
+            for st in reversed(order[:-1]):
+                if st.group is None:
+                    continue
+                nbytes = None if budget < 0 else _ahead_bytes(st.group)
+                if nbytes is None or nbytes > budget:
+                    break
+                budget -= nbytes
+                self._tail.add(id(st))
+        return id(state) in self._tail
+
     def reshard_all(self) -> None:
         """Inference (no backward follows): leave nothing unsharded."""
         for group in self.groups:
@@ -240,9 +290,12 @@ class RootContext:
 
     # -- prefetch -------------------------------------------------------------------------------
     def prefetch_forward(self, state: FSDPState) -> None:
-        """All-gather (async) the group that follows ``state`` in the recorded forward order."""
+        """All-gather (async) the group that follows ``state`` in the recorded forward order,
+        and on gloo the small ones after it that fit one exchange (design note
+        [fsdp-gloo-fusion])."""
         if self.forward_recorded and self.prefetch:
-            self._unshard_next(self.forward_order, state, skip_started=False)
+            self._unshard_next(self.forward_order, state, skip_started=False,
+                               ahead_bytes=max(gloo_exchange.FUSE_MAX_BYTES, 0))
 
     def prefetch_backward(self, unit: FSDPState | ParamGroup) -> None:
         """All-gather (async) the first group after ``unit`` (a state, or a state's group) in
@@ -251,10 +304,15 @@ class RootContext:
             self._unshard_next(self.backward_order, unit, skip_started=True)
 
     def _unshard_next(self, order: list[FSDPState], unit: FSDPState | ParamGroup,
-                      skip_started: bool) -> None:
+                      skip_started: bool, ahead_bytes: int = 0) -> None:
+        """All-gather (async) the next group of ``order`` after ``unit``; then, while each one
+        started here is queued for the fused exchange and their bytes stay within
+        ``ahead_bytes``, the groups after it too. A next group already gathered or in flight
+        ends the walk (a lookahead before this one started it and what follows)."""
         pos = self._position(order, unit)
         if pos is None:
             return
+        first = True
         for nxt in order[pos + 1:]:
             group = nxt.group
             if group is None:
@@ -262,8 +320,16 @@ class RootContext:
             if skip_started and (group.training_state is not TrainingState.IDLE
                                  or not group.unshard_in_backward):
                 continue  # already through its backward, or never gathered in backward
+            if group.is_unsharded:
+                return
+            nbytes = _ahead_bytes(group) if ahead_bytes > 0 else None
+            if not first and (nbytes is None or nbytes > ahead_bytes):
+                return
             group.unshard(async_op=True)
-            return
+            if nbytes is None:
+                return
+            ahead_bytes -= nbytes
+            first = False
 
     def _position(self, order: list[FSDPState], unit: FSDPState | ParamGroup) -> int | None:
         """The first index of ``order`` holding ``unit`` (a state, or a state's group).
@@ -292,15 +358,28 @@ class RootContext:
 
         Asynchronous where an accelerator's streams make that real overlap (the previous one is
         waited first, bounding memory); synchronous on CPU, where the in-flight gradient buffer
-        would only add to peak memory (FSDP2 is synchronous there).
+        would only add to peak memory (FSDP2 is synchronous there). On gloo, queued ones stay
+        in flight together while their bytes fit one exchange ([fsdp-gloo-fusion]).
         """
-        self.finish_reduce()
+        if not self._joins_inflight(group):
+            self.finish_reduce()
         async_op = self.reduce_async(group)
         group.reduce_scatter(async_op=async_op)
         if async_op:
-            self.inflight_reduce = group
+            self.inflight_reduces.append(group)
         else:
             group.run_post_reduce_hooks()  # design note [fsdp-post-acc-grad-hooks]
+
+    def _joins_inflight(self, group: ParamGroup) -> bool:
+        """Whether ``group``'s reduce-scatter may stay queued beside those in flight: all of
+        them queued for the fused exchange, their gradient bytes within one exchange's."""
+        if not self.inflight_reduces:
+            return True
+        budget = gloo_exchange.FUSE_MAX_BYTES
+        groups = [*self.inflight_reduces, group]
+        if budget < 0 or not all(g.fuses_reduce_scatter for g in groups):
+            return False
+        return sum(g.reduce_bytes for g in groups) <= budget
 
     @staticmethod
     def reduce_async(group: ParamGroup) -> bool:
@@ -310,12 +389,13 @@ class RootContext:
         return group.mesh_info.device_type != "cpu" or group.fuses_reduce_scatter
 
     def finish_reduce(self, hooks: bool = True) -> None:
-        """Wait for the reduce-scatter in flight, then run its post-accumulate-grad hooks
+        """Wait for the reduce-scatters in flight, then run their post-accumulate-grad hooks
         (``hooks=False``: the recovery of ``reset_iter_state()``, which drops gradients)."""
-        group, self.inflight_reduce = self.inflight_reduce, None
-        if group is not None:
+        groups, self.inflight_reduces = self.inflight_reduces, []
+        for group in groups:
             group.wait_for_reduce()
-            if hooks:
+        if hooks:
+            for group in groups:
                 group.run_post_reduce_hooks()
 
     def _final_callback(self) -> None:

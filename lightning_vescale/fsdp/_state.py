@@ -396,10 +396,9 @@ class FSDPState:
             return output
 
     def _is_last_in_forward(self) -> bool:
-        """The last group of the recorded forward order: its backward comes first (design note
-        [fsdp-reshard-policy])."""
-        order = self.ctx.forward_order
-        return self.ctx.forward_recorded and bool(order) and order[-1] is self
+        """The last group of the recorded forward order (its backward comes first), and on gloo
+        the small ones before it (design note [fsdp-reshard-policy])."""
+        return self.ctx.keeps_into_backward(self)
 
     def _forward_exit(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._forward_depth = max(0, self._forward_depth - 1)

@@ -5,8 +5,10 @@
   ranks, with element counts that are not multiples of the 16-byte alignment.
 * A queue issues one all-to-all however many operations it holds; a single operation issues its
   own collective; an operation above ``FUSE_MAX_BYTES`` is not queued.
-* The engine (design note [fsdp-gloo-fusion]): a root and two blocks at 2 and 3 ranks issue 4
-  collectives per step instead of 8, and train bitwise like the same run without fusion.
+* The engine (design note [fsdp-gloo-fusion]): a root and two blocks at 2 and 3 ranks issue 2
+  collectives per step instead of 8, and train bitwise like the same run without fusion; with
+  a smaller budget, four blocks gather ahead, stay gathered into backward and keep their
+  reduce-scatters in flight only as far as the budget allows.
 """
 
 from __future__ import annotations
@@ -148,10 +150,10 @@ class _Block(nn.Module):
 
 
 class _Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, blocks: int = 2) -> None:
         super().__init__()
         self.emb = nn.Embedding(17, 12)
-        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.blocks = nn.ModuleList([_Block() for _ in range(blocks)])
         self.head = nn.Linear(12, 17)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,47 +163,102 @@ class _Net(nn.Module):
         return self.head(h)
 
 
-def _engine_body(fuse: bool, steps: int) -> dict:
+def _engine_body(fuse: bool, steps: int, blocks: int = 2,
+                 budget_blocks: float | None = None, reshard: bool | None = None) -> dict:
+    """``steps`` training steps of a root and ``blocks`` blocks; per step: the collectives
+    issued, the loss, and which groups (root first) were gathered right after forward.
+    ``budget_blocks``: from the second step, ``FUSE_MAX_BYTES`` is that many blocks' bytes;
+    ``reshard``: the blocks' ``reshard_after_forward``."""
     import lightning_vescale._dbuffer_comm as comm_mod
-    from lightning_vescale.fsdp import fully_shard
+    from lightning_vescale.fsdp import fully_shard, get_state
 
     rank, W = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = _Net()
+    model = _Net(blocks)
     for blk in model.blocks:
-        fully_shard(blk)
+        fully_shard(blk, reshard_after_forward=reshard)
     fully_shard(model)
+    groups = [get_state(m).group for m in (model, *model.blocks)]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.randint(0, 17, (steps, W, 4, 6), generator=torch.Generator().manual_seed(1))
-    per_step, losses = [], []
+    per_step, losses, kept = [], [], []
     targets = [(dist, "all_to_all_single"), (comm_mod, "_all_gather_flat"),
                (dist, "all_reduce")]
-    with _counting(targets) as counts, (contextlib.nullcontext() if fuse else gx.unfused()):
-        for step in range(steps):
-            counts.clear()
-            x = data[step, rank]
-            loss = nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1),
-                                               x[:, 1:].flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            per_step.append(sum(counts.values()))
-            losses.append(loss.item())
+    saved = gx.FUSE_MAX_BYTES
+    try:
+        with _counting(targets) as counts, (contextlib.nullcontext() if fuse else gx.unfused()):
+            for step in range(steps):
+                if step == 1 and fuse and budget_blocks is not None:
+                    gx.FUSE_MAX_BYTES = int(budget_blocks * groups[1].fused_gather_bytes)
+                counts.clear()
+                x = data[step, rank]
+                out = model(x[:, :-1])
+                kept.append([g.is_unsharded for g in groups])
+                loss = nn.functional.cross_entropy(out.flatten(0, 1), x[:, 1:].flatten())
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                per_step.append(sum(counts.values()))
+                losses.append(loss.item())
+    finally:
+        gx.FUSE_MAX_BYTES = saved
     params = {n: p.full_tensor() for n, p in model.named_parameters()}
-    return {"per_step": per_step, "losses": losses, "params": params}
+    return {"per_step": per_step, "losses": losses, "params": params, "kept": kept}
+
+
+def _assert_same_training(fused: dict, plain: dict) -> None:
+    assert fused["losses"] == plain["losses"]
+    for name, t in fused["params"].items():
+        assert torch.equal(t, plain["params"][name]), name
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_engine_fuses_a_step_into_four_exchanges_bitwise(worlds, world_size):
+def test_engine_fuses_a_step_into_two_exchanges_bitwise(worlds, world_size):
     w = worlds(world_size)
     fused = w.run(_engine_body, True, 4)
     plain = w.run(_engine_body, False, 4)
     for f, p in zip(fused, plain):
-        # from the second step (the first records the orders, no prefetch yet):
-        # root + block 0 forward | block 1 | block 0's backward gather + block 1's reduce |
-        # block 0's and the root's reduces + the gradient flags; unfused: 3 + 1 + 3 + 1
-        assert f["per_step"][1:] == [4] * 3, f["per_step"]
+        # from the second step (the first records the orders, no prefetch yet): the forward
+        # gathers the root and both blocks in one exchange, which keep their parameters into
+        # backward; the final callback's exchange carries the three reduce-scatters and the
+        # gradient flags. Unfused: 3 all-gathers + block 0's backward one, 3 + 1.
+        assert f["per_step"][1:] == [2] * 3, f["per_step"]
         assert p["per_step"][1:] == [8] * 3, p["per_step"]
-        assert f["losses"] == p["losses"]
-        for name, t in f["params"].items():
-            assert torch.equal(t, p["params"][name]), name
+        assert f["kept"][1:] == [[True, True, True]] * 3, f["kept"]
+        assert p["kept"][1:] == [[True, False, True]] * 3, p["kept"]  # root and last (auto)
+        _assert_same_training(f, p)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_engine_gathers_ahead_within_the_budget(worlds, world_size):
+    """With room for 2.5 blocks in one exchange, a root and four blocks: the root's forward
+    gathers itself and blocks 0-1, block 1's gathers blocks 2-3; blocks 1-3 stay gathered into
+    backward (block 3 as the last of the forward, 1-2 within the budget), block 0 does not;
+    reduce-scatters stay in flight two blocks at a time. Bitwise the unfused training."""
+    w = worlds(world_size)
+    fused = w.run(_engine_body, True, 4, 4, 2.5)
+    plain = w.run(_engine_body, False, 4, 4)
+    for f, p in zip(fused, plain):
+        assert f["kept"][1:] == [[True, False, True, True, True]] * 3, f["kept"]
+        assert p["kept"][1:] == [[True, False, False, False, True]] * 3, p["kept"]
+        # forward 2 | block 0's backward gather with blocks 3-2's reduces | 1-0's, the root's
+        # and the flags. Unfused: 5 + 3 all-gathers, 5 reduce-scatters, the flags.
+        assert f["per_step"][1:] == [4] * 3, f["per_step"]
+        assert p["per_step"][1:] == [14] * 3, p["per_step"]
+        _assert_same_training(f, p)
+
+
+def test_engine_keeps_fsdp2s_memory_schedule_when_asked(worlds):
+    """``reshard_after_forward=True`` on the blocks: nothing gathered ahead or kept into
+    backward (what the user asked for), only the collectives that meet anyway are fused."""
+    w = worlds(2)
+    fused = w.run(_engine_body, True, 4, 2, None, True)
+    plain = w.run(_engine_body, False, 4, 2, None, True)
+    for f, p in zip(fused, plain):
+        assert f["kept"][1:] == [[True, False, False]] * 3, f["kept"]
+        assert p["kept"] == f["kept"]
+        # root + block 0 | block 1 | block 1's backward gather | block 0's with block 1's
+        # reduce | the final callback's. Unfused: 3 + 2 all-gathers, 3 reduce-scatters, flags
+        assert f["per_step"][1:] == [5] * 3, f["per_step"]
+        assert p["per_step"][1:] == [9] * 3, p["per_step"]
+        _assert_same_training(f, p)
