@@ -19,9 +19,10 @@ same load). Each row also gives the runs' last losses (equal when ours computes 
 and every rank's ``torch.get_num_threads()``. The load average is printed before and after.
 ``--one-group``: ours with ``sharding_units=[]`` (the whole model one sharding group: one
 all-gather and one reduce-scatter per step instead of one per block, at the memory cost of
-gathering every parameter at once), the recipe for models this small. ``--unfused``: ours with
-every gloo collective leaving on its own (design note [gloo-fused-exchange] off), the schedule
-before issue 33's last change, for a before/after on the same machine.
+gathering every parameter at once; on gloo the default schedule now makes as few rendezvous
+for models this small). ``--unfused``: ours with every gloo collective leaving on its own and
+FSDP2's schedule (design notes [gloo-fused-exchange], [fsdp-gloo-fusion] off), for a
+before/after on the same machine.
 
 Run:  python -m benchmarks.trainer_vs_ddp [--models llama,gpt2,mixtral,litgpt] [--runs 3]
 """
@@ -177,7 +178,7 @@ def _trainer_worker(a: argparse.Namespace, out: Path) -> None:
 
 def _fusion(a: argparse.Namespace) -> Any:
     """``--unfused``: every gloo collective of ours leaves on its own (design note
-    [gloo-fused-exchange] off), the engine's schedule before that note."""
+    [gloo-fused-exchange] off) and FSDP2's schedule ([fsdp-gloo-fusion] off)."""
     import contextlib
 
     from lightning_vescale._gloo_exchange import unfused
