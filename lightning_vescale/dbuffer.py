@@ -152,8 +152,7 @@ class DBuffer:
         self.name = name
         self.mesh_info = mesh_info
         self.group = mesh_info.shard_group if mesh_info is not None else None
-        # HSDP (design note [hsdp] in mesh.py): the reduced gradient shard is all-reduced across
-        # the replicas of this shard group; None on a 1-D mesh.
+        # HSDP ([hsdp] in mesh.py): the reduced shard is all-reduced across replicas; 1-D: None
         self.replicate_group = (mesh_info.replicate_group
                                 if mesh_info is not None and mesh_info.is_hsdp else None)
         self.replicate_size = mesh_info.replicate_size if mesh_info is not None else 1
@@ -488,17 +487,18 @@ class DBuffer:
                                        release=release, fuse=self._cpu and self._on_gloo())
 
     @property
-    def fuses_all_gather(self) -> bool:
-        """Whether :meth:`all_gather` is queued with other small gloo collectives."""
-        return self.quantized is None and self.world_size > 1 and self._cpu and self._on_gloo() \
-            and fusable(self.buffer_size * self.param_dtype.itemsize)
+    def fused_gather_bytes(self) -> int | None:
+        """:meth:`all_gather`'s bytes if it is queued with other small gloo collectives."""
+        nbytes = self.buffer_size * self.param_dtype.itemsize
+        return nbytes if self.quantized is None and self.world_size > 1 and self._cpu \
+            and self._on_gloo() and fusable(nbytes) else None
 
     @property
-    def fuses_reduce_scatter(self) -> bool:
-        """Whether the reduce-scatter is queued with other small gloo collectives."""
-        wire = self.wire_dtype
+    def fused_reduce_bytes(self) -> int | None:
+        """The reduce-scatter's bytes if it is queued with other small gloo collectives."""
+        wire, gloo = self.wire_dtype, self._cpu and self._on_gloo()
         nbytes = self.buffer_size * (wire or self.reduce_dtype).itemsize
-        return reduce_scatter_fuses(self.world_size, self._cpu and self._on_gloo(), wire, nbytes)
+        return nbytes if reduce_scatter_fuses(self.world_size, gloo, wire, nbytes) else None
 
     def _reduce_scatter(self, async_op: bool, rop: dist.ReduceOp, accumulate: bool,
                         scale: float | None = None, all_reduce: bool = True) -> CommHandle:

@@ -35,6 +35,7 @@ later simply makes its buffer carry gradients from then on; no rebuild is needed
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -59,6 +60,16 @@ from lightning_vescale.placement import ragged_from_local
 from lightning_vescale.planner import LayoutPlan, plan_buckets
 
 __all__ = ["BackwardRoot", "ManagedParam", "Owner", "ParamGroup", "set_param"]
+
+
+def sum_or_none(sizes: Iterable[int | None]) -> int | None:
+    """The sum of ``sizes``; ``None`` if any is ``None`` or there are none."""
+    total: int | None = None
+    for n in sizes:
+        if n is None:
+            return None
+        total = (total or 0) + n
+    return total
 
 
 class ParamGroup(GroupGradients):
@@ -128,7 +139,7 @@ class ParamGroup(GroupGradients):
         self._grads_ready = False  # grad_full materialised and unsharded .grads point at it
         self._arrived = 0  # trainable parameters that received a gradient in this backward
         self._backward_prefetched = False
-        self._fuses_rs: bool | None = None  # fuses_reduce_scatter, decided at the first reduce
+        self._rs_bytes: int | None = None  # fused_reduce_bytes, 0 if not fused; at the 1st reduce
         # -- the opt-in collective check (design note [fsdp-collective-check]) --
         self.index = -1  # position in the root's tree, set by its lazy init
         self.module_fqn = fqn  # the module's FQN relative to the root, set by its lazy init
@@ -389,31 +400,27 @@ class ParamGroup(GroupGradients):
             self.wait_for_unshard()
 
     @property
+    def fused_reduce_bytes(self) -> int | None:
+        """The bytes of the group's reduce-scatter when every buffer's is queued to leave with
+        the next small gloo collective (design note [gloo-fused-exchange]), else ``None``: the
+        root then issues it asynchronously, also on CPU, and keeps several in flight within one
+        exchange's bytes (design note [fsdp-gloo-fusion]). Decided once, at the first reduce
+        (inside ``unfused()`` for a model built and trained there)."""
+        if self._rs_bytes is None:
+            self._rs_bytes = sum_or_none(b.fused_reduce_bytes for b in self.buffers.values()) or 0
+        return self._rs_bytes or None
+
+    @property
     def fuses_reduce_scatter(self) -> bool:
-        """Whether every buffer's reduce-scatter is queued to leave with the next small gloo
-        collective (design note [gloo-fused-exchange]): the root then issues it
-        asynchronously, also on CPU (design note [fsdp-gloo-fusion]). Decided once, at the
-        first reduce (inside ``unfused()`` for a model built and trained there)."""
-        if self._fuses_rs is None:
-            self._fuses_rs = bool(self.buffers) and all(b.fuses_reduce_scatter
-                                                        for b in self.buffers.values())
-        return self._fuses_rs
+        """Whether the reduce-scatter is queued (:attr:`fused_reduce_bytes` is not ``None``)."""
+        return bool(self._rs_bytes if self._rs_bytes is not None else self.fused_reduce_bytes)
 
     @property
     def fused_gather_bytes(self) -> int | None:
         """The bytes this group's all-gathers unshard when every one of them is queued with
         other small gloo collectives (design note [gloo-fused-exchange]), else ``None``: the
         forward prefetch gathers such groups ahead by bytes (design note [fsdp-gloo-fusion])."""
-        bufs = self.buffers.values()
-        if not bufs or not all(b.fuses_all_gather for b in bufs):
-            return None
-        return sum(b.buffer_size * b.param_dtype.itemsize for b in bufs)
-
-    @property
-    def reduce_bytes(self) -> int:
-        """The bytes of the gradient buffers this group's reduce-scatter sends."""
-        return sum(b.buffer_size * (b.wire_dtype or b.reduce_dtype).itemsize
-                   for b in self.buffers.values())
+        return sum_or_none(b.fused_gather_bytes for b in self.buffers.values())
 
     def check_collective(self, kind: str) -> None:
         """With the opt-in check on, make sure every rank runs this collective of this group

@@ -91,7 +91,7 @@ from lightning_vescale.fsdp._collective_check import check_collective
 from lightning_vescale.fsdp._collective_check import enabled as collective_check_on
 from lightning_vescale.fsdp._extensions import check_group_for_all_gather_extension
 from lightning_vescale.fsdp._training_state import TrainingState
-from lightning_vescale.fsdp._param_group import ParamGroup
+from lightning_vescale.fsdp._param_group import ParamGroup, sum_or_none
 
 if TYPE_CHECKING:  # annotations only: _state imports this module
     from lightning_vescale.fsdp._state import FSDPState
@@ -270,13 +270,13 @@ class RootContext:
         order = self.forward_order
         if not (self.forward_recorded and order):
             return False
-        budget = gloo_exchange.FUSE_MAX_BYTES
+        budget = gloo_exchange.FUSE_MAX_BYTES  # -1 in unfused(): nothing fits
         if self._tail_key != (len(order), budget):
             self._tail_key, self._tail = (len(order), budget), {id(order[-1])}
             for st in reversed(order[:-1]):
                 if st.group is None:
                     continue
-                nbytes = None if budget < 0 else _ahead_bytes(st.group)
+                nbytes = _ahead_bytes(st.group)
                 if nbytes is None or nbytes > budget:
                     break
                 budget -= nbytes
@@ -295,7 +295,7 @@ class RootContext:
         [fsdp-gloo-fusion])."""
         if self.forward_recorded and self.prefetch:
             self._unshard_next(self.forward_order, state, skip_started=False,
-                               ahead_bytes=max(gloo_exchange.FUSE_MAX_BYTES, 0))
+                               ahead_bytes=gloo_exchange.FUSE_MAX_BYTES)
 
     def prefetch_backward(self, unit: FSDPState | ParamGroup) -> None:
         """All-gather (async) the first group after ``unit`` (a state, or a state's group) in
@@ -375,11 +375,8 @@ class RootContext:
         them queued for the fused exchange, their gradient bytes within one exchange's."""
         if not self.inflight_reduces:
             return True
-        budget = gloo_exchange.FUSE_MAX_BYTES
-        groups = [*self.inflight_reduces, group]
-        if budget < 0 or not all(g.fuses_reduce_scatter for g in groups):
-            return False
-        return sum(g.reduce_bytes for g in groups) <= budget
+        total = sum_or_none(g.fused_reduce_bytes for g in (*self.inflight_reduces, group))
+        return total is not None and total <= gloo_exchange.FUSE_MAX_BYTES
 
     @staticmethod
     def reduce_async(group: ParamGroup) -> bool:
