@@ -165,23 +165,35 @@ def _consolidate(tmp_path: Path) -> None:
     assert "wrote full checkpoint" in out and (tmp_path / "gpt_full.ckpt").is_file()
 
 
-def _quantized_comm(tmp_path: Path) -> None:
-    """The command at 3 steps; started once more if it failed only by gloo's known abort at
-    interpreter exit ("terminate called without an active exception", after the output was
-    printed: 1 of 13 runs here; see tests/lightning/test_hsdp_multinode.py)."""
-    argv = _argv("torchrun --nproc-per-node 2 examples/quantized_comm.py",
-                 ("--steps", "3", "--master-port", str(_free_port())))
-    argv = argv[:3] + argv[-2:] + argv[3:-2]  # --master-port is the launcher's option
+#: gloo's known abort while an interpreter exits, after the script's work is done and its output
+#: printed: 1 of 13 runs of quantized_comm.py here, 1 CI run of fully_shard_torchrun.py (never
+#: reproduced in 40 local runs, 16 of them under full CPU load); Lightning's own DDP does it too
+#: (tests/lightning/test_thread_counts.py). See tests/lightning/test_hsdp_multinode.py.
+_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _run_allowing_one_exit_abort(argv: list[str], done: Callable[[str], bool]) -> str:
+    """Run ``argv``; start it once more only if it failed by :data:`_EXIT_ABORT` after ``done``
+    (its output) was complete. Any other failure, or the abort twice, fails."""
     for attempt in (1, 2):
         proc = subprocess.run(argv, cwd=ROOT, env=env(), capture_output=True, text=True,
                               timeout=300)
-        out = proc.stdout + proc.stderr
-        done = ("quantized_comm: 2 process(es), int8" in out
-                and "comm policy: all-gather int8" in out)
-        if proc.returncode == 0 and done:
-            return
-        if not (done and "terminate called without an active exception" in out) or attempt == 2:
-            raise AssertionError(out[-4000:])
+        out = proc.stdout + "\n" + proc.stderr
+        if proc.returncode == 0:
+            return out
+        if attempt == 2 or _EXIT_ABORT not in out or not done(out):
+            raise AssertionError(f"{' '.join(argv[1:])}\n{out[-4000:]}")
+    raise AssertionError("unreachable")
+
+
+def _quantized_comm(tmp_path: Path) -> None:
+    """The command at 3 steps (once more after an exit-time abort only)."""
+    argv = _argv("torchrun --nproc-per-node 2 examples/quantized_comm.py",
+                 ("--steps", "3", "--master-port", str(_free_port())))
+    argv = argv[:3] + argv[-2:] + argv[3:-2]  # --master-port is the launcher's option
+    out = _run_allowing_one_exit_abort(argv, lambda out: (
+        "quantized_comm: 2 process(es), int8" in out and "comm policy: all-gather int8" in out))
+    assert "comm policy: all-gather int8" in out, out[-3000:]
 
 
 def _free_port() -> int:
@@ -316,6 +328,26 @@ def test_excerpt_check_can_fail():
     assert not is_excerpt("a\nb", "a\nc\nb")
 
 
+def test_one_exit_abort_is_started_once_more_and_no_other_failure(tmp_path):
+    """The retry above can fail: a failure without the abort, an abort before the output was
+    complete and a second abort each fail; one abort after complete output is run again."""
+    script = tmp_path / "s.py"
+    script.write_text(
+        "import pathlib, sys\n"
+        "mark = pathlib.Path(sys.argv[1]); first = not mark.exists(); mark.touch()\n"
+        "print('work done')\n"
+        "if sys.argv[2] == 'always' or (sys.argv[2] == 'once' and first):\n"
+        f"    sys.stderr.write({_EXIT_ABORT!r}); sys.exit(134)\n"
+        "if sys.argv[2] == 'other': sys.exit(1)\n")
+    done = lambda out: "work done" in out  # noqa: E731
+    argv = lambda n, how: [sys.executable, str(script), str(tmp_path / n), how]  # noqa: E731
+    assert "work done" in _run_allowing_one_exit_abort(argv("a", "once"), done)
+    for name, how, is_done in (("b", "always", done), ("c", "other", done),
+                               ("d", "once", lambda out: False)):
+        with pytest.raises(AssertionError):
+            _run_allowing_one_exit_abort(argv(name, how), is_done)
+
+
 def test_ci_markers_give_the_documented_commands():
     awk = r"/<!-- ci:test-command -->/{f=1;next} /<!-- \/ci:test-command -->/{f=0} f && !/^```/"
     test_cmd = subprocess.run(["awk", awk, "README.md"], cwd=ROOT, capture_output=True,
@@ -345,10 +377,18 @@ def test_readme_command_runs(command, how, tmp_path):
         return
     assert isinstance(how, Runs)
     extra = tuple(a.replace("{tmp}", str(tmp_path)) for a in how.extra)
-    proc = subprocess.run(_argv(command, extra), cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{command}\n{out[-4000:]}"
-    if how.check is not None:
-        result = how.check(proc.stdout + "\n" + proc.stderr, tmp_path)
+    check = how.check
+
+    def done(out: str) -> bool:  # the command's work finished: its output checks
+        if check is None:
+            return False  # nothing tells a finished run from one that aborted midway
+        try:
+            result = check(out, tmp_path)
+        except AssertionError:
+            return False
+        return result is None or bool(result)
+
+    out = _run_allowing_one_exit_abort(_argv(command, extra), done)
+    if check is not None:
+        result = check(out, tmp_path)
         assert result is None or result, out[-3000:]
