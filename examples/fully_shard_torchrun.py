@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> float:
         layout = f"HSDP {tuple(mesh.shape)}" if mesh.ndim == 2 else "full sharding"
         print(f"fully_shard: {dist.get_world_size()} process(es), {layout}, {args.steps} steps, "
               f"bf16 compute, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-    # Tear down together: a rank that exits while its peer still talks to it can abort in gloo's
-    # transport threads ("terminate called without an active exception").
+    # Tear down together, so no rank exits while a peer still talks to it (on gloo this also makes
+    # a known abort at exit rarer: docs/troubleshooting.md, "terminate called ...").
     dist.barrier()
     dist.destroy_process_group()
     return losses[-1]
