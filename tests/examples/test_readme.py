@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -32,6 +31,8 @@ from typing import Callable, Optional
 import pytest
 
 from tests.examples.test_examples import LLAMA_TINY, env, run
+from tests.launch import (GLOO_EXIT_ABORT, free_port, launch_side_by_side,
+                          once_more_after_exit_abort)
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -166,41 +167,29 @@ def _consolidate(tmp_path: Path) -> None:
     assert "wrote full checkpoint" in out and (tmp_path / "gpt_full.ckpt").is_file()
 
 
-#: gloo's known abort while an interpreter exits, after the script's work is done and its output
-#: printed: 1 of 13 runs of quantized_comm.py here, 1 CI run of fully_shard_torchrun.py (never
-#: reproduced in 40 local runs, 16 of them under full CPU load); Lightning's own DDP does it too
-#: (tests/lightning/test_thread_counts.py). See tests/lightning/test_hsdp_multinode.py.
-_EXIT_ABORT = "terminate called without an active exception"
-
-
-def _run_allowing_one_exit_abort(argv: list[str], done: Callable[[str], bool]) -> str:
-    """Run ``argv``; start it once more only if it failed by :data:`_EXIT_ABORT` after ``done``
-    (its output) was complete. Any other failure, or the abort twice, fails."""
-    for attempt in (1, 2):
+def _run_once_more_after_exit_abort(argv: list[str], done: Callable[[str], bool]) -> str:
+    """Run ``argv`` (stdout, then stderr); once more only after gloo's exit-time abort that came
+    after ``done`` (its output) was complete (``tests/launch.py``)."""
+    def start() -> tuple[list[int], list[str]]:
         proc = subprocess.run(argv, cwd=ROOT, env=env(), capture_output=True, text=True,
                               timeout=300)
-        out = proc.stdout + "\n" + proc.stderr
-        if proc.returncode == 0:
-            return out
-        if attempt == 2 or _EXIT_ABORT not in out or not done(out):
-            raise AssertionError(f"{' '.join(argv[1:])}\n{out[-4000:]}")
-    raise AssertionError("unreachable")
+        return [proc.returncode], [proc.stdout + "\n" + proc.stderr]
+
+    return once_more_after_exit_abort(start, lambda outs: done(outs[0]))[0]
 
 
 def _quantized_comm(tmp_path: Path) -> None:
     """The command at 3 steps (once more after an exit-time abort only)."""
     argv = _argv("torchrun --nproc-per-node 2 examples/quantized_comm.py",
-                 ("--steps", "3", "--master-port", str(_free_port())))
+                 ("--steps", "3", "--master-port", str(free_port())))
     argv = argv[:3] + argv[-2:] + argv[3:-2]  # --master-port is the launcher's option
-    out = _run_allowing_one_exit_abort(argv, lambda out: (
-        "quantized_comm: 2 process(es), int8" in out and "comm policy: all-gather int8" in out))
-    assert "comm policy: all-gather int8" in out, out[-3000:]
 
+    def done(out: str) -> bool:
+        return ("quantized_comm: 2 process(es), int8" in out
+                and "comm policy: all-gather int8" in out)
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    out = _run_once_more_after_exit_abort(argv, done)
+    assert done(out), out[-3000:]
 
 
 def _two_nodes(tmp_path: Path) -> None:
@@ -208,23 +197,19 @@ def _two_nodes(tmp_path: Path) -> None:
     sizes): the same launcher flags, script and config, rendezvous over 127.0.0.1; once more
     only after an exit-time abort that came after the checkpoint was written."""
     ckpt = tmp_path / "out" / "checkpoints" / "llama" / "last.ckpt" / ".metadata"
-    for attempt in (1, 2):
+
+    def start() -> tuple[list[int], list[str]]:
         shutil.rmtree(tmp_path / "out", ignore_errors=True)
-        port = str(_free_port())
-        procs = []
-        for node in (0, 1):
-            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                    "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr",
-                    "127.0.0.1", "--master-port", port, str(ROOT / "examples/llama.py"), "fit",
-                    "--config", str(ROOT / "examples/configs/llama_8gpu_multinode.yaml"),
-                    *LLAMA_TINY, "--trainer.num_nodes=2", "--trainer.devices=1"]
-            procs.append(subprocess.Popen(argv, cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
-        outs = [p.communicate(timeout=300)[0] for p in procs]
-        if all(p.returncode == 0 for p in procs):
-            break
-        if attempt == 2 or not ckpt.is_file() or not any(_EXIT_ABORT in o for o in outs):
-            raise AssertionError("\n".join(o[-3000:] for o in outs))
+        port = str(free_port())
+        return launch_side_by_side(
+            [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+              "--nproc-per-node", "1", "--node-rank", str(node), "--master-addr", "127.0.0.1",
+              "--master-port", port, str(ROOT / "examples/llama.py"), "fit", "--config",
+              str(ROOT / "examples/configs/llama_8gpu_multinode.yaml"), *LLAMA_TINY,
+              "--trainer.num_nodes=2", "--trainer.devices=1"] for node in (0, 1)],
+            cwd=tmp_path, env=env(), timeout=300)
+
+    once_more_after_exit_abort(start, lambda outs: ckpt.is_file())
     assert ckpt.is_file()
     assert {p.name for p in tmp_path.iterdir()} == {"out"}  # Lightning's logs under out/ too
 
@@ -344,7 +329,7 @@ def test_excerpt_check_can_fail():
 
 
 def test_one_exit_abort_is_started_once_more_and_no_other_failure(tmp_path):
-    """The retry above can fail: a failure without the abort, an abort before the output was
+    """The retry can fail: a failure without the abort, an abort before the output was
     complete and a second abort each fail; one abort after complete output is run again."""
     script = tmp_path / "s.py"
     script.write_text(
@@ -352,15 +337,15 @@ def test_one_exit_abort_is_started_once_more_and_no_other_failure(tmp_path):
         "mark = pathlib.Path(sys.argv[1]); first = not mark.exists(); mark.touch()\n"
         "print('work done')\n"
         "if sys.argv[2] == 'always' or (sys.argv[2] == 'once' and first):\n"
-        f"    sys.stderr.write({_EXIT_ABORT!r}); sys.exit(134)\n"
+        f"    sys.stderr.write({GLOO_EXIT_ABORT!r}); sys.exit(134)\n"
         "if sys.argv[2] == 'other': sys.exit(1)\n")
     done = lambda out: "work done" in out  # noqa: E731
     argv = lambda n, how: [sys.executable, str(script), str(tmp_path / n), how]  # noqa: E731
-    assert "work done" in _run_allowing_one_exit_abort(argv("a", "once"), done)
+    assert "work done" in _run_once_more_after_exit_abort(argv("a", "once"), done)
     for name, how, is_done in (("b", "always", done), ("c", "other", done),
                                ("d", "once", lambda out: False)):
         with pytest.raises(AssertionError):
-            _run_allowing_one_exit_abort(argv(name, how), is_done)
+            _run_once_more_after_exit_abort(argv(name, how), is_done)
 
 
 def test_ci_markers_give_the_documented_commands():
@@ -403,7 +388,7 @@ def test_readme_command_runs(command, how, tmp_path):
             return False
         return result is None or bool(result)
 
-    out = _run_allowing_one_exit_abort(_argv(command, extra), done)
+    out = _run_once_more_after_exit_abort(_argv(command, extra), done)
     if check is not None:
         result = check(out, tmp_path)
         assert result is None or result, out[-3000:]

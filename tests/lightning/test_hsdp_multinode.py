@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import math
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.launch import free_port, launch_side_by_side, once_more_after_exit_abort
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "multinode_trainer.py"
@@ -31,59 +31,31 @@ STEPS = 3
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 
-#: gloo's known abort while an interpreter exits ("terminate called without an active
-#: exception": a transport thread destroyed while joinable, after training and the result files
-#: are done). Seen in 2 of ~10 runs of this test on this machine, also on a quiet one; a launch
-#: that fails only that way, with every rank's results written, is started once more.
-_EXIT_ABORT = "terminate called without an active exception"
-
-
-def _launch_once(out: Path, tag: str, *, nodes: int, devices: int,
-                 args: list[str]) -> tuple[list[int], list[str]]:
-    port = str(_free_port())
-    procs = []
-    for node in range(nodes):
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
-                "--node-rank", str(node), "--nproc-per-node", str(devices),
-                "--master-addr", "127.0.0.1", "--master-port", port, str(SCRIPT),
-                "--num-nodes", str(nodes), "--devices", str(devices), "--steps", str(STEPS),
-                "--out", str(out), "--tag", tag, *args]
-        procs.append(subprocess.Popen(argv, cwd=out, env=_env(), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    try:
-        outs = [p.communicate(timeout=400)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return [p.returncode for p in procs], outs
-
-
 def _launch(out: Path, tag: str, *, nodes: int, devices: int, args: list[str]) -> list[str]:
-    """Start ``nodes`` torchrun launchers side by side (one per "node"); return their outputs."""
-    for attempt in range(2):
-        codes, outs = _launch_once(out, tag, nodes=nodes, devices=devices, args=args)
-        if all(c == 0 for c in codes):
-            return outs
-        finished = all((out / f"{tag}_rank{r}.pt").is_file() for r in range(nodes * devices))
-        if attempt == 0 and finished and any(_EXIT_ABORT in o for o in outs):
-            for r in range(nodes * devices):
-                (out / f"{tag}_rank{r}.pt").unlink()
-            continue
-        break
-    raise AssertionError("\n".join(o[-4000:] for o in outs))
+    """Start ``nodes`` torchrun launchers side by side (one per "node"); return their outputs.
+    Started once more only after gloo's exit-time abort with every rank's results written
+    (``tests/launch.py``)."""
+    results = [out / f"{tag}_rank{r}.pt" for r in range(nodes * devices)]
+
+    def start() -> tuple[list[int], list[str]]:
+        for path in results:
+            path.unlink(missing_ok=True)
+        port = str(free_port())
+        return launch_side_by_side(
+            [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
+              "--node-rank", str(node), "--nproc-per-node", str(devices),
+              "--master-addr", "127.0.0.1", "--master-port", port, str(SCRIPT),
+              "--num-nodes", str(nodes), "--devices", str(devices), "--steps", str(STEPS),
+              "--out", str(out), "--tag", tag, *args] for node in range(nodes)],
+            cwd=out, env=_env(), timeout=400)
+
+    return once_more_after_exit_abort(start, lambda _: all(p.is_file() for p in results))
 
 
 def _losses(out: Path, tag: str) -> list[list[float]]:

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 from lightning.fabric.utilities.distributed import _suggested_max_num_threads
 
+from tests.launch import GLOO_EXIT_ABORT
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "tests/lightning/scripts/thread_counts.py"
 
@@ -33,22 +35,17 @@ def _env() -> dict[str, str]:
     return env
 
 
-#: what a gloo rank prints when it aborts at interpreter exit while a peer's transport threads
-#: still hold the connection (design note [failures]; our strategies leave together at exit)
-_EXIT_ABORT = "terminate called without an active exception"
-
-
 def _run(cmd: list[str], records: list[Path] | None = None) -> None:
     """Run ``cmd``; it must exit 0. ``records``: for a run of Lightning's own DDP (the reference),
     an abort at exit after every rank wrote its record is Lightning's, not ours, and tolerated.
 
     Seen once in CI: ``ddp_fork``/``ddp_spawn`` (Lightning's launcher leaves the process group to
-    the interpreter's finalisation) aborted with ``_EXIT_ABORT`` after ``fit`` had returned; 0 of
-    16 runs reproduced it on a quiet machine. Our strategies' runs get no such allowance.
+    the interpreter's finalisation) aborted with ``GLOO_EXIT_ABORT`` after ``fit`` had returned;
+    0 of 16 runs reproduced it on a quiet machine. Our strategies' runs get no such allowance.
     """
     out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     text = out.stdout[-3000:] + out.stderr[-3000:]
-    if out.returncode != 0 and records is not None and _EXIT_ABORT in out.stderr:
+    if out.returncode != 0 and records is not None and GLOO_EXIT_ABORT in out.stderr:
         if all(path.is_file() for path in records):
             return
     assert out.returncode == 0, text
